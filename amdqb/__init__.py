@@ -1,0 +1,36 @@
+"""amdqb: exact, graph-safe MoE routing kernels with Quantile Balancing, for AMD and NVIDIA GPUs.
+
+Public API re-exports only; see ``amdqb.ops`` (validate -> dispatch -> backend), ``amdqb.ref``
+(pure-PyTorch oracles), ``amdqb.balance`` and ``amdqb.dispatch``.
+"""
+
+from .balance import QuantileBalancer, aux_free_bias_update_, cv2, maxvio
+from .dispatch import device_info
+from .ops.chunks import moe_sort_chunks_and_pad, moe_unpad_and_restore_chunks
+from .ops.qb import qb_exact_bias, qb_recover_bias, qb_step_
+from .ops.route import moe_align_block_size, moe_route_rows
+from .ops.router import (
+    biased_topk,
+    fused_topk_with_score_function,
+    mark_qb_bin_bounds_validated,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "QuantileBalancer",
+    "aux_free_bias_update_",
+    "biased_topk",
+    "cv2",
+    "device_info",
+    "fused_topk_with_score_function",
+    "mark_qb_bin_bounds_validated",
+    "maxvio",
+    "moe_align_block_size",
+    "moe_route_rows",
+    "moe_sort_chunks_and_pad",
+    "moe_unpad_and_restore_chunks",
+    "qb_exact_bias",
+    "qb_recover_bias",
+    "qb_step_",
+]

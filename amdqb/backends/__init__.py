@@ -1,0 +1,43 @@
+"""Backends: one folder each. A backend module exposes
+
+* ``availability(info: DeviceInfo) -> (bool, reason)``;
+* ``OPS: dict[str, callable]`` keyed by the kernel-level op names below.
+
+Kernel-level ops are destination-passing (outputs are preallocated by ``amdqb.ops``), take
+contiguous tensors that ``amdqb.ops`` has already validated, never synchronise with the host and
+never allocate output buffers the caller sees. Signatures:
+
+``router_fwd(logits [T,E], topk, score_function, use_pre_softmax, num_groups, group_topk,
+    scaling_factor, expert_bias|None, probs_out [T,E], map_out, map_kind, qb_histogram|None,
+    qb_bin_bounds|None, qb_mode|None) -> None``
+    ``map_kind``: ``"bytemap"`` (bool [T,E]), ``"bitmap"`` (uint8 [T,ceil(E/8)]) or ``"indices"``
+    ([T,k] int16/32/64, selection order).
+``router_bwd(grad_probs [T,E], logits [T,E], routed bool [T,E], topk, score_function,
+    use_pre_softmax, scaling_factor, grad_logits_out [T,E] fp32) -> None``
+``biased_topk(logits [T,E], topk, expert_bias|None, score_function, renormalize, scaling_factor,
+    num_groups, group_topk, weights_out fp32 [T,k], ids_out int32 [T,k]) -> None``
+``qb_recover(histogram [E,B] int32, bin_bounds fp32 [2], topk, out fp32 [E]) -> None`` (centred)
+``qb_step(bias fp32 [E], histogram int32 [E,B], bin_bounds fp32 [2], topk, ema) -> None``
+    (in place: bias, bounds; the histogram is left for the caller to zero)
+``route_rows(topk_ids [M,k] int32, num_experts, capacity|None, counters int32 [E] (zeroed by the
+    op when the caller passed none), rows_out int32 [M,k], counts_out int32 [E], deterministic,
+    impl "atomic"|"lds") -> None``
+``align_block_size(topk_ids [M,k] int32, block_size, num_experts, sorted_ids_out, expert_ids_out,
+    num_post_pad_out) -> None`` (``expert_map`` is applied by the op)
+``chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out int32) -> None``
+``chunk_copy(src [N,H], row_map int32 [P], dst, reverse: bool) -> None``
+    forward (``reverse=False``): ``dst[p] = src[row_map[p]]`` or 0; reverse: ``dst[row_map[p]] =
+    src[p]`` for ``row_map[p] >= 0`` (``dst`` pre-zeroed by the op).
+"""
+
+OP_NAMES = (
+    "router_fwd",
+    "router_bwd",
+    "biased_topk",
+    "qb_recover",
+    "qb_step",
+    "route_rows",
+    "align_block_size",
+    "chunk_row_map",
+    "chunk_copy",
+)

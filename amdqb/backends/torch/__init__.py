@@ -1,0 +1,177 @@
+"""The ``torch`` backend: the oracles of ``amdqb.ref`` behind the kernel-level op interface.
+
+Always available (CPU and GPU). Results are exactly the oracle's; it is the CPU fallback and the
+reference every other backend is compared with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import ref
+from ...ref.router import NORM_EPS, activation
+
+
+def availability(info) -> tuple[bool, str]:
+    return True, "pure PyTorch, always available"
+
+
+def router_fwd(
+    logits,
+    topk,
+    score_function,
+    use_pre_softmax,
+    num_groups,
+    group_topk,
+    scaling_factor,
+    expert_bias,
+    probs_out,
+    map_out,
+    map_kind,
+    qb_histogram,
+    qb_bin_bounds,
+    qb_mode,
+):
+    with torch.no_grad():
+        probs, idx, routing_map = ref.fused_topk_with_score_function(
+            logits,
+            topk,
+            use_pre_softmax=use_pre_softmax,
+            num_groups=num_groups,
+            group_topk=group_topk,
+            scaling_factor=scaling_factor,
+            score_function=score_function,
+            expert_bias=expert_bias,
+            qb_histogram=qb_histogram,
+            qb_bin_bounds=qb_bin_bounds,
+        )
+    probs_out.copy_(probs)
+    if map_kind == "bytemap":
+        map_out.copy_(routing_map)
+    elif map_kind == "bitmap":
+        map_out.copy_(ref.pack_bitmap(routing_map))
+    else:
+        map_out.copy_(idx)
+
+
+def router_bwd(
+    grad_probs,
+    logits,
+    routed,
+    topk,
+    score_function,
+    use_pre_softmax,
+    scaling_factor,
+    grad_logits_out,
+):
+    """TE's backward formulas, written out (the routed set is given, not re-selected)."""
+    z = logits.float()
+    g = grad_probs.float() * (1.0 if scaling_factor is None else scaling_factor)
+    mask = routed
+    if score_function == "softmax":
+        if use_pre_softmax:
+            act = torch.softmax(z, dim=-1)
+            g = torch.where(mask, g, 0.0)
+            grad = act * (g - (g * act).sum(-1, keepdim=True))
+        else:
+            masked = torch.where(mask, z, float("-inf"))
+            act = torch.where(mask, torch.softmax(masked, dim=-1), 0.0)
+            grad = torch.where(mask, act * (g - (g * act).sum(-1, keepdim=True)), 0.0)
+        grad_logits_out.copy_(grad)
+        return
+    act = activation(z, score_function)
+    g = torch.where(mask, g, 0.0)
+    if topk > 1:
+        act_sel = torch.where(mask, act, 0.0)
+        denom = act_sel.sum(-1, keepdim=True) + NORM_EPS
+        weighted = (g * act_sel).sum(-1, keepdim=True)
+        g = torch.where(mask, g / denom - weighted / (denom * denom), 0.0)
+    if score_function == "sigmoid":
+        g = g * act * (1.0 - act)
+    else:  # sqrtsoftplus: d sqrt(softplus(x)) / dx = sigmoid(x) / (2 y)
+        dsoft = torch.where(z > 20.0, torch.ones_like(z), torch.sigmoid(z))
+        g = g * dsoft / (2.0 * act + NORM_EPS)
+    grad_logits_out.copy_(g)
+
+
+def biased_topk(
+    logits,
+    topk,
+    expert_bias,
+    score_function,
+    renormalize,
+    scaling_factor,
+    num_groups,
+    group_topk,
+    weights_out,
+    ids_out,
+):
+    w, ids = ref.biased_topk(
+        logits,
+        topk,
+        expert_bias,
+        score_function=score_function,
+        renormalize=renormalize,
+        scaling_factor=scaling_factor,
+        num_groups=num_groups,
+        group_topk=group_topk,
+    )
+    weights_out.copy_(w)
+    ids_out.copy_(ids)
+
+
+def qb_recover(histogram, bin_bounds, topk, out):
+    out.copy_(ref.qb_recover_bias(histogram, bin_bounds, topk))
+
+
+def qb_step(bias, histogram, bin_bounds, topk, ema):
+    new_bias, new_bounds = ref.qb_step_update(bias, histogram, bin_bounds, topk, ema)
+    bias.copy_(new_bias)
+    bin_bounds.copy_(new_bounds)
+
+
+def route_rows(
+    topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
+):
+    rows, counts = ref.moe_route_rows(topk_ids, num_experts, capacity, counters)
+    rows_out.copy_(rows)
+    counts_out.copy_(counts)
+
+
+def align_block_size(
+    topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
+):
+    # The unpadded layout is a prefix of the padded one: the buffers' extra tail stays sentinel / 0.
+    sorted_ids, expert_ids, post = ref.moe_align_block_size(topk_ids, block_size, num_experts)
+    sorted_ids_out.fill_(topk_ids.numel())
+    sorted_ids_out[: sorted_ids.numel()].copy_(sorted_ids)
+    expert_ids_out.zero_()
+    expert_ids_out[: expert_ids.numel()].copy_(expert_ids)
+    num_post_pad_out.copy_(post)
+
+
+def chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out):
+    row_map_out.copy_(
+        ref.chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out.numel())
+    )
+
+
+def chunk_copy(src, row_map, dst, reverse):
+    if reverse:
+        valid = row_map >= 0
+        dst.index_copy_(0, row_map[valid].long(), src[valid])
+    else:
+        dst.copy_(ref.chunks.gather_rows(src, row_map))
+
+
+OPS = {
+    "router_fwd": router_fwd,
+    "router_bwd": router_bwd,
+    "biased_topk": biased_topk,
+    "qb_recover": qb_recover,
+    "qb_step": qb_step,
+    "route_rows": route_rows,
+    "align_block_size": align_block_size,
+    "chunk_row_map": chunk_row_map,
+    "chunk_copy": chunk_copy,
+}

@@ -1,0 +1,83 @@
+"""Argument checks shared by the ops. Every failure names the argument and is raised before any
+kernel launch; none of these reads device memory."""
+
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
+ID_DTYPES = (torch.int32, torch.int64)
+INT32_MAX = 2**31 - 1
+
+
+def check_tensor(
+    name: str,
+    value,
+    *,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    dim: int | None = None,
+    min_dim: int | None = None,
+    shape: tuple[int, ...] | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = False,
+) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if dtypes is not None and value.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {value.dtype}")
+    if dim is not None and value.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(value.shape)}")
+    if min_dim is not None and value.dim() < min_dim:
+        raise ValueError(
+            f"{name} must have at least {min_dim} dims, got shape {tuple(value.shape)}"
+        )
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(value.shape)}")
+    if device is not None and value.device != device:
+        raise ValueError(
+            f"{name} must be on {device} (the logits/input device), got {value.device}"
+        )
+    if contiguous and not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return value
+
+
+def check_int(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+    return value
+
+
+def check_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    return float(value)
+
+
+def check_choice(name: str, value, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_groups(num_groups, group_topk, topk: int, num_experts: int) -> None:
+    if (num_groups is None) != (group_topk is None):
+        raise ValueError("num_groups and group_topk must be given together (or both None)")
+    if num_groups is None:
+        return
+    check_int("num_groups", num_groups, low=1)
+    check_int("group_topk", group_topk, low=1, high=num_groups)
+    if num_experts % num_groups:
+        raise ValueError(f"num_groups={num_groups} must divide the expert count {num_experts}")
+    if topk % group_topk:
+        raise ValueError(f"group_topk={group_topk} must divide topk={topk}")
+    if topk // group_topk > num_experts // num_groups:
+        raise ValueError(
+            f"topk/group_topk={topk // group_topk} exceeds the group size {num_experts // num_groups}"
+        )

@@ -1,0 +1,222 @@
+"""Route rows for expert-grouped GEMM and vLLM's ``moe_align_block_size``.
+
+Contract (see ``amdqb.ref.route``): ids outside ``[0, E)`` are dropped (row ``-1``, no slot); each
+valid route claims a unique slot ``counters[e] + rank``; ``capacity`` gives the masked layout
+``row = e * capacity + slot`` (slots ``>= capacity`` dropped), ``capacity=None`` the compact
+expert-major layout. The order inside an expert is unspecified unless ``deterministic=True``
+(ascending flat route index, bitwise reproducible). Row ids are int32: multiply by the hidden size
+in int64 downstream.
+
+Two implementations:
+
+* ``atomic`` -- one global atomic per route (the "old" path);
+* ``lds``    -- per-workgroup LDS histogram, one global interval reservation per non-empty
+  (workgroup, expert), LDS-atomic ranks inside the interval (the "new" path); up to 4096 experts.
+
+:func:`route_impl` is the capacity gate that picks one (seed 004, no model-name or shape branch).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from .._library import impl, kernel_op
+from ..dispatch import DeviceInfo
+from ..ref.route import align_buffer_sizes
+from ._checks import INT32_MAX, ID_DTYPES, check_choice, check_int, check_tensor
+
+ROUTE_IMPLS = ("atomic", "lds")
+LDS_MAX_EXPERTS = 4096
+
+# Minimum routes (M * k) for the lds path, per architecture family, as multiples of the seed's
+# bucket sweep 256 * S * max(4, 2S) with S = ceil(E / 256). gfx1250 is the seed's measured gate
+# (aiter PR, MI455). Other entries record their own measurement; see bench/results/.
+ROUTE_GATE_SCALE: dict[str, tuple[float, str]] = {
+    "gfx1250": (1.0, "seed 004: measured on MI455/gfx1250 (aiter route-rows PR)"),
+}
+_DEFAULT_GATE = (1.0, "not measured on this architecture: the seed's gfx1250 gate")
+
+
+def lds_route_threshold(num_experts: int, arch_family: str = "gfx1250") -> int:
+    """Smallest route count for which the gate picks ``lds`` on ``arch_family``."""
+    sweeps = -(-num_experts // 256)
+    scale, _ = ROUTE_GATE_SCALE.get(arch_family, _DEFAULT_GATE)
+    return int(256 * sweeps * max(4, 2 * sweeps) * scale)
+
+
+def route_impl(info: DeviceInfo, num_routes: int, num_experts: int) -> tuple[str, str]:
+    """(impl, reason) chosen by the capacity gate for this device and problem size."""
+    if num_experts > LDS_MAX_EXPERTS:
+        return "atomic", f"E={num_experts} > {LDS_MAX_EXPERTS}: beyond the LDS histogram"
+    threshold = lds_route_threshold(num_experts, info.arch_family)
+    _, source = ROUTE_GATE_SCALE.get(info.arch_family, _DEFAULT_GATE)
+    if num_routes >= threshold:
+        return "lds", f"M*k={num_routes} >= {threshold} ({source})"
+    return "atomic", f"M*k={num_routes} < {threshold} ({source})"
+
+
+@kernel_op("route_rows", mutates_args=("counters", "rows_out", "counts_out"))
+def _route_rows(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    capacity: Optional[int],
+    counters: torch.Tensor,
+    rows_out: torch.Tensor,
+    counts_out: torch.Tensor,
+    deterministic: bool,
+    route_impl_name: str,
+    backend: str,
+) -> None:
+    impl("route_rows", backend)(
+        topk_ids,
+        num_experts,
+        capacity,
+        counters,
+        rows_out,
+        counts_out,
+        deterministic,
+        route_impl_name,
+    )
+
+
+@kernel_op(
+    "align_block_size", mutates_args=("sorted_ids_out", "expert_ids_out", "num_post_pad_out")
+)
+def _align_block_size(
+    topk_ids: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    sorted_ids_out: torch.Tensor,
+    expert_ids_out: torch.Tensor,
+    num_post_pad_out: torch.Tensor,
+    backend: str,
+) -> None:
+    impl("align_block_size", backend)(
+        topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
+    )
+
+
+def _check_ids(topk_ids) -> None:
+    check_tensor("topk_ids", topk_ids, dtypes=ID_DTYPES, min_dim=1)
+    if topk_ids.numel() > INT32_MAX:
+        raise ValueError(f"topk_ids has {topk_ids.numel()} routes; at most 2^31-1 are supported")
+
+
+def moe_route_rows(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    *,
+    capacity: Optional[int] = None,
+    counters: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    impl: Optional[str] = None,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Assign every route a unique row of its expert.
+
+    Args:
+        topk_ids: ``[M, k]`` (or any shape) int32/int64 expert ids; ids outside ``[0, E)`` drop.
+        num_experts: E.
+        capacity: rows per expert in the masked layout ``row = e * capacity + slot``.
+        counters: optional int32 ``[E]`` caller-initialised slot offsets, updated in place by the
+            number of valid routes of each expert.
+        deterministic: ascending flat route index inside each expert, bitwise reproducible.
+        impl: force ``"atomic"`` or ``"lds"`` (default: the capacity gate).
+        backend: force a backend.
+
+    Returns:
+        ``(rows int32 shaped like topk_ids, counts int32 [E])`` -- counts are the routes of this
+        call that received a row.
+    """
+    _check_ids(topk_ids)
+    check_int("num_experts", num_experts, low=1)
+    device = topk_ids.device
+    if capacity is not None:
+        check_int("capacity", capacity, low=0)
+        if num_experts * capacity > INT32_MAX:
+            raise ValueError(
+                f"num_experts * capacity = {num_experts * capacity} does not fit int32 rows"
+            )
+    if counters is not None:
+        check_tensor(
+            "counters",
+            counters,
+            dtypes=(torch.int32,),
+            shape=(num_experts,),
+            device=device,
+            contiguous=True,
+        )
+    if impl is not None:
+        check_choice("impl", impl, ROUTE_IMPLS)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    num_routes = ids.numel()
+    info = dispatch.device_info(device)
+    chosen = impl or route_impl(info, num_routes, num_experts)[0]
+    if chosen == "lds" and num_experts > LDS_MAX_EXPERTS:
+        raise ValueError(f"impl='lds' supports num_experts <= {LDS_MAX_EXPERTS}, got {num_experts}")
+    choice = dispatch.select("route_rows", device, backend, num_experts=num_experts, impl=chosen)
+    if counters is None:
+        counters = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rows = torch.empty(ids.shape, dtype=torch.int32, device=device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    _route_rows(
+        ids,
+        num_experts,
+        capacity,
+        counters,
+        rows,
+        counts,
+        bool(deterministic),
+        chosen,
+        choice.backend,
+    )
+    return rows, counts
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    expert_map: Optional[torch.Tensor] = None,
+    pad_sorted_ids: bool = False,
+    *,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """vLLM-compatible alignment of routes to ``block_size`` blocks, one expert per block.
+
+    Returns ``(sorted_token_ids int32 [numel + E*(block_size-1)] (rounded up to block_size when
+    pad_sorted_ids), expert_ids int32 [ceil(len/block_size)], num_tokens_post_pad int32 [1])``.
+    ``sorted_token_ids`` holds flat route indices (token = index // k) padded with ``numel``; the
+    order inside an expert is ascending (deterministic). Unused tail blocks have expert 0, mapped
+    through ``expert_map`` (global -> local, -1 for remote experts) when given.
+    """
+    _check_ids(topk_ids)
+    check_int("block_size", block_size, low=1)
+    check_int("num_experts", num_experts, low=1)
+    device = topk_ids.device
+    if expert_map is not None:
+        check_tensor(
+            "expert_map",
+            expert_map,
+            dtypes=ID_DTYPES,
+            shape=(num_experts,),
+            device=device,
+        )
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    numel = ids.numel()
+    max_padded, max_blocks = align_buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
+    if max_padded > INT32_MAX:
+        raise ValueError(f"aligned buffer of {max_padded} rows does not fit int32 indices")
+    choice = dispatch.select("align_block_size", device, backend, num_experts=num_experts)
+    sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
+    _align_block_size(
+        ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad, choice.backend
+    )
+    if expert_map is not None:
+        expert_ids = expert_map.to(torch.int32)[expert_ids.long()]
+    return sorted_ids, expert_ids, num_post_pad

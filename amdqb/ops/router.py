@@ -1,0 +1,498 @@
+"""Fused Top-k routers: TransformerEngine's ``fused_topk_with_score_function`` (with opt-in Quantile
+Balancing) and the serving form ``biased_topk``.
+
+Precision notes: logits are read in their dtype and converted to fp32; activations, biased scores,
+selection, normalisation, the QB cutoff and all histogram arithmetic are fp32; only ``probs`` is
+written in the logits dtype. ``expert_bias`` changes which experts are selected, never the weights.
+
+Tie-break contract: experts are ranked by (biased score descending, expert id ascending); NaN ranks
+below every number; every token gets exactly k distinct experts. Under QB the cutoff is the
+(k+1)-th expert of that order, so on a tie at the cutoff the largest id is the one dropped.
+
+The QB histogram ``qb_histogram[j, bin] += 1`` uses ``r = alpha - s_j``, ``scale = fp32(B) / (U-L)``
+and ``bin = clamp(floor((r - L) * scale), 0, B - 1)`` (NaN ``r`` -> bin 0): every row gains exactly
+T counts per call, and both histogram modes give bitwise-identical counts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from .._library import impl, kernel_op
+from ..ref.router import SCORE_FUNCTIONS, unpack_bitmap
+from ._checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_choice,
+    check_float,
+    check_groups,
+    check_int,
+    check_tensor,
+)
+
+ROUTING_MAP_FORMATS = ("bytemap", "bitmap_u8")
+QB_MODES = ("two_kernel", "fused_atomic", "auto")
+_VALIDATED_ATTR = "_amdqb_qb_bounds_validated_version"
+
+
+# --------------------------------------------------------------------------------------------
+# QB bin bounds: eager validation cached per tensor version, and the trusted-producer marker.
+# --------------------------------------------------------------------------------------------
+def mark_qb_bin_bounds_validated(bin_bounds: torch.Tensor) -> torch.Tensor:
+    """Record that ``bin_bounds`` at its current version holds finite ``lower < upper``.
+
+    For a trusted in-place producer (``QuantileBalancer.step``): it reads nothing and never syncs,
+    so it may run during CUDA/HIP graph capture right after the producer's update is dispatched on
+    the same stream. Graph replays then trust the bounds behind the captured pointer.
+    """
+    check_tensor("bin_bounds", bin_bounds, dtypes=(torch.float32,), shape=(2,))
+    setattr(bin_bounds, _VALIDATED_ATTR, bin_bounds._version)
+    return bin_bounds
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def validate_qb_bin_bounds(bin_bounds: torch.Tensor) -> None:
+    """Check ``[L, U]`` once per tensor version (a host read, allowed only outside capture)."""
+    if getattr(bin_bounds, _VALIDATED_ATTR, None) == bin_bounds._version:
+        return
+    if _capturing(bin_bounds.device):
+        raise ValueError(
+            "qb_bin_bounds must be validated by an eager router call (or marked with "
+            "amdqb.mark_qb_bin_bounds_validated after a trusted in-place update) before CUDA/HIP "
+            "graph capture; its current version was never validated"
+        )
+    lower, upper = (float(v) for v in bin_bounds.detach().cpu().tolist())
+    if not (math.isfinite(lower) and math.isfinite(upper) and lower < upper):
+        raise ValueError(f"qb_bin_bounds must be finite with lower < upper, got [{lower}, {upper}]")
+    setattr(bin_bounds, _VALIDATED_ATTR, bin_bounds._version)
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel-level ops (custom ops under torch.compile, direct calls in eager mode).
+# --------------------------------------------------------------------------------------------
+@kernel_op("router_fwd", mutates_args=("probs_out", "map_out", "qb_histogram"))
+def _router_fwd(
+    logits: torch.Tensor,
+    topk: int,
+    score_function: str,
+    use_pre_softmax: bool,
+    num_groups: Optional[int],
+    group_topk: Optional[int],
+    scaling_factor: Optional[float],
+    expert_bias: Optional[torch.Tensor],
+    probs_out: torch.Tensor,
+    map_out: torch.Tensor,
+    map_kind: str,
+    qb_histogram: Optional[torch.Tensor],
+    qb_bin_bounds: Optional[torch.Tensor],
+    qb_mode: Optional[str],
+    backend: str,
+) -> None:
+    impl("router_fwd", backend)(
+        logits,
+        topk,
+        score_function,
+        use_pre_softmax,
+        num_groups,
+        group_topk,
+        scaling_factor,
+        expert_bias,
+        probs_out,
+        map_out,
+        map_kind,
+        qb_histogram,
+        qb_bin_bounds,
+        qb_mode,
+    )
+
+
+@kernel_op("router_bwd", mutates_args=("grad_logits_out",))
+def _router_bwd(
+    grad_probs: torch.Tensor,
+    logits: torch.Tensor,
+    routed: torch.Tensor,
+    topk: int,
+    score_function: str,
+    use_pre_softmax: bool,
+    scaling_factor: Optional[float],
+    grad_logits_out: torch.Tensor,
+    backend: str,
+) -> None:
+    impl("router_bwd", backend)(
+        grad_probs,
+        logits,
+        routed,
+        topk,
+        score_function,
+        use_pre_softmax,
+        scaling_factor,
+        grad_logits_out,
+    )
+
+
+@kernel_op("biased_topk", mutates_args=("weights_out", "ids_out"))
+def _biased_topk(
+    logits: torch.Tensor,
+    topk: int,
+    expert_bias: Optional[torch.Tensor],
+    score_function: str,
+    renormalize: bool,
+    scaling_factor: Optional[float],
+    num_groups: Optional[int],
+    group_topk: Optional[int],
+    weights_out: torch.Tensor,
+    ids_out: torch.Tensor,
+    backend: str,
+) -> None:
+    impl("biased_topk", backend)(
+        logits,
+        topk,
+        expert_bias,
+        score_function,
+        renormalize,
+        scaling_factor,
+        num_groups,
+        group_topk,
+        weights_out,
+        ids_out,
+    )
+
+
+def _routed_mask(map_out: torch.Tensor, map_kind: str, num_experts: int) -> torch.Tensor:
+    if map_kind == "bytemap":
+        return map_out
+    if map_kind == "bitmap":
+        return unpack_bitmap(map_out, num_experts)
+    mask = torch.zeros(map_out.shape[0], num_experts, dtype=torch.bool, device=map_out.device)
+    return mask.scatter_(1, map_out.long(), True)
+
+
+class _RouterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits2d, cfg, user_indices, qb):
+        topk, score_function, use_pre_softmax, groups, scaling_factor, bias, map_kind, backend = cfg
+        probs, map_out = _alloc_outputs(logits2d, topk, map_kind, user_indices)
+        _router_fwd(
+            logits2d,
+            topk,
+            score_function,
+            use_pre_softmax,
+            groups[0],
+            groups[1],
+            scaling_factor,
+            bias,
+            probs,
+            map_out,
+            map_kind,
+            *qb,
+            backend,
+        )
+        ctx.save_for_backward(logits2d, map_out)
+        ctx.cfg = cfg
+        if user_indices is not None:
+            ctx.mark_dirty(user_indices)
+            map_out = user_indices
+        ctx.mark_non_differentiable(map_out)
+        return probs, map_out
+
+    @staticmethod
+    def backward(ctx, grad_probs, _grad_map):
+        logits2d, map_out = ctx.saved_tensors
+        topk, score_function, use_pre_softmax, _groups, scaling_factor, _b, map_kind, backend = (
+            ctx.cfg
+        )
+        routed = _routed_mask(map_out, map_kind, logits2d.shape[1])
+        grad = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
+        _router_bwd(
+            grad_probs.contiguous(),
+            logits2d,
+            routed,
+            topk,
+            score_function,
+            use_pre_softmax,
+            scaling_factor,
+            grad,
+            backend,
+        )
+        return grad.to(logits2d.dtype), None, None, None
+
+
+def _alloc_outputs(logits2d, topk, map_kind, user_indices):
+    tokens, num_experts = logits2d.shape
+    probs = torch.empty_like(logits2d)
+    if map_kind == "indices":
+        return probs, user_indices.view(tokens, topk)
+    if map_kind == "bitmap":
+        nbytes = (num_experts + 7) // 8
+        return probs, torch.empty(tokens, nbytes, dtype=torch.uint8, device=logits2d.device)
+    return probs, torch.empty(tokens, num_experts, dtype=torch.bool, device=logits2d.device)
+
+
+def _normalise_map_format(routing_map_format) -> str:
+    if isinstance(routing_map_format, int) and not isinstance(routing_map_format, bool):
+        if routing_map_format in (0, 1):
+            return ROUTING_MAP_FORMATS[routing_map_format]
+    name = getattr(routing_map_format, "name", routing_map_format)
+    if isinstance(name, str) and name.lower() in ROUTING_MAP_FORMATS:
+        return name.lower()
+    raise ValueError(
+        f"routing_map_format must be one of {ROUTING_MAP_FORMATS} (or 0/1), got {routing_map_format!r}"
+    )
+
+
+def fused_topk_with_score_function(
+    logits: torch.Tensor,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    scaling_factor: Optional[float] = None,
+    score_function: str = "sigmoid",
+    expert_bias: Optional[torch.Tensor] = None,
+    routing_map_format="bytemap",
+    topk_indices: Optional[torch.Tensor] = None,
+    qb_histogram: Optional[torch.Tensor] = None,
+    qb_bin_bounds: Optional[torch.Tensor] = None,
+    qb_histogram_mode: Optional[str] = None,
+    *,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused score function + Top-k (+ opt-in QB histogram), TransformerEngine-compatible.
+
+    Args:
+        logits: ``[..., E]`` fp32/bf16/fp16 router logits (any leading dims).
+        topk: experts per token, ``1 <= topk <= E`` (``0 < topk < E`` under QB).
+        use_pre_softmax: softmax only: softmax over all experts, then Top-k (else Top-k of the
+            logits, then softmax over the k selected). Ignored by other score functions.
+        num_groups, group_topk: grouped Top-k (DeepSeek-V3): keep the ``group_topk`` groups whose
+            best ``topk // group_topk`` scores sum highest, then Top-k inside them.
+        scaling_factor: multiplies the final weights.
+        score_function: ``"sigmoid"``, ``"softmax"`` or ``"sqrtsoftplus"``.
+        expert_bias: fp32 ``[E]`` added to the scores for selection only (sigmoid/sqrtsoftplus).
+        routing_map_format: ``"bytemap"`` (bool ``[..., E]``) or ``"bitmap_u8"`` (uint8
+            ``[..., ceil(E/8)]``, bit ``e % 8`` of byte ``e // 8``).
+        topk_indices: caller-owned ``[..., topk]`` int16/int32/int64 buffer; when given it is
+            filled in place (selection order) and returned instead of a routing map.
+        qb_histogram: int32 ``[E, B]``, accumulated in place (QB).
+        qb_bin_bounds: fp32 ``[2]`` device tensor ``[L, U]`` (QB).
+        qb_histogram_mode: ``"two_kernel"``, ``"fused_atomic"`` or ``"auto"`` (QB).
+        backend: force ``"hip"``, ``"triton"`` or ``"torch"`` (default: the dispatcher's choice).
+
+    Returns:
+        ``(probs, routing_output)``: ``probs [..., E]`` in the logits dtype, zero off the selected
+        experts; ``routing_output`` as chosen by ``routing_map_format`` / ``topk_indices``.
+    """
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
+    num_experts = logits.shape[-1]
+    if num_experts < 1:
+        raise ValueError("logits must have at least one expert (last dim >= 1)")
+    device = logits.device
+    check_int("topk", topk, low=1, high=num_experts)
+    check_choice("score_function", score_function, SCORE_FUNCTIONS)
+    check_groups(num_groups, group_topk, topk, num_experts)
+    if scaling_factor is not None:
+        scaling_factor = check_float("scaling_factor", scaling_factor)
+    map_format = _normalise_map_format(routing_map_format)
+    if expert_bias is not None:
+        if score_function == "softmax":
+            raise ValueError("expert_bias only supports the sigmoid and sqrtsoftplus scores")
+        check_tensor(
+            "expert_bias",
+            expert_bias,
+            dtypes=(torch.float32,),
+            shape=(num_experts,),
+            device=device,
+            contiguous=True,
+        )
+
+    qb_given = [a is not None for a in (qb_histogram, qb_bin_bounds, qb_histogram_mode)]
+    use_qb = all(qb_given)
+    if any(qb_given) and not use_qb:
+        raise ValueError(
+            "qb_histogram, qb_bin_bounds and qb_histogram_mode must be provided together"
+        )
+    if use_qb:
+        if score_function != "sigmoid":
+            raise ValueError("Quantile Balancing only supports score_function='sigmoid'")
+        if expert_bias is None:
+            raise ValueError("Quantile Balancing requires expert_bias (fp32 [E])")
+        if num_groups is not None:
+            raise ValueError("Quantile Balancing only supports ungrouped Top-k (num_groups=None)")
+        if not 0 < topk < num_experts:
+            raise ValueError(
+                f"Quantile Balancing only supports 0 < topk < num_experts, got topk={topk}, "
+                f"num_experts={num_experts}"
+            )
+        check_choice("qb_histogram_mode", qb_histogram_mode, QB_MODES)
+        check_tensor(
+            "qb_histogram",
+            qb_histogram,
+            dtypes=(torch.int32,),
+            dim=2,
+            device=device,
+            contiguous=True,
+        )
+        if qb_histogram.shape[0] != num_experts:
+            raise ValueError(
+                f"qb_histogram must have shape [E={num_experts}, B], got {tuple(qb_histogram.shape)}"
+            )
+        if qb_histogram.shape[1] < 2:
+            raise ValueError(f"qb_histogram needs B >= 2 bins, got B={qb_histogram.shape[1]}")
+        check_tensor(
+            "qb_bin_bounds", qb_bin_bounds, dtypes=(torch.float32,), shape=(2,), device=device
+        )
+        validate_qb_bin_bounds(qb_bin_bounds)
+
+    lead = logits.shape[:-1]
+    logits2d = logits.reshape(-1, num_experts)
+    if not logits2d.is_contiguous():
+        logits2d = logits2d.contiguous()
+    tokens = logits2d.shape[0]
+
+    if topk_indices is not None:
+        if map_format == "bitmap_u8":
+            raise ValueError("topk_indices (dense indices) cannot be combined with bitmap_u8")
+        check_tensor(
+            "topk_indices",
+            topk_indices,
+            dtypes=INDEX_DTYPES,
+            shape=(*lead, topk),
+            device=device,
+            contiguous=True,
+        )
+        if topk_indices.dtype == torch.int16 and num_experts > 32767:
+            raise ValueError("int16 topk_indices require num_experts <= 32767")
+        map_kind = "indices"
+    else:
+        map_kind = "bitmap" if map_format == "bitmap_u8" else "bytemap"
+
+    choice = dispatch.select(
+        "router_fwd",
+        device,
+        backend,
+        num_experts=num_experts,
+        topk=topk,
+        score_function=score_function,
+        grouped=num_groups is not None,
+        qb=use_qb,
+        num_bins=qb_histogram.shape[1] if use_qb else 0,
+    )
+    qb = (qb_histogram, qb_bin_bounds, qb_histogram_mode) if use_qb else (None, None, None)
+    cfg = (
+        topk,
+        score_function,
+        bool(use_pre_softmax),
+        (num_groups, group_topk),
+        scaling_factor,
+        expert_bias,
+        map_kind,
+        choice.backend,
+    )
+    if torch.is_grad_enabled() and logits.requires_grad:
+        probs, map_out = _RouterFunction.apply(logits2d, cfg, topk_indices, qb)
+    else:
+        probs, map_out = _alloc_outputs(logits2d, topk, map_kind, topk_indices)
+        _router_fwd(
+            logits2d,
+            topk,
+            score_function,
+            bool(use_pre_softmax),
+            num_groups,
+            group_topk,
+            scaling_factor,
+            expert_bias,
+            probs,
+            map_out,
+            map_kind,
+            *qb,
+            choice.backend,
+        )
+    probs = probs.view(*lead, num_experts)
+    if map_kind == "indices":
+        return probs, topk_indices
+    return probs, map_out.view(*lead, map_out.shape[-1])
+
+
+def biased_topk(
+    logits: torch.Tensor,
+    topk: int,
+    expert_bias: Optional[torch.Tensor] = None,
+    *,
+    score_function: str = "sigmoid",
+    renormalize: bool = True,
+    scaling_factor: Optional[float] = None,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Serving-form router (vLLM/SGLang ``fused_topk`` style) with the same selection rules.
+
+    Args:
+        logits: ``[..., E]`` fp32/bf16/fp16.
+        topk: experts per token (``1 <= topk <= E``).
+        expert_bias: optional fp32 ``[E]`` selection bias (sigmoid / sqrtsoftplus).
+        score_function: ``"sigmoid"``, ``"softmax"`` (softmax over all experts, then Top-k) or
+            ``"sqrtsoftplus"``.
+        renormalize: divide the k weights by their sum (``+ 1e-20``).
+        scaling_factor: multiplies the weights last.
+        num_groups, group_topk: grouped Top-k.
+
+    Returns:
+        ``(topk_weights fp32 [..., k], topk_ids int32 [..., k])``, ids in selection order.
+    """
+    check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
+    num_experts = logits.shape[-1]
+    device = logits.device
+    check_int("topk", topk, low=1, high=num_experts)
+    check_choice("score_function", score_function, SCORE_FUNCTIONS)
+    check_groups(num_groups, group_topk, topk, num_experts)
+    if scaling_factor is not None:
+        scaling_factor = check_float("scaling_factor", scaling_factor)
+    if expert_bias is not None:
+        if score_function == "softmax":
+            raise ValueError("expert_bias only supports the sigmoid and sqrtsoftplus scores")
+        check_tensor(
+            "expert_bias",
+            expert_bias,
+            dtypes=(torch.float32,),
+            shape=(num_experts,),
+            device=device,
+            contiguous=True,
+        )
+    lead = logits.shape[:-1]
+    logits2d = logits.reshape(-1, num_experts)
+    if not logits2d.is_contiguous():
+        logits2d = logits2d.contiguous()
+    tokens = logits2d.shape[0]
+    choice = dispatch.select(
+        "biased_topk",
+        device,
+        backend,
+        num_experts=num_experts,
+        topk=topk,
+        score_function=score_function,
+        grouped=num_groups is not None,
+    )
+    weights = torch.empty(tokens, topk, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, topk, dtype=torch.int32, device=device)
+    _biased_topk(
+        logits2d,
+        topk,
+        expert_bias,
+        score_function,
+        bool(renormalize),
+        scaling_factor,
+        num_groups,
+        group_topk,
+        weights,
+        ids,
+        choice.backend,
+    )
+    return weights.view(*lead, topk), ids.view(*lead, topk)

@@ -1,0 +1,213 @@
+"""Pure-PyTorch oracle of the fused Top-k router and its Quantile Balancing (QB) histogram.
+
+Precision contract (identical for every backend):
+
+* logits of any float dtype are cast to fp32 on load; activations, biased scores, selection,
+  normalisation, the QB cutoff and the histogram arithmetic are fp32; only ``probs`` is cast to the
+  logits dtype on store.
+* selection follows ``amdqb.ref.ordering`` (value descending, expert id ascending, NaN lowest).
+* sigmoid / sqrtsoftplus weights: ``p_j = s_j / (sum_selected s + 1e-20)`` for k > 1, ``p = s`` for
+  k = 1, then ``* scaling_factor``. ``expert_bias`` shifts selection only, never the weights.
+* QB: Top-(k+1) of ``u = s + b``; the cutoff ``alpha`` is the (k+1)-th entry of that order (so on a
+  tie at the cutoff the largest id is the one dropped); the first k are routed. For every expert j:
+  ``r = alpha - s_j``, ``scale = fp32(B) / (U - L)``, ``bin = clamp(floor((r - L) * scale), 0, B-1)``
+  with a NaN ``r`` counted in bin 0; ``hist[j, bin] += 1``.
+
+The forward is written with differentiable torch ops, so autograd of this oracle is the reference
+backward (TransformerEngine's formulas).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .ordering import ranked_indices
+
+SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
+NORM_EPS = 1e-20
+
+
+def activation(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """fp32 scores ``s`` of fp32 ``logits`` (softmax over the last dim)."""
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits)
+    if score_function == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+
+
+def _group_limited_candidates(
+    scores: torch.Tensor, topk: int, num_groups: int, group_topk: int
+) -> torch.Tensor:
+    """Mask (True = eligible) of experts inside the ``group_topk`` best groups.
+
+    A group's score is the fp32 sum, in selection order, of its best ``topk // group_topk`` scores;
+    groups are ranked with the same order as experts (score descending, group id ascending).
+    """
+    t, e = scores.shape
+    per_group = e // num_groups
+    grouped = scores.reshape(t, num_groups, per_group)
+    top_in_group = ranked_indices(grouped, topk // group_topk)
+    group_scores = grouped.gather(-1, top_in_group).sum(-1)
+    best_groups = ranked_indices(group_scores, group_topk)
+    group_mask = torch.zeros(t, num_groups, dtype=torch.bool, device=scores.device)
+    group_mask.scatter_(1, best_groups, True)
+    return group_mask.repeat_interleave(per_group, dim=1)
+
+
+def select_experts(
+    selection_scores: torch.Tensor,
+    n: int,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    topk: int | None = None,
+) -> torch.Tensor:
+    """Indices ``[T, n]`` in selection order, optionally restricted to the best groups."""
+    scores = selection_scores.detach()
+    if num_groups is not None and group_topk is not None:
+        eligible = _group_limited_candidates(scores, topk or n, num_groups, group_topk)
+        # Ineligible experts can never be chosen: there are always >= topk eligible ones.
+        ranked = ranked_indices(scores, scores.shape[-1])
+        keep = eligible.gather(1, ranked)
+        order = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices
+        return ranked.gather(1, order)[:, :n]
+    return ranked_indices(scores, n)
+
+
+def qb_bin_index(
+    required_bias: torch.Tensor, bin_bounds: torch.Tensor, num_bins: int
+) -> torch.Tensor:
+    """int64 bin of each required bias ``r`` with TE's exact fp32 arithmetic (NaN -> bin 0)."""
+    lower = bin_bounds[0].float()
+    upper = bin_bounds[1].float()
+    scale = torch.tensor(float(num_bins), dtype=torch.float32, device=bin_bounds.device) / (
+        upper - lower
+    )
+    x = torch.floor((required_bias.float() - lower) * scale)
+    x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
+    x = torch.clamp(x, 0.0, float(num_bins - 1))
+    return x.to(torch.int64)
+
+
+def qb_cutoff_and_routes(
+    scores: torch.Tensor, expert_bias: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed indices ``[T, k]`` (selection order) and the fp32 cutoff ``alpha`` ``[T]``."""
+    biased = scores + expert_bias.float()
+    order = select_experts(biased, topk + 1)
+    alpha = biased.gather(1, order[:, topk : topk + 1]).squeeze(1)
+    return order[:, :topk], alpha
+
+
+def qb_histogram_counts(
+    scores: torch.Tensor, alpha: torch.Tensor, bin_bounds: torch.Tensor, num_bins: int
+) -> torch.Tensor:
+    """int32 ``[E, B]`` histogram of ``r = alpha - s`` for this batch of fp32 scores ``[T, E]``."""
+    t, e = scores.shape
+    required = alpha[:, None] - scores
+    bins = qb_bin_index(required, bin_bounds, num_bins)
+    flat = bins + torch.arange(e, device=scores.device)[None, :] * num_bins
+    counts = torch.bincount(flat.reshape(-1), minlength=e * num_bins)
+    return counts.reshape(e, num_bins).to(torch.int32)
+
+
+def fused_topk_with_score_function(
+    logits: torch.Tensor,
+    topk: int,
+    use_pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    scaling_factor: float | None = None,
+    score_function: str = "sigmoid",
+    expert_bias: torch.Tensor | None = None,
+    qb_histogram: torch.Tensor | None = None,
+    qb_bin_bounds: torch.Tensor | None = None,
+    scores: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Oracle router on ``[T, E]`` logits: ``(probs fp32 [T,E], routed_idx [T,k], routing_map bool)``.
+
+    ``probs`` is fp32 here (the op casts it); it is differentiable w.r.t. ``logits``. When
+    ``qb_histogram`` is given it is accumulated in place. ``scores`` lets a test evaluate the
+    oracle on a kernel's own fp32 activations (selection and histogram only; no gradient).
+    """
+    z = logits.float()
+    if scores is None:
+        act_for_weights = activation(z, score_function) if score_function != "softmax" else None
+    else:
+        act_for_weights = scores.float()
+    t, e = z.shape
+
+    if qb_histogram is not None:
+        s = act_for_weights
+        idx, alpha = qb_cutoff_and_routes(s.detach(), expert_bias, topk)
+        qb_histogram += qb_histogram_counts(s.detach(), alpha, qb_bin_bounds, qb_histogram.shape[1])
+        selected = s.gather(1, idx)
+        selected = selected / (selected.sum(-1, keepdim=True) + NORM_EPS) if topk > 1 else selected
+    elif score_function == "softmax":
+        if use_pre_softmax:
+            act = torch.softmax(z, dim=-1)
+            idx = select_experts(act, topk, num_groups, group_topk, topk)
+            selected = act.gather(1, idx)
+        else:
+            idx = select_experts(z, topk, num_groups, group_topk, topk)
+            selected = torch.softmax(z.gather(1, idx), dim=-1)
+    else:
+        s = act_for_weights
+        sel_scores = s if expert_bias is None else s + expert_bias.float()
+        idx = select_experts(sel_scores, topk, num_groups, group_topk, topk)
+        selected = s.gather(1, idx)
+        selected = selected / (selected.sum(-1, keepdim=True) + NORM_EPS) if topk > 1 else selected
+
+    if scaling_factor is not None:
+        selected = selected * scaling_factor
+    probs = torch.zeros(t, e, dtype=torch.float32, device=z.device).scatter(1, idx, selected)
+    routing_map = torch.zeros(t, e, dtype=torch.bool, device=z.device)
+    routing_map.scatter_(1, idx, True)
+    return probs, idx, routing_map
+
+
+def biased_topk(
+    logits: torch.Tensor,
+    topk: int,
+    expert_bias: torch.Tensor | None = None,
+    score_function: str = "sigmoid",
+    renormalize: bool = True,
+    scaling_factor: float | None = None,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Serving-form oracle: ``(weights fp32 [T,k], ids int32 [T,k])``, ids in selection order.
+
+    softmax means softmax over all experts, then Top-k (vLLM ``fused_topk``). ``renormalize``
+    divides by ``sum + 1e-20``; ``scaling_factor`` multiplies last.
+    """
+    z = logits.float()
+    s = activation(z, score_function)
+    sel_scores = s if expert_bias is None else s + expert_bias.float()
+    idx = select_experts(sel_scores, topk, num_groups, group_topk, topk)
+    w = s.gather(1, idx)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + NORM_EPS)
+    if scaling_factor is not None:
+        w = w * scaling_factor
+    return w, idx.to(torch.int32)
+
+
+def pack_bitmap(routing_map: torch.Tensor) -> torch.Tensor:
+    """bool ``[..., E]`` -> uint8 ``[..., ceil(E/8)]``, bit ``e % 8`` of byte ``e // 8`` (LSB first)."""
+    *lead, e = routing_map.shape
+    nbytes = (e + 7) // 8
+    padded = torch.zeros(*lead, nbytes * 8, dtype=torch.uint8, device=routing_map.device)
+    padded[..., :e] = routing_map.to(torch.uint8)
+    weights = (2 ** torch.arange(8, device=routing_map.device, dtype=torch.int32)).to(torch.uint8)
+    return (padded.reshape(*lead, nbytes, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bitmap(bitmap: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bitmap`."""
+    bits = torch.arange(8, device=bitmap.device, dtype=torch.int32)
+    unpacked = (bitmap.to(torch.int32)[..., None] >> bits) & 1
+    return unpacked.reshape(*bitmap.shape[:-1], -1)[..., :num_experts].bool()

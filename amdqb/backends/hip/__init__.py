@@ -1,7 +1,7 @@
-"""The ``hip`` backend (kernels land in later issues)."""
+"""The ``hip`` backend: ``hip_src`` kernels compiled at run time (placeholder until it lands)."""
 
 OPS: dict = {}
 
 
 def availability(info) -> tuple[bool, str]:
-    return False, "no HIP kernels yet"
+    return False, "HIP backend not built yet"

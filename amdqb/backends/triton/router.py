@@ -1,0 +1,4 @@
+"""Triton launchers of the router kernels (placeholder until the Triton router lands)."""
+
+OPS: dict = {}
+UNSUPPORTED: dict = {}

@@ -221,3 +221,15 @@ def report(device: torch.device | str | None = None) -> dict:
         except RuntimeError as exc:
             ops[op] = {"backend": None, "reason": str(exc)}
     return {"device": info.as_dict(), "backends": backends, "ops": ops}
+
+
+def backend_name(
+    op: str, device: torch.device | str, backend: str | None = None, **features
+) -> str:
+    """Name of the backend :func:`select` picks; a trace-time constant under ``torch.compile``."""
+    return _backend_name(op, str(torch.device(device)), backend, tuple(sorted(features.items())))
+
+
+@torch.compiler.assume_constant_result
+def _backend_name(op: str, device: str, backend: str | None, features: tuple) -> str:
+    return select(op, device, backend, **dict(features)).backend

@@ -61,9 +61,11 @@ def qb_recover_bias(
     counts recovers ``(L+U)/2``.
     """
     check_histogram(histogram, bin_bounds, topk)
-    choice = dispatch.select("qb_recover", histogram.device, backend, num_bins=histogram.shape[1])
+    chosen_backend = dispatch.backend_name(
+        "qb_recover", histogram.device, backend, num_bins=histogram.shape[1]
+    )
     out = torch.empty(histogram.shape[0], dtype=torch.float32, device=histogram.device)
-    _qb_recover(histogram, bin_bounds, topk, out, choice.backend)
+    _qb_recover(histogram, bin_bounds, topk, out, chosen_backend)
     return out
 
 
@@ -93,8 +95,10 @@ def qb_step_(
     ema = check_float("ema", ema)
     if not 0.0 <= ema < 1.0:
         raise ValueError(f"ema must be in [0, 1), got {ema}")
-    choice = dispatch.select("qb_step", histogram.device, backend, num_bins=histogram.shape[1])
-    _qb_step(bias, histogram, bin_bounds, topk, ema, choice.backend)
+    chosen_backend = dispatch.backend_name(
+        "qb_step", histogram.device, backend, num_bins=histogram.shape[1]
+    )
+    _qb_step(bias, histogram, bin_bounds, topk, ema, chosen_backend)
 
 
 def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) -> torch.Tensor:

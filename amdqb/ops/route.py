@@ -157,7 +157,9 @@ def moe_route_rows(
     chosen = impl or route_impl(info, num_routes, num_experts)[0]
     if chosen == "lds" and num_experts > LDS_MAX_EXPERTS:
         raise ValueError(f"impl='lds' supports num_experts <= {LDS_MAX_EXPERTS}, got {num_experts}")
-    choice = dispatch.select("route_rows", device, backend, num_experts=num_experts, impl=chosen)
+    chosen_backend = dispatch.backend_name(
+        "route_rows", device, backend, num_experts=num_experts, impl=chosen
+    )
     if counters is None:
         counters = torch.zeros(num_experts, dtype=torch.int32, device=device)
     rows = torch.empty(ids.shape, dtype=torch.int32, device=device)
@@ -171,7 +173,7 @@ def moe_route_rows(
         counts,
         bool(deterministic),
         chosen,
-        choice.backend,
+        chosen_backend,
     )
     return rows, counts
 
@@ -210,12 +212,14 @@ def moe_align_block_size(
     max_padded, max_blocks = align_buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
     if max_padded > INT32_MAX:
         raise ValueError(f"aligned buffer of {max_padded} rows does not fit int32 indices")
-    choice = dispatch.select("align_block_size", device, backend, num_experts=num_experts)
+    chosen_backend = dispatch.backend_name(
+        "align_block_size", device, backend, num_experts=num_experts
+    )
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
     _align_block_size(
-        ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad, choice.backend
+        ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad, backend_name
     )
     if expert_map is not None:
         expert_ids = expert_map.to(torch.int32)[expert_ids.long()]

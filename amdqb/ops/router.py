@@ -60,6 +60,10 @@ def _capturing(device: torch.device) -> bool:
 
 def validate_qb_bin_bounds(bin_bounds: torch.Tensor) -> None:
     """Check ``[L, U]`` once per tensor version (a host read, allowed only outside capture)."""
+    if torch.compiler.is_compiling():
+        # A traced graph cannot read the device: compiled callers validate eagerly first (or mark
+        # a trusted producer), exactly as for graph capture.
+        return
     if getattr(bin_bounds, _VALIDATED_ATTR, None) == bin_bounds._version:
         return
     if _capturing(bin_bounds.device):
@@ -373,7 +377,7 @@ def fused_topk_with_score_function(
     else:
         map_kind = "bitmap" if map_format == "bitmap_u8" else "bytemap"
 
-    choice = dispatch.select(
+    chosen_backend = dispatch.backend_name(
         "router_fwd",
         device,
         backend,
@@ -393,7 +397,7 @@ def fused_topk_with_score_function(
         scaling_factor,
         expert_bias,
         map_kind,
-        choice.backend,
+        chosen_backend,
     )
     if torch.is_grad_enabled() and logits.requires_grad:
         probs, map_out = _RouterFunction.apply(logits2d, cfg, topk_indices, qb)
@@ -412,7 +416,7 @@ def fused_topk_with_score_function(
             map_out,
             map_kind,
             *qb,
-            choice.backend,
+            chosen_backend,
         )
     probs = probs.view(*lead, num_experts)
     if map_kind == "indices":
@@ -471,7 +475,7 @@ def biased_topk(
     if not logits2d.is_contiguous():
         logits2d = logits2d.contiguous()
     tokens = logits2d.shape[0]
-    choice = dispatch.select(
+    chosen_backend = dispatch.backend_name(
         "biased_topk",
         device,
         backend,
@@ -493,6 +497,6 @@ def biased_topk(
         group_topk,
         weights,
         ids,
-        choice.backend,
+        chosen_backend,
     )
     return weights.view(*lead, topk), ids.view(*lead, topk)

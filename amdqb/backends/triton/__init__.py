@@ -36,4 +36,3 @@ def unsupported(op: str, info, features: dict):
     """Reason this backend declines a configuration, or None."""
     hook = _UNSUPPORTED.get(op)
     return hook(info, features) if hook else None
-

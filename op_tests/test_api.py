@@ -1,0 +1,400 @@
+"""Public API contract: names and signatures, TE-compatible calls, output formats, QB bounds
+validation, dispatch overrides and a table of bad inputs (each a clear error before any launch)."""
+
+import inspect
+import os
+
+import pytest
+import torch
+
+import amdqb
+from amdqb import dispatch, ref
+from conftest import DEVICE, HAS_GPU
+
+
+def test_public_signatures_match_spec():
+    sig = inspect.signature(amdqb.fused_topk_with_score_function)
+    assert list(sig.parameters)[:13] == [
+        "logits",
+        "topk",
+        "use_pre_softmax",
+        "num_groups",
+        "group_topk",
+        "scaling_factor",
+        "score_function",
+        "expert_bias",
+        "routing_map_format",
+        "topk_indices",
+        "qb_histogram",
+        "qb_bin_bounds",
+        "qb_histogram_mode",
+    ]
+    assert list(inspect.signature(amdqb.biased_topk).parameters)[:3] == [
+        "logits",
+        "topk",
+        "expert_bias",
+    ]
+    assert list(inspect.signature(amdqb.qb_recover_bias).parameters)[:3] == [
+        "histogram",
+        "bin_bounds",
+        "topk",
+    ]
+    route = inspect.signature(amdqb.moe_route_rows).parameters
+    assert route["capacity"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(inspect.signature(amdqb.moe_align_block_size).parameters)[:5] == [
+        "topk_ids",
+        "block_size",
+        "num_experts",
+        "expert_map",
+        "pad_sorted_ids",
+    ]
+    assert list(inspect.signature(amdqb.QuantileBalancer).parameters) == [
+        "num_experts",
+        "topk",
+        "num_bins",
+        "ema",
+        "process_group",
+        "device",
+    ]
+
+
+def test_te_positional_call_and_leading_dims():
+    logits = torch.randn(128, 2, 32, device=DEVICE)
+    bias = torch.zeros(32, device=DEVICE)
+    probs, rmap = amdqb.fused_topk_with_score_function(
+        logits, 4, False, None, None, 1.2, "sigmoid", bias
+    )
+    assert probs.shape == (128, 2, 32) and rmap.shape == (128, 2, 32)
+    assert rmap.dtype == torch.bool and torch.all(rmap.sum(-1) == 4)
+    expected, _, _ = ref.fused_topk_with_score_function(
+        logits.reshape(-1, 32), 4, scaling_factor=1.2, expert_bias=bias
+    )
+    torch.testing.assert_close(probs.reshape(-1, 32), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_output_formats_agree(dtype):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(17, 20, generator=g).to(DEVICE, dtype)
+    probs, rmap = amdqb.fused_topk_with_score_function(logits, 3)
+    assert probs.dtype == dtype
+    _, bitmap = amdqb.fused_topk_with_score_function(logits, 3, routing_map_format="bitmap_u8")
+    assert bitmap.dtype == torch.uint8 and bitmap.shape == (17, 3)
+    assert torch.equal(ref.unpack_bitmap(bitmap, 20), rmap)
+    for idx_dtype in (torch.int16, torch.int32, torch.int64):
+        buf = torch.empty(17, 3, dtype=idx_dtype, device=DEVICE)
+        _, out = amdqb.fused_topk_with_score_function(logits, 3, topk_indices=buf)
+        assert out is buf
+        mask = torch.zeros_like(rmap).scatter_(1, buf.long(), True)
+        assert torch.equal(mask, rmap)
+
+
+def test_qb_bounds_validation_is_cached_per_version_and_catches_updates():
+    e, b = 16, 10
+    logits = torch.randn(8, e, device=DEVICE)
+    hist = torch.zeros(e, b, dtype=torch.int32, device=DEVICE)
+    bounds = torch.tensor([-1.0, 1.0], device=DEVICE)
+    bias = torch.zeros(e, device=DEVICE)
+    kw = dict(expert_bias=bias, qb_histogram=hist, qb_bin_bounds=bounds)
+    amdqb.fused_topk_with_score_function(logits, 2, qb_histogram_mode="two_kernel", **kw)
+    assert hist.sum(1).tolist() == [8] * e
+    bounds.fill_(0.0)  # in-place update: the next eager call must re-validate and reject
+    with pytest.raises(ValueError, match="finite with lower < upper"):
+        amdqb.fused_topk_with_score_function(logits, 2, qb_histogram_mode="fused_atomic", **kw)
+    bounds.copy_(torch.tensor([-2.0, 2.0]))
+    amdqb.fused_topk_with_score_function(logits, 2, qb_histogram_mode="fused_atomic", **kw)
+    assert hist.sum().item() == 16 * e
+    bounds.fill_(float("nan"))
+    amdqb.mark_qb_bin_bounds_validated(bounds)  # trusted producer: no check, no read
+    amdqb.fused_topk_with_score_function(logits, 2, qb_histogram_mode="fused_atomic", **kw)
+
+
+@pytest.mark.parametrize(
+    "bad", [[1.0, 1.0], [1.0, -1.0], [float("nan"), 1.0], [-float("inf"), 1.0]]
+)
+def test_qb_rejects_invalid_bounds(bad):
+    e = 8
+    with pytest.raises(ValueError, match="finite with lower < upper"):
+        amdqb.fused_topk_with_score_function(
+            torch.randn(4, e, device=DEVICE),
+            2,
+            expert_bias=torch.zeros(e, device=DEVICE),
+            qb_histogram=torch.zeros(e, 4, dtype=torch.int32, device=DEVICE),
+            qb_bin_bounds=torch.tensor(bad, device=DEVICE),
+            qb_histogram_mode="two_kernel",
+        )
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="CUDA/HIP graph capture needs a GPU")
+def test_capture_rejects_unvalidated_bounds_and_context_survives():
+    e = 16
+    logits = torch.randn(8, e, device="cuda")
+    hist = torch.zeros(e, 10, dtype=torch.int32, device="cuda")
+    bounds = torch.tensor([-1.0, 1.0], device="cuda")
+    bias = torch.zeros(e, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="graph capture"):
+        with torch.cuda.graph(graph):
+            amdqb.fused_topk_with_score_function(
+                logits,
+                2,
+                expert_bias=bias,
+                qb_histogram=hist,
+                qb_bin_bounds=bounds,
+                qb_histogram_mode="fused_atomic",
+            )
+    probs, _ = amdqb.fused_topk_with_score_function(logits, 2)  # context still usable
+    torch.cuda.synchronize()
+    assert torch.isfinite(probs).all()
+
+
+def test_dispatch_overrides_and_reasons(monkeypatch):
+    choice = dispatch.select("router_fwd", DEVICE, "torch")
+    assert choice.backend == "torch" and "forced" in choice.reason
+    monkeypatch.setenv("AMDQB_BACKEND", "torch")
+    assert dispatch.select("route_rows", DEVICE).backend == "torch"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dispatch.select("route_rows", DEVICE, "cuda")
+    report = dispatch.report("cpu")
+    assert report["backends"]["torch"]["available"]
+    assert set(report["ops"]) == set(amdqb.backends.OP_NAMES)
+    for op in report["ops"].values():
+        assert op["reason"]
+
+
+def test_unavailable_forced_backend_explains_why():
+    if HAS_GPU:
+        pytest.skip("every backend may be available on a GPU")
+    with pytest.raises(RuntimeError, match="hip"):
+        amdqb.fused_topk_with_score_function(torch.randn(2, 8), 2, backend="hip")
+
+
+def test_amd_arch_helpers():
+    assert dispatch.amd_wave_size("gfx942") == 64
+    assert dispatch.amd_wave_size("gfx1250") == 32
+    assert dispatch.amd_arch_family("gfx90a") == "cdna"
+    assert dispatch.amd_arch_family("gfx1201") == "rdna"
+
+
+def test_route_gate_matches_seed_formula():
+    from amdqb.ops.route import lds_route_threshold, route_impl
+
+    for e in (1, 256, 257, 512, 513, 896, 1024, 2048, 4096):
+        s = -(-e // 256)
+        assert lds_route_threshold(e, "gfx1250") == 256 * s * max(4, 2 * s)
+    assert lds_route_threshold(896, "gfx1250") == 512 * 16  # Kimi-K3: M >= 512 at k=16
+    info = dispatch.DeviceInfo("cuda:0", "amd", "x", "gfx1250", 32, 1 << 17, 256, "gfx1250")
+    assert route_impl(info, 512 * 16, 896)[0] == "lds"
+    assert route_impl(info, 511 * 16, 896)[0] == "atomic"
+    assert route_impl(info, 10**6, 4097)[0] == "atomic"
+
+
+def _router(**kw):
+    args = dict(logits=torch.randn(4, 8), topk=2)
+    args.update(kw)
+    return lambda: amdqb.fused_topk_with_score_function(**args)
+
+
+def _qb(**kw):
+    args = dict(
+        logits=torch.randn(4, 8),
+        topk=2,
+        expert_bias=torch.zeros(8),
+        qb_histogram=torch.zeros(8, 10, dtype=torch.int32),
+        qb_bin_bounds=torch.tensor([-1.0, 1.0]),
+        qb_histogram_mode="two_kernel",
+    )
+    args.update(kw)
+    return lambda: amdqb.fused_topk_with_score_function(**args)
+
+
+def _route(**kw):
+    args = dict(topk_ids=torch.zeros(4, 2, dtype=torch.int32), num_experts=8)
+    args.update(kw)
+    ids, e = args.pop("topk_ids"), args.pop("num_experts")
+    return lambda: amdqb.moe_route_rows(ids, e, **args)
+
+
+def _chunks(**kw):
+    args = dict(
+        inp=torch.randn(6, 4),
+        split_sizes=torch.tensor([2, 4]),
+        sorted_indices=torch.tensor([1, 0]),
+        output_split_sizes=torch.tensor([4, 4]),
+        num_out_tokens=8,
+    )
+    args.update(kw)
+    return lambda: amdqb.moe_sort_chunks_and_pad(**args)
+
+
+BAD_INPUTS = [
+    ("logits not a tensor", _router(logits=[[1.0, 2.0]]), TypeError, "logits"),
+    ("logits fp64", _router(logits=torch.randn(4, 8, dtype=torch.float64)), TypeError, "logits"),
+    ("logits int", _router(logits=torch.ones(4, 8, dtype=torch.int32)), TypeError, "logits"),
+    ("topk zero", _router(topk=0), ValueError, "topk"),
+    ("topk > E", _router(topk=9), ValueError, "topk"),
+    ("topk float", _router(topk=2.0), TypeError, "topk"),
+    ("bad score fn", _router(score_function="relu"), ValueError, "score_function"),
+    ("groups alone", _router(num_groups=2), ValueError, "group_topk"),
+    ("groups not dividing", _router(num_groups=3, group_topk=1), ValueError, "num_groups"),
+    ("bias wrong shape", _router(expert_bias=torch.zeros(7)), ValueError, "expert_bias"),
+    ("bias fp16", _router(expert_bias=torch.zeros(8, dtype=torch.half)), TypeError, "expert_bias"),
+    (
+        "bias with softmax",
+        _router(score_function="softmax", expert_bias=torch.zeros(8)),
+        ValueError,
+        "expert_bias",
+    ),
+    ("bad map format", _router(routing_map_format="dense"), ValueError, "routing_map_format"),
+    (
+        "indices + bitmap",
+        _router(routing_map_format="bitmap_u8", topk_indices=torch.empty(4, 2, dtype=torch.int32)),
+        ValueError,
+        "bitmap_u8",
+    ),
+    (
+        "indices wrong shape",
+        _router(topk_indices=torch.empty(4, 3, dtype=torch.int32)),
+        ValueError,
+        "topk_indices",
+    ),
+    ("indices float", _router(topk_indices=torch.empty(4, 2)), TypeError, "topk_indices"),
+    (
+        "qb partial",
+        _router(qb_histogram=torch.zeros(8, 10, dtype=torch.int32)),
+        ValueError,
+        "must be provided together",
+    ),
+    ("qb softmax", _qb(score_function="softmax", expert_bias=None), ValueError, "only supports"),
+    ("qb no bias", _qb(expert_bias=None), ValueError, "expert_bias"),
+    ("qb groups", _qb(num_groups=2, group_topk=1), ValueError, "only supports"),
+    ("qb k == E", _qb(topk=8), ValueError, "only supports 0 < topk < num_experts"),
+    (
+        "qb hist int64",
+        _qb(qb_histogram=torch.zeros(8, 10, dtype=torch.int64)),
+        TypeError,
+        "qb_histogram",
+    ),
+    (
+        "qb hist wrong E",
+        _qb(qb_histogram=torch.zeros(7, 10, dtype=torch.int32)),
+        ValueError,
+        "qb_histogram",
+    ),
+    ("qb B <= 1", _qb(qb_histogram=torch.zeros(8, 1, dtype=torch.int32)), ValueError, "B >= 2"),
+    ("qb bounds shape", _qb(qb_bin_bounds=torch.zeros(3)), ValueError, "qb_bin_bounds"),
+    ("qb bad mode", _qb(qb_histogram_mode="atomic"), ValueError, "qb_histogram_mode"),
+    ("route ids float", _route(topk_ids=torch.zeros(4, 2)), TypeError, "topk_ids"),
+    ("route E zero", _route(num_experts=0), ValueError, "num_experts"),
+    (
+        "route counters wrong E",
+        _route(counters=torch.zeros(7, dtype=torch.int32)),
+        ValueError,
+        "counters",
+    ),
+    (
+        "route counters int64",
+        _route(counters=torch.zeros(8, dtype=torch.int64)),
+        TypeError,
+        "counters",
+    ),
+    ("route bad impl", _route(impl="fast"), ValueError, "impl"),
+    ("route lds E too big", _route(num_experts=5000, impl="lds"), ValueError, "4096"),
+    ("route capacity negative", _route(capacity=-1), ValueError, "capacity"),
+    ("route rows overflow", _route(num_experts=2**16, capacity=2**16), ValueError, "int32"),
+    (
+        "align block zero",
+        lambda: amdqb.moe_align_block_size(torch.zeros(2, 2, dtype=torch.int32), 0, 4),
+        ValueError,
+        "block_size",
+    ),
+    (
+        "align bad map",
+        lambda: amdqb.moe_align_block_size(
+            torch.zeros(2, 2, dtype=torch.int32), 4, 4, expert_map=torch.zeros(3, dtype=torch.int32)
+        ),
+        ValueError,
+        "expert_map",
+    ),
+    (
+        "chunks sizes mismatch",
+        _chunks(sorted_indices=torch.tensor([0, 1, 2])),
+        ValueError,
+        "sorted_indices",
+    ),
+    ("chunks num_out too small", _chunks(num_out_tokens=5), ValueError, "num_out_tokens"),
+    ("chunks float meta", _chunks(split_sizes=torch.tensor([2.0, 4.0])), TypeError, "split_sizes"),
+    ("chunks 1-D input", _chunks(inp=torch.randn(6)), ValueError, "inp"),
+    ("chunks probs shape", _chunks(probs=torch.rand(5)), ValueError, "probs"),
+    (
+        "restore row_map length",
+        lambda: amdqb.moe_unpad_and_restore_chunks(
+            torch.randn(4, 2), torch.zeros(3, dtype=torch.int32), 4
+        ),
+        ValueError,
+        "row_map",
+    ),
+    (
+        "recover hist 1-D",
+        lambda: amdqb.qb_recover_bias(
+            torch.zeros(8, dtype=torch.int32), torch.tensor([-1.0, 1.0]), 1
+        ),
+        ValueError,
+        "histogram",
+    ),
+    (
+        "recover topk >= E",
+        lambda: amdqb.qb_recover_bias(
+            torch.zeros(4, 8, dtype=torch.int32), torch.tensor([-1.0, 1.0]), 4
+        ),
+        ValueError,
+        "topk",
+    ),
+    ("balancer ema 1", lambda: amdqb.QuantileBalancer(8, 2, ema=1.0), ValueError, "ema"),
+    ("balancer bins 1", lambda: amdqb.QuantileBalancer(8, 2, num_bins=1), ValueError, "num_bins"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_raises_clear_error(case):
+    _, call, exc, phrase = case
+    with pytest.raises(exc, match=phrase):
+        call()
+
+
+def test_bad_input_table_is_large_enough():
+    assert len(BAD_INPUTS) >= 25
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="device mismatch needs a GPU")
+def test_device_mismatch_names_the_argument():
+    with pytest.raises(ValueError, match="expert_bias"):
+        amdqb.fused_topk_with_score_function(
+            torch.randn(4, 8, device="cuda"), 2, expert_bias=torch.zeros(8)
+        )
+
+
+def test_custom_ops_registered_for_compile():
+    for name in ("router_fwd", "router_bwd", "biased_topk", "route_rows", "chunk_copy"):
+        assert hasattr(torch.ops.amdqb, name), name
+
+
+def test_router_compiles_without_graph_breaks():
+    torch._dynamo.reset()
+    logits = torch.randn(16, 32, device=DEVICE)
+    bias = torch.zeros(32, device=DEVICE)
+
+    def route(x):
+        probs, rmap = amdqb.fused_topk_with_score_function(x, 4, expert_bias=bias)
+        return probs * 2, rmap
+
+    compiled = torch.compile(route, fullgraph=True, backend="aot_eager")
+    got = compiled(logits)
+    want = route(logits)
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+
+
+def test_env_is_not_leaking_interpreter_into_gpu_runs():
+    if HAS_GPU:
+        assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")

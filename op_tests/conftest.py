@@ -39,7 +39,9 @@ def kernel_backends(op: str) -> list:
     reasons = "; ".join(
         f"{n}: {dispatch.backend_status(n, info)[1]}" for n in dispatch.BACKENDS if n != "torch"
     )
-    return [pytest.param(None, marks=pytest.mark.skip(reason=f"no kernel backend for {op}: {reasons}"))]
+    return [
+        pytest.param(None, marks=pytest.mark.skip(reason=f"no kernel backend for {op}: {reasons}"))
+    ]
 
 
 @pytest.fixture

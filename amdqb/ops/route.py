@@ -219,7 +219,7 @@ def moe_align_block_size(
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
     _align_block_size(
-        ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad, backend_name
+        ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad, chosen_backend
     )
     if expert_map is not None:
         expert_ids = expert_map.to(torch.int32)[expert_ids.long()]

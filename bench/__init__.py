@@ -1,0 +1,1 @@
+"""amdqb benchmark library (``amdqb bench ...`` / ``python -m amdqb bench ...``)."""

@@ -1,0 +1,193 @@
+"""Timing, environment and reporting helpers shared by the benchmarks.
+
+Timing method (GPU): every implementation is captured once in a CUDA/HIP graph holding
+``calls`` back-to-back calls on preallocated buffers; a sample replays the graph ``replays``
+times between two events; implementations are sampled in alternating order (A B C, C B A, ...)
+and the per-call median over samples is reported. On the CPU (no graphs) a sample is the wall
+time of ``calls`` eager calls. Every case is checked for correctness before it is timed.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class TimingConfig:
+    calls: int = 20  # calls captured per graph
+    replays: int = 5  # graph replays per sample
+    samples: int = 9  # alternating samples per implementation
+    warmup: int = 3
+
+
+def quick_config() -> TimingConfig:
+    return TimingConfig(calls=4, replays=2, samples=3, warmup=1)
+
+
+def on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _graph(fn: Callable[[], object], calls: int, warmup: int) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_alternating(
+    impls: dict[str, Callable[[], object]], device: torch.device, cfg: TimingConfig
+) -> dict[str, float]:
+    """Median microseconds per call of each implementation, sampled in alternating order."""
+    names = list(impls)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    if on_gpu(device):
+        graphs = {n: _graph(impls[n], cfg.calls, cfg.warmup) for n in names}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for s in range(cfg.samples):
+            for n in names if s % 2 == 0 else reversed(names):
+                graphs[n].replay()  # warm this graph's instruction and data caches
+                start.record()
+                for _ in range(cfg.replays):
+                    graphs[n].replay()
+                end.record()
+                end.synchronize()
+                samples[n].append(start.elapsed_time(end) * 1e3 / (cfg.replays * cfg.calls))
+        del graphs
+    else:
+        for n in names:
+            for _ in range(cfg.warmup):
+                impls[n]()
+        for s in range(cfg.samples):
+            for n in names if s % 2 == 0 else reversed(names):
+                t0 = time.perf_counter()
+                for _ in range(cfg.calls):
+                    impls[n]()
+                samples[n].append((time.perf_counter() - t0) * 1e6 / cfg.calls)
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 58 * 2**20, cfg: TimingConfig | None = None):
+    """Measured device copy bandwidth in GB/s counting bytes read + written."""
+    cfg = cfg or TimingConfig()
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    us = time_alternating({"copy": lambda: dst.copy_(src)}, device, cfg)["copy"]
+    return 2 * nbytes / (us * 1e-6) / 1e9, us
+
+
+def environment(device: torch.device) -> dict:
+    """Device, arch, versions, date and git revision for every JSON row."""
+    from amdqb import __version__, dispatch
+
+    info = dispatch.device_info(device)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return {
+        "device": info.name,
+        "arch": info.arch,
+        "cu_count": info.cu_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "triton": triton_version,
+        "amdqb": __version__,
+        "git": sha,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+@dataclass
+class Report:
+    """Rows of one benchmark run, printed as a markdown table and optionally written as JSON."""
+
+    title: str
+    env: dict
+    rows: list[dict] = field(default_factory=list)
+
+    def add(self, **row) -> None:
+        self.rows.append(row)
+
+    def markdown(self, columns: list[str] | None = None) -> str:
+        if not self.rows:
+            return f"### {self.title}\n(no rows)\n"
+        cols = columns or list(dict.fromkeys(k for r in self.rows for k in r))
+        lines = [f"### {self.title}", "", "| " + " | ".join(cols) + " |"]
+        lines.append("|" + "|".join("---" for _ in cols) + "|")
+        for r in self.rows:
+            lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> dict:
+        return {"title": self.title, "env": self.env, "rows": self.rows}
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) < 1e4 else f"{value:.3g}"
+    return str(value)
+
+
+def write_json(path: str | Path, reports: list[Report]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    existing = {}
+    if path.exists():
+        existing = json.loads(path.read_text())
+    for report in reports:
+        existing[report.title] = report.to_json()
+    path.write_text(json.dumps(existing, indent=1, sort_keys=True))
+
+
+class Progress:
+    """A one-line progress bar on stderr (no dependency)."""
+
+    def __init__(self, total: int, label: str):
+        self.total, self.label, self.done = max(total, 1), label, 0
+        self.t0 = time.perf_counter()
+
+    def step(self, what: str = "") -> None:
+        self.done += 1
+        width = 30
+        filled = int(width * self.done / self.total)
+        elapsed = time.perf_counter() - self.t0
+        sys.stderr.write(
+            f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
+            f"{self.done}/{self.total} {elapsed:5.1f}s {what[:40]:40s}"
+        )
+        if self.done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()

@@ -1,0 +1,132 @@
+"""Route-rows benchmark: ``atomic`` (one global atomic per route) vs ``lds`` (workgroup histogram +
+one reservation per non-empty expert) per backend, torch ``bincount + argsort``, and
+``moe_align_block_size``. Seed 004 shapes: E=896, k=16, M in {512, 2517, 8192}; distributions
+uniform / shared-expert / all-one-expert / dropped. Counter zeroing is included in every timing
+(the op zeroes its counters when the caller passes none), as in the seed.
+
+Every case is checked before timing: counts equal the oracle and rows are a bijection with
+per-expert ownership.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import amdqb
+from amdqb import dispatch, ref
+
+from .common import Progress, Report, TimingConfig, environment, time_alternating
+
+SPEC_ALIGN_TRITON_PEER = {512: 251, 2517: 272, 8192: 307}  # vLLM-algorithm Triton, H200 (µs)
+SPEC_TORCH_BINCOUNT = {512: 194, 2517: 201, 8192: 247}
+
+
+def make_ids(m, k, e, dist, g):
+    if dist == "uniform":  # k distinct experts per token
+        return torch.rand(m, e, generator=g).argsort(dim=1)[:, :k].to(torch.int32)
+    if dist == "shared":
+        ids = torch.rand(m, e - 1, generator=g).argsort(dim=1)[:, : k - 1].to(torch.int32) + 1
+        return torch.cat([torch.zeros(m, 1, dtype=torch.int32), ids], dim=1)
+    if dist == "one":
+        return torch.full((m, k), 7, dtype=torch.int32)
+    if dist == "dropped":
+        ids = torch.rand(m, e, generator=g).argsort(dim=1)[:, :k].to(torch.int32)
+        ids.view(-1)[::3] = -1
+        return ids
+    raise ValueError(dist)
+
+
+def torch_bincount_argsort(ids, e):
+    """The plain-PyTorch way: counts, a stable sort by expert, offsets -> compact rows."""
+    flat = ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < e)
+    key = torch.where(valid, flat, e)
+    counts = torch.bincount(key, minlength=e + 1)[:e]
+    order = torch.argsort(key, stable=True)
+    rows = torch.empty_like(order)
+    rows[order] = torch.arange(order.numel(), device=ids.device)
+    return torch.where(valid, rows, -1), counts
+
+
+def check_rows(rows, counts, ids, e, capacity):
+    want_rows, want_counts = ref.moe_route_rows(ids, e, capacity)
+    if not torch.equal(counts, want_counts):
+        raise AssertionError("route counts differ from the oracle")
+    flat, r = ids.reshape(-1).long(), rows.reshape(-1).long()
+    valid = (flat >= 0) & (flat < e)
+    if not torch.all(r[~valid] == -1) or r[valid].unique().numel() != int(valid.sum()):
+        raise AssertionError("rows are not a bijection (duplicates or dropped ids with rows)")
+    if not torch.all(r[valid] // capacity == flat[valid]):
+        raise AssertionError("a row lies outside its expert's capacity range")
+
+
+def route_backends(device) -> list[str]:
+    info = dispatch.device_info(device)
+    names = []
+    for name in ("hip", "triton"):
+        ok, _ = dispatch.backend_status(name, info)
+        if ok and "route_rows" in dispatch._backend_module(name).OPS:
+            names.append(name)
+    return names
+
+
+def run(
+    device,
+    cfg: TimingConfig,
+    tokens=(512, 2517, 8192),
+    num_experts=896,
+    topk=16,
+    dists=("uniform", "shared", "one", "dropped"),
+    block_size=64,
+) -> list[Report]:
+    env = environment(device)
+    report = Report("route_rows", env)
+    align = Report("moe_align_block_size", env)
+    backends = route_backends(device)
+    g = torch.Generator().manual_seed(0)
+    progress = Progress(len(tokens) * (len(dists) + 1), "route")
+    for m in tokens:
+        cap = m * topk  # never drops: all-one-expert routes fit too
+        for dist in dists:
+            ids = make_ids(m, topk, num_experts, dist, g).to(device)
+            impls = {}
+            for name in backends:
+                for impl in ("atomic", "lds"):
+                    rows, counts = amdqb.moe_route_rows(
+                        ids, num_experts, capacity=cap, impl=impl, backend=name
+                    )
+                    check_rows(rows, counts, ids, num_experts, cap)
+                    impls[f"{name}:{impl}"] = lambda n=name, i=impl: amdqb.moe_route_rows(
+                        ids, num_experts, capacity=cap, impl=i, backend=n
+                    )
+            impls["torch:bincount_argsort"] = lambda: torch_bincount_argsort(ids, num_experts)
+            times = time_alternating(impls, device, cfg)
+            for key, us in times.items():
+                backend, impl = key.split(":")
+                row = {"M": m, "dist": dist, "backend": backend, "impl": impl, "us": us}
+                if impl == "lds":
+                    row["atomic/lds"] = times[f"{backend}:atomic"] / us
+                report.add(**row)
+            progress.step(f"M={m} {dist}")
+        ids = make_ids(m, topk, num_experts, "uniform", g).to(device)
+        want = ref.moe_align_block_size(ids, block_size, num_experts)
+        impls = {}
+        for name in backends + ["torch"]:
+            if "align_block_size" not in dispatch._backend_module(name).OPS:
+                continue
+            got = amdqb.moe_align_block_size(ids, block_size, num_experts, backend=name)
+            if not all(torch.equal(a, b) for a, b in zip(got, want)):
+                raise AssertionError(f"{name}: moe_align_block_size differs from the oracle")
+            impls[name] = lambda n=name: amdqb.moe_align_block_size(
+                ids, block_size, num_experts, backend=n
+            )
+        for name, us in time_alternating(impls, device, cfg).items():
+            align.add(
+                M=m,
+                backend=name,
+                us=us,
+                x_vs_triton_peer=SPEC_ALIGN_TRITON_PEER.get(m, float("nan")) / us,
+                target_us=12.0 if m == 8192 else "",
+            )
+        progress.step(f"align M={m}")
+    return [report, align]

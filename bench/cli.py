@@ -7,10 +7,16 @@ import sys
 
 import torch
 
-from . import balance, chunks, route, router
+from . import balance, chunks, route, router, serving
 from .common import TimingConfig, quick_config, write_json
 
-SUITES = {"route": route.run, "router": router.run, "chunks": chunks.run, "balance": balance.run}
+SUITES = {
+    "route": route.run,
+    "router": router.run,
+    "chunks": chunks.run,
+    "balance": balance.run,
+    "serving": serving.run,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         "router": dict(tokens=(64, 256), num_experts=128, decode_tokens=(1, 8)) if small else {},
         "chunks": dict(tokens=(512,), hidden=256) if small else {},
         "balance": dict(num_experts=128, num_bins=200) if small else {},
+        "serving": dict(buckets=(1, 8), config="small") if small else {},
     }
     names = list(SUITES) if args.suite == "all" else [args.suite]
     reports = []

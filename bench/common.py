@@ -55,12 +55,32 @@ def _graph(fn: Callable[[], object], calls: int, warmup: int) -> torch.cuda.CUDA
 
 
 def time_alternating(
-    impls: dict[str, Callable[[], object]], device: torch.device, cfg: TimingConfig
+    impls: dict[str, Callable[[], object]],
+    device: torch.device,
+    cfg: TimingConfig,
+    graphs: bool = True,
 ) -> dict[str, float]:
-    """Median microseconds per call of each implementation, sampled in alternating order."""
+    """Median microseconds per call of each implementation, sampled in alternating order.
+
+    ``graphs=False`` on a GPU times eager calls between events (launch overhead included).
+    """
     names = list(impls)
     samples: dict[str, list[float]] = {n: [] for n in names}
-    if on_gpu(device):
+    if on_gpu(device) and not graphs:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for n in names:
+            for _ in range(cfg.warmup):
+                impls[n]()
+        for s in range(cfg.samples):
+            for n in names if s % 2 == 0 else reversed(names):
+                torch.cuda.synchronize()
+                start.record()
+                for _ in range(cfg.calls):
+                    impls[n]()
+                end.record()
+                end.synchronize()
+                samples[n].append(start.elapsed_time(end) * 1e3 / cfg.calls)
+    elif on_gpu(device):
         graphs = {n: _graph(impls[n], cfg.calls, cfg.warmup) for n in names}
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for s in range(cfg.samples):

@@ -1,0 +1,290 @@
+"""Differential fuzzing of every kernel backend against the oracles (hypothesis).
+
+Profiles (``AMDQB_FUZZ_PROFILE``): ``fast`` (default; CI on the CPU, where Triton runs in its
+interpreter: small shapes, few examples) and ``large`` (GPU: T up to 70000, E up to 4097, k up to
+min(E, 36), >= 10,000 cases in all). Inputs are adversarial on purpose: exact ties, NaN and +-inf
+logits, values on histogram bin edges, all routes to one expert, -1 and >= E ids, empty chunks.
+"""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import amdqb
+from amdqb import ref
+from conftest import DEVICE, HAS_GPU, kernel_backends
+
+PROFILE = os.environ.get("AMDQB_FUZZ_PROFILE", "fast")
+LARGE = PROFILE == "large"
+MAX_T = 70000 if LARGE else 24
+MAX_E = 4097 if LARGE else 40
+MAX_K = 36
+EXAMPLES = {"router": 3000, "qb": 2500, "route": 2000, "align": 1500, "chunks": 800, "recover": 500}
+SETTINGS = dict(
+    max_examples=10 if not LARGE else None,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
+
+
+def _settings(op):
+    n = EXAMPLES[op] if LARGE else SETTINGS["max_examples"]
+    return settings(**{**SETTINGS, "max_examples": n})
+
+
+def _size(draw, max_value, small=64):
+    """Mostly small sizes, sometimes up to ``max_value`` (keeps the large profile affordable)."""
+    if max_value <= small or draw(st.integers(0, 9)) < 8:
+        return draw(st.integers(0 if small else 1, min(small, max_value)))
+    return draw(st.integers(small, max_value))
+
+
+@st.composite
+def router_case(draw, qb: bool):
+    e = max(2 if qb else 1, _size(draw, MAX_E))
+    t = _size(draw, MAX_T)
+    k = draw(st.integers(1, min(e - 1 if qb else e, MAX_K)))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    style = draw(st.sampled_from(["normal", "ties", "nan_inf", "one_hot", "saturated"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return t, e, k, dtype, style, seed
+
+
+def make_logits(t, e, dtype, style, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, e, generator=g)
+    if style == "ties":
+        x = torch.randint(-2, 3, (t, e), generator=g).float()
+    elif style == "nan_inf":
+        mask = torch.rand(t, e, generator=g)
+        x[mask < 0.05] = float("nan")
+        x[(mask >= 0.05) & (mask < 0.1)] = float("inf")
+        x[(mask >= 0.1) & (mask < 0.15)] = -float("inf")
+        if t:
+            x[0] = float("nan")  # a row with nothing but NaN
+    elif style == "one_hot":
+        x = torch.full((t, e), -5.0)
+        x[:, 0] = 5.0
+    elif style == "saturated":
+        x = x * 30
+    return x.to(dtype).to(DEVICE)
+
+
+def _check_router(backend, t, e, k, dtype, style, seed, qb):
+    logits = make_logits(t, e, dtype, style, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    bias = (torch.randn(e, generator=g) * 0.1).to(DEVICE)
+    kwargs = dict(expert_bias=bias)
+    hist = hist_ref = None
+    if qb:
+        b = int(torch.randint(2, 1200, (1,), generator=g))
+        bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+        hist = torch.zeros(e, b, dtype=torch.int32, device=DEVICE)
+        mode = ("two_kernel", "fused_atomic")[seed % 2]
+        kwargs.update(qb_histogram=hist, qb_bin_bounds=bounds, qb_histogram_mode=mode)
+    probs, rmap = amdqb.fused_topk_with_score_function(logits, k, backend=backend, **kwargs)
+    module = amdqb.dispatch._backend_module(backend)
+    scores = module.score_values(logits, "sigmoid") if hasattr(module, "score_values") else None
+    ref_kwargs = dict(expert_bias=bias, scores=scores)
+    if qb:
+        hist_ref = torch.zeros_like(hist)
+        ref_kwargs.update(qb_histogram=hist_ref, qb_bin_bounds=kwargs["qb_bin_bounds"])
+    probs_ref, _, rmap_ref = ref.fused_topk_with_score_function(logits, k, **ref_kwargs)
+    assert torch.all(rmap.sum(-1) == k), "every token gets exactly k experts"
+    assert torch.equal(rmap, rmap_ref), f"routing differs ({style}, T={t}, E={e}, k={k})"
+    if qb:
+        assert torch.equal(hist, hist_ref), "histogram differs from the oracle"
+        assert torch.all(hist.sum(1) == t)
+    want = probs_ref.to(dtype).float()
+    torch.testing.assert_close(
+        probs.float(), want, atol=1e-5 * max(1, e / 64), rtol=1e-2, equal_nan=True
+    )
+
+
+@pytest.mark.parametrize("backend", kernel_backends("router_fwd"))
+@_settings("router")
+@given(case=router_case(qb=False))
+def test_fuzz_router(backend, case):
+    _check_router(backend, *case, qb=False)
+
+
+@pytest.mark.parametrize("backend", kernel_backends("router_fwd"))
+@_settings("qb")
+@given(case=router_case(qb=True))
+def test_fuzz_qb_router(backend, case):
+    _check_router(backend, *case, qb=True)
+
+
+@st.composite
+def route_case(draw):
+    e = max(1, _size(draw, MAX_E))
+    m = _size(draw, MAX_T)
+    k = draw(st.integers(1, MAX_K))
+    dist = draw(st.sampled_from(["uniform", "one", "dropped", "negative"]))
+    capacity = draw(st.one_of(st.none(), st.integers(0, 2 * m * k // e + 2)))
+    impl = draw(st.sampled_from(["atomic", "lds"]))
+    deterministic = draw(st.booleans())
+    return m, k, e, dist, capacity, impl, deterministic, draw(st.integers(0, 2**31 - 1))
+
+
+def make_ids(m, k, e, dist, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, e, (m, k), generator=g, dtype=torch.int32)
+    if dist == "one":
+        ids.fill_(e - 1)
+    elif dist == "dropped":
+        ids.view(-1)[::3] = e + int(torch.randint(0, 5, (1,), generator=g))
+    elif dist == "negative":
+        ids.view(-1)[::2] = -1
+    return ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", kernel_backends("route_rows"))
+@_settings("route")
+@given(case=route_case())
+def test_fuzz_route_rows(backend, case):
+    m, k, e, dist, capacity, impl, deterministic, seed = case
+    if impl == "lds" and e > 4096:
+        impl = "atomic"
+    ids = make_ids(m, k, e, dist, seed)
+    c0 = torch.randint(0, 3, (e,), dtype=torch.int32).to(DEVICE)
+    counters, counters_ref = c0.clone(), c0.clone()
+    rows, counts = amdqb.moe_route_rows(
+        ids,
+        e,
+        capacity=capacity,
+        counters=counters,
+        deterministic=deterministic,
+        impl=impl,
+        backend=backend,
+    )
+    rows_ref, counts_ref = ref.moe_route_rows(ids, e, capacity, counters_ref)
+    assert torch.equal(counts, counts_ref) and torch.equal(counters, counters_ref)
+    if deterministic:
+        assert torch.equal(rows, rows_ref)
+    else:  # the same (expert, row) pairs: a bijection onto the oracle's rows
+        assert torch.equal(_expert_row_pairs(ids, rows), _expert_row_pairs(ids, rows_ref))
+
+
+def _expert_row_pairs(ids, rows):
+    flat, r = ids.reshape(-1).long(), rows.reshape(-1).long()
+    keep = r >= 0
+    assert r[keep].unique().numel() == int(keep.sum()), "duplicate rows"
+    return torch.sort(flat[keep] * 2**32 + r[keep]).values
+
+
+@pytest.mark.parametrize("backend", kernel_backends("align_block_size"))
+@_settings("align")
+@given(
+    m=st.integers(0, MAX_T if LARGE else 20),
+    k=st.integers(1, MAX_K),
+    e=st.integers(1, 4096 if LARGE else MAX_E),
+    block=st.sampled_from([16, 32, 64, 128, 256]),
+    dist=st.sampled_from(["uniform", "one", "dropped", "negative"]),
+    pad=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fuzz_align(backend, m, k, e, block, dist, pad, seed):
+    if m * k > 2_000_000:
+        m = 2_000_000 // k
+    ids = make_ids(m, k, e, dist, seed)
+    got = amdqb.moe_align_block_size(ids, block, e, pad_sorted_ids=pad, backend=backend)
+    want = amdqb.moe_align_block_size(ids, block, e, pad_sorted_ids=pad, backend="torch")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@st.composite
+def chunk_case(draw):
+    c = draw(st.integers(1, 130))
+    sizes = draw(st.lists(st.integers(0, 64 if LARGE else 6), min_size=c, max_size=c))
+    extra = draw(st.lists(st.integers(0, 9), min_size=c, max_size=c))
+    order = draw(st.permutations(list(range(c))))
+    h = draw(st.sampled_from([1, 7, 37, 64, 2048] if LARGE else [1, 7, 37]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    return sizes, extra, order, h, dtype
+
+
+@pytest.mark.parametrize("backend", kernel_backends("chunk_copy"))
+@_settings("chunks")
+@given(case=chunk_case())
+def test_fuzz_chunks(backend, case):
+    sizes, extra, order, h, dtype = case
+    out_sizes = [sizes[o] + x for o, x in zip(order, extra)]
+    n, num_out = sum(sizes), sum(out_sizes)
+    x = torch.randn(n, h).to(DEVICE, dtype)
+    meta = [torch.tensor(v, device=DEVICE) for v in (sizes, order, out_sizes)]
+    out, _, row_map = amdqb.moe_sort_chunks_and_pad(x, *meta, max(num_out, n), backend=backend)
+    want, _, row_map_ref = ref.moe_sort_chunks_and_pad(x, *meta, max(num_out, n))
+    assert torch.equal(row_map, row_map_ref) and torch.equal(out, want)
+    back = amdqb.moe_unpad_and_restore_chunks(out, row_map, n, backend=backend)
+    assert torch.equal(back, x)
+
+
+@pytest.mark.parametrize("backend", kernel_backends("qb_recover"))
+@_settings("recover")
+@given(
+    e=st.integers(1, 4096 if LARGE else 50),
+    b=st.integers(2, 5000 if LARGE else 300),
+    k=st.integers(1, 36),
+    style=st.sampled_from(["random", "sparse", "empty", "one_bin"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fuzz_qb_recover(backend, e, b, k, style, seed):
+    k = min(k, max(e - 1, 1))
+    g = torch.Generator().manual_seed(seed)
+    hist = torch.randint(0, 50, (e, b), generator=g, dtype=torch.int32)
+    if style == "sparse":
+        hist *= torch.rand(e, b, generator=g) < 0.02
+    elif style == "empty":
+        hist.zero_()
+    elif style == "one_bin":
+        hist.zero_()
+        hist[:, int(torch.randint(0, b, (1,), generator=g))] = 17
+    lo = float(torch.randn(1, generator=g)) - 1
+    bounds = torch.tensor([lo, lo + 0.5 + float(torch.rand(1, generator=g)) * 3])
+    got = amdqb.qb_recover_bias(hist.to(DEVICE), bounds.to(DEVICE), k, backend=backend)
+    want = ref.qb_recover_bias(hist, bounds, k)
+    torch.testing.assert_close(got.cpu(), want, atol=2e-6, rtol=0)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="determinism over runs is a GPU property (atomics)")
+@pytest.mark.parametrize("backend", kernel_backends("router_fwd"))
+def test_histograms_and_deterministic_modes_bitwise_identical_over_20_runs(backend):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4096, 896, generator=g).to(DEVICE)
+    bias = (torch.randn(896, generator=g) * 0.05).to(DEVICE)
+    bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+    ids = torch.randint(0, 896, (8192, 16), generator=g, dtype=torch.int32).to(DEVICE)
+    first = None
+    for _ in range(20):
+        hists = []
+        for mode in ("two_kernel", "fused_atomic"):
+            h = torch.zeros(896, 1000, dtype=torch.int32, device=DEVICE)
+            amdqb.fused_topk_with_score_function(
+                logits,
+                16,
+                expert_bias=bias,
+                qb_histogram=h,
+                qb_bin_bounds=bounds,
+                qb_histogram_mode=mode,
+                backend=backend,
+            )
+            hists.append(h)
+        outs = hists
+        if "route_rows" in amdqb.dispatch._backend_module(backend).OPS:
+            for impl in ("atomic", "lds"):
+                outs += list(
+                    amdqb.moe_route_rows(ids, 896, deterministic=True, impl=impl, backend=backend)
+                )
+        if "align_block_size" in amdqb.dispatch._backend_module(backend).OPS:
+            outs += list(amdqb.moe_align_block_size(ids, 64, 896, backend=backend))
+        if first is None:
+            first = [o.clone() for o in outs]
+        else:
+            for a, b in zip(first, outs):
+                assert torch.equal(a, b)

@@ -1,7 +1,13 @@
 """Backends: one folder each. A backend module exposes
 
 * ``availability(info: DeviceInfo) -> (bool, reason)``;
-* ``OPS: dict[str, callable]`` keyed by the kernel-level op names below.
+* ``OPS: dict[str, callable]`` keyed by the kernel-level op names below;
+* optionally ``unsupported(op, info, features) -> reason | None`` to decline a configuration (the
+  dispatcher then tries the next backend), and ``score_values(logits, score_function)``, the fp32
+  activations exactly as its router kernels compute them (tests evaluate the oracle on them).
+
+The ``torch`` backend is the oracle: exact, but not written for speed and not graph-capturable
+(some oracles size outputs from device values). The kernel backends never synchronise.
 
 Kernel-level ops are destination-passing (outputs are preallocated by ``amdqb.ops``), take
 contiguous tensors that ``amdqb.ops`` has already validated, never synchronise with the host and

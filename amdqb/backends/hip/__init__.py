@@ -1,7 +1,167 @@
-"""The ``hip`` backend: ``hip_src`` kernels compiled at run time (placeholder until it lands)."""
+"""The ``hip`` backend: ``hip_src`` kernels compiled at run time (hiprtc via hip-python on ROCm,
+NVRTC via cuda-python on NVIDIA), cached on disk, launched on torch's current stream.
 
-OPS: dict = {}
+Ops: ``router_fwd``, ``biased_topk``, ``route_rows``. Declined through :func:`unsupported` (the
+dispatcher falls back to triton/torch): grouped Top-k, more than 2048 experts in a router, Top-n
+above 64 (n = k, or k + 1 under QB), QB with more than 12288 bins. ``router_bwd``, the QB updates,
+``align_block_size`` and the chunk ops are left to the other backends.
+
+Precision and tie-break contract (same as ``amdqb.ref``): logits are converted to fp32 on load;
+activations, biased scores, selection, normalisation, the QB cutoff and histogram arithmetic are
+fp32 with fp contraction off; probs are rounded to the logits dtype (nearest even). Selection is
+exact: (value descending, expert id ascending), ``-0.0 == +0.0``, NaN below every number; the
+activation is the backend's own (``expf``-based sigmoid, not bitwise torch's), which is why
+:func:`score_values` exists: evaluated on these scores the oracle gives identical routes and QB
+histograms. Both QB histogram modes give bitwise-identical histograms. Route rows: counts exact,
+rows a bijection onto each expert's slots; order inside an expert is unspecified (any atomic
+interleaving) unless ``deterministic=True`` (ascending flat route index).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _ops
+
+BACKEND = "hip"
+
+
+def _runtime():
+    from ._runtime import get_runtime
+
+    return get_runtime()
 
 
 def availability(info) -> tuple[bool, str]:
-    return False, "HIP backend not built yet"
+    if info.vendor == "cpu":
+        return False, (
+            "no GPU: the hip backend compiles hip_src at run time for a ROCm (hiprtc) or NVIDIA "
+            "(NVRTC) device"
+        )
+    if info.vendor == "amd" and torch.version.hip is None:
+        return False, "torch is not a ROCm build"
+    try:
+        rt = _runtime()
+    except ImportError as exc:
+        return False, str(exc)
+    except Exception as exc:  # a broken installation must not break dispatch
+        return False, f"runtime initialisation failed: {exc}"
+    return True, f"{rt.toolchain.compiler_id()} on {info.arch} (wave{info.wave_size})"
+
+
+def unsupported(op: str, info, features: dict):
+    """Reason this backend declines a configuration, or None."""
+    if op not in ("router_fwd", "biased_topk"):
+        return None
+    if features.get("grouped"):
+        return "hip: grouped Top-k is not implemented"
+    num_experts = int(features.get("num_experts", 0))
+    if num_experts > _ops.MAX_ROUTER_EXPERTS:
+        return (
+            f"hip: num_experts={num_experts} > {_ops.MAX_ROUTER_EXPERTS} (register-resident rows)"
+        )
+    qb = bool(features.get("qb"))
+    n = int(features.get("topk", 0)) + (1 if qb else 0)
+    if n > _ops.MAX_SELECT:
+        return f"hip: selecting {n} experts per token > {_ops.MAX_SELECT}"
+    if qb and int(features.get("num_bins", 0)) > _ops.MAX_QB_BINS:
+        return f"hip: QB num_bins={features.get('num_bins')} > {_ops.MAX_QB_BINS} (LDS row)"
+    return None
+
+
+def router_fwd(
+    logits,
+    topk,
+    score_function,
+    use_pre_softmax,
+    num_groups,
+    group_topk,
+    scaling_factor,
+    expert_bias,
+    probs_out,
+    map_out,
+    map_kind,
+    qb_histogram,
+    qb_bin_bounds,
+    qb_mode,
+):
+    _ops.router_fwd(
+        _runtime(),
+        logits,
+        topk,
+        score_function,
+        use_pre_softmax,
+        num_groups,
+        group_topk,
+        scaling_factor,
+        expert_bias,
+        probs_out,
+        map_out,
+        map_kind,
+        qb_histogram,
+        qb_bin_bounds,
+        qb_mode,
+    )
+
+
+def biased_topk(
+    logits,
+    topk,
+    expert_bias,
+    score_function,
+    renormalize,
+    scaling_factor,
+    num_groups,
+    group_topk,
+    weights_out,
+    ids_out,
+):
+    _ops.biased_topk(
+        _runtime(),
+        logits,
+        topk,
+        expert_bias,
+        score_function,
+        renormalize,
+        scaling_factor,
+        num_groups,
+        group_topk,
+        weights_out,
+        ids_out,
+    )
+
+
+def route_rows(
+    topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
+):
+    if deterministic and num_experts > _ops.MAX_DET_EXPERTS:
+        # Beyond the LDS budget of the deterministic kernels: the oracle (eager only).
+        from ..torch import route_rows as torch_route_rows
+
+        torch_route_rows(
+            topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
+        )
+        return
+    _ops.route_rows(
+        _runtime(),
+        topk_ids,
+        num_experts,
+        capacity,
+        counters,
+        rows_out,
+        counts_out,
+        deterministic,
+        impl,
+    )
+
+
+def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
+    """fp32 ``[T, E]`` activations exactly as the router kernel computes them (softmax: over E)."""
+    return _ops.score_values(_runtime(), logits2d.contiguous(), score_function)
+
+
+OPS = {
+    "router_fwd": router_fwd,
+    "biased_topk": biased_topk,
+    "route_rows": route_rows,
+}

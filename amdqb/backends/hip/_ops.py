@@ -1,0 +1,323 @@
+"""Launchers of the ``hip`` backend's kernel-level ops (signatures of ``amdqb.backends``).
+
+Every launcher takes a runtime ``rt`` (``kernel(device_index, spec, name)``, ``launch(kernel, grid,
+block, smem, args)``, ``num_cus(device_index)``, ``smem_budget(device_index)``): the GPU runtime of
+``_runtime`` in production, the host emulator of ``op_tests/hip_emu`` in the CPU tests. Scratch
+tensors come from torch's caching allocator on the inputs' device (graph-safe); nothing syncs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _spec
+from ._spec import arg_f32, arg_i32, arg_i64, arg_ptr
+
+# Limits of this backend (``unsupported`` declines beyond them; the next backend runs the op).
+MAX_ROUTER_EXPERTS = 2048  # 64 experts per lane in registers (scores + keys)
+MAX_SELECT = _spec.ROUTER_CAP  # Top-n with n = k (k + 1 under QB)
+MAX_QB_BINS = 12288  # one LDS histogram row of the two-kernel mode within 48 KiB
+MAX_DET_EXPERTS = 12288  # deterministic route kernels keep E ints in LDS
+
+_MAP_KINDS = {"bytemap": 1, "bitmap": 2}
+_INDEX_KINDS = {torch.int16: 3, torch.int32: 4, torch.int64: 5}
+_QB_MODES = {None: 0, "fused_atomic": 1, "two_kernel": 2}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def _ptr(t) -> object:
+    return arg_ptr(None if t is None else t.data_ptr())
+
+
+def _dev(t: torch.Tensor) -> int:
+    return t.device.index if t.device.type == "cuda" else -1
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------------------
+# Route rows
+# ------------------------------------------------------------------------------------------------
+def route_rows(
+    rt, topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
+):
+    n = topk_ids.numel()
+    dev = _dev(topk_ids)
+    spec = _spec.ROUTE_MODULE
+    suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
+    cap = -1 if capacity is None else int(capacity)
+    before = counters.clone()  # counts = accepted slots of this call, from the counter delta
+    e_arg = arg_i32(num_experts)
+    if n > 0:
+        ids, n_arg = _ptr(topk_ids), arg_i64(n)
+        if deterministic:
+            tiles = _cdiv(n, _spec.DET_TILE)
+            tile_counts = torch.empty(
+                tiles * num_experts, dtype=torch.int32, device=topk_ids.device
+            )
+            smem = 4 * num_experts
+            k = rt.kernel(dev, spec, f"amdqb_route_det_hist_{suffix}")
+            rt.launch(k, tiles, 256, smem, [ids, n_arg, e_arg, _ptr(tile_counts)])
+            k = rt.kernel(dev, spec, "amdqb_route_det_scan")
+            rt.launch(
+                k,
+                _cdiv(num_experts, 256),
+                256,
+                0,
+                [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(counters)],
+            )
+            k = rt.kernel(dev, spec, f"amdqb_route_det_rank_{suffix}")
+            rt.launch(
+                k,
+                tiles,
+                32,
+                smem,
+                [ids, n_arg, e_arg, arg_i32(cap), _ptr(tile_counts), _ptr(rows_out)],
+            )
+        elif impl == "lds":
+            tile = _spec.ROUTE_BLOCK * _spec.ROUTE_ITEMS
+            k = rt.kernel(dev, spec, f"amdqb_route_lds_{suffix}")
+            rt.launch(
+                k,
+                _cdiv(n, tile),
+                _spec.ROUTE_BLOCK,
+                4 * num_experts,
+                [ids, n_arg, e_arg, arg_i32(cap), _ptr(counters), _ptr(rows_out)],
+            )
+        else:
+            grid = min(_cdiv(n, 256), rt.num_cus(dev) * 16)
+            k = rt.kernel(dev, spec, f"amdqb_route_atomic_{suffix}")
+            rt.launch(
+                k, grid, 256, 0, [ids, n_arg, e_arg, arg_i32(cap), _ptr(counters), _ptr(rows_out)]
+            )
+    offsets = None
+    if capacity is None:
+        offsets = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
+    k = rt.kernel(dev, spec, "amdqb_route_finalize")
+    block = 1024 if num_experts > 4096 else 256
+    rt.launch(
+        k,
+        1,
+        block,
+        0,
+        [e_arg, arg_i32(cap), _ptr(before), _ptr(counters), _ptr(counts_out), _ptr(offsets)],
+    )
+    if capacity is None and n > 0:
+        grid = min(_cdiv(n, 256), rt.num_cus(dev) * 16)
+        k = rt.kernel(dev, spec, f"amdqb_route_compact_{suffix}")
+        rt.launch(
+            k, grid, 256, 0, [_ptr(topk_ids), arg_i64(n), e_arg, _ptr(offsets), _ptr(rows_out)]
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Routers
+# ------------------------------------------------------------------------------------------------
+def _router_spec(logits, score_function):
+    return _spec.router_module(logits.shape[1], _DTYPE_NAMES[logits.dtype], score_function)
+
+
+def _router_grid(rt, dev, tokens):
+    # Persistent warps: enough blocks to fill the device twice over, each warp loops over tokens.
+    return max(1, min(_cdiv(tokens, _spec.ROUTER_WARPS), rt.num_cus(dev) * 4))
+
+
+def auto_qb_mode(tokens: int, num_experts: int) -> str:
+    """``qb_histogram_mode="auto"``: fused atomics while T*E is small (few collisions per bin),
+    LDS-privatised two-kernel histograms beyond. Not measured yet (the bench records it)."""
+    return "fused_atomic" if tokens * num_experts <= (1 << 20) else "two_kernel"
+
+
+def _launch_router(
+    rt,
+    logits,
+    score_function,
+    expert_bias,
+    topk,
+    nsel,
+    normalize,
+    softmax_pre,
+    scale,
+    probs,
+    map_out,
+    map_kind,
+    qb_mode,
+    hist,
+    bounds,
+    num_bins,
+    alpha,
+    w_out,
+    id_out,
+):
+    tokens = logits.shape[0]
+    dev = _dev(logits)
+    k = rt.kernel(dev, _router_spec(logits, score_function), "amdqb_router")
+    args = [
+        _ptr(logits),
+        arg_i32(tokens),
+        _ptr(expert_bias),
+        arg_i32(topk),
+        arg_i32(nsel),
+        arg_i32(1 if normalize else 0),
+        arg_i32(1 if softmax_pre else 0),
+        arg_f32(scale),
+        _ptr(probs),
+        _ptr(map_out),
+        arg_i32(map_kind),
+        arg_i32(qb_mode),
+        _ptr(hist),
+        _ptr(bounds),
+        arg_i32(num_bins),
+        _ptr(alpha),
+        _ptr(w_out),
+        _ptr(id_out),
+    ]
+    rt.launch(k, _router_grid(rt, dev, tokens), _spec.ROUTER_BLOCK, 0, args)
+
+
+def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: int, cus: int):
+    """(experts_per_block, token_slices, tokens_per_slice) of the two-kernel histogram."""
+    epb = 8
+    while epb > 1 and epb * num_bins * 4 > smem_budget:
+        epb //= 2
+    if num_bins * 4 > smem_budget:
+        raise ValueError(f"num_bins={num_bins} does not fit one LDS histogram row")
+    gx = _cdiv(num_experts, epb)
+    slices = max(1, min(_cdiv(4 * cus, gx), _cdiv(tokens, 256)))
+    per = _cdiv(tokens, slices)
+    return epb, _cdiv(tokens, per), per
+
+
+def router_fwd(
+    rt,
+    logits,
+    topk,
+    score_function,
+    use_pre_softmax,
+    num_groups,
+    group_topk,
+    scaling_factor,
+    expert_bias,
+    probs_out,
+    map_out,
+    map_kind,
+    qb_histogram,
+    qb_bin_bounds,
+    qb_mode,
+):
+    if num_groups is not None:
+        raise NotImplementedError("hip router: grouped Top-k is declined via unsupported()")
+    tokens, num_experts = logits.shape
+    if tokens == 0:
+        return
+    qb = qb_histogram is not None
+    if qb and qb_mode == "auto":
+        qb_mode = auto_qb_mode(tokens, num_experts)
+    kind = _INDEX_KINDS[map_out.dtype] if map_kind == "indices" else _MAP_KINDS[map_kind]
+    softmax = score_function == "softmax"
+    num_bins = qb_histogram.shape[1] if qb else 0
+    alpha = None
+    if qb and qb_mode == "two_kernel":
+        alpha = torch.empty(tokens, dtype=torch.float32, device=logits.device)
+    _launch_router(
+        rt,
+        logits,
+        score_function,
+        expert_bias,
+        topk,
+        topk + 1 if qb else topk,
+        normalize=(not softmax) and topk > 1,
+        softmax_pre=softmax and bool(use_pre_softmax),
+        scale=1.0 if scaling_factor is None else scaling_factor,
+        probs=probs_out,
+        map_out=map_out,
+        map_kind=kind,
+        qb_mode=_QB_MODES[qb_mode if qb else None],
+        hist=qb_histogram,
+        bounds=qb_bin_bounds,
+        num_bins=num_bins,
+        alpha=alpha,
+        w_out=None,
+        id_out=None,
+    )
+    if alpha is not None:
+        dev = _dev(logits)
+        epb, slices, per = qb_hist_config(
+            num_experts, num_bins, tokens, rt.smem_budget(dev), rt.num_cus(dev)
+        )
+        k = rt.kernel(dev, _router_spec(logits, score_function), "amdqb_qb_hist")
+        rt.launch(
+            k,
+            (_cdiv(num_experts, epb), slices),
+            256,
+            4 * epb * num_bins,
+            [
+                _ptr(logits),
+                arg_i32(tokens),
+                _ptr(alpha),
+                _ptr(qb_bin_bounds),
+                arg_i32(num_bins),
+                arg_i32(epb),
+                arg_i32(per),
+                _ptr(qb_histogram),
+            ],
+        )
+
+
+def biased_topk(
+    rt,
+    logits,
+    topk,
+    expert_bias,
+    score_function,
+    renormalize,
+    scaling_factor,
+    num_groups,
+    group_topk,
+    weights_out,
+    ids_out,
+):
+    if num_groups is not None:
+        raise NotImplementedError("hip biased_topk: grouped Top-k is declined via unsupported()")
+    if logits.shape[0] == 0:
+        return
+    _launch_router(
+        rt,
+        logits,
+        score_function,
+        expert_bias,
+        topk,
+        topk,
+        normalize=bool(renormalize),
+        softmax_pre=True,  # serving softmax: over all experts, then Top-k
+        scale=1.0 if scaling_factor is None else scaling_factor,
+        probs=None,
+        map_out=None,
+        map_kind=0,
+        qb_mode=0,
+        hist=None,
+        bounds=None,
+        num_bins=0,
+        alpha=None,
+        w_out=weights_out,
+        id_out=ids_out,
+    )
+
+
+def score_values(rt, logits2d, score_function):
+    """fp32 ``[T, E]`` scores exactly as the router kernel computes them (softmax: over E)."""
+    tokens = logits2d.shape[0]
+    out = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
+    if tokens:
+        dev = _dev(logits2d)
+        k = rt.kernel(dev, _router_spec(logits2d, score_function), "amdqb_scores")
+        rt.launch(
+            k,
+            _router_grid(rt, dev, tokens),
+            _spec.ROUTER_BLOCK,
+            0,
+            [_ptr(logits2d), arg_i32(tokens), _ptr(out)],
+        )
+    return out

@@ -1,0 +1,454 @@
+"""Run-time compilation, code-object cache and launches of the ``hip_src`` kernels.
+
+* ROCm (``torch.version.hip``): hiprtc through hip-python (``from rocm.bindings import hip,
+  hiprtc``, else the legacy ``from hip import hip, hiprtc``), ``--offload-arch=<gcnArchName>``,
+  ``hipModuleLoadData`` / ``hipModuleLaunchKernel``.
+* NVIDIA: NVRTC through cuda-python (``from cuda.bindings import nvrtc, driver``, else the legacy
+  ``from cuda import nvrtc, cuda``), ``--gpu-architecture=sm_XX`` (cubin; PTX of the newest
+  supported arch when NVRTC does not know the device), ``cuModuleLoadData`` / ``cuLaunchKernel``
+  in torch's primary context.
+
+Code objects are cached in memory per (device, key) and on disk under ``AMDQB_CACHE_DIR`` (default
+``~/.cache/amdqb``), keyed by the sha256 of sources + arch + wave size + flags + compiler version,
+written atomically (temporary file + ``os.replace``) under an ``fcntl`` file lock.
+``AMDQB_REBUILD=1`` recompiles once per process. Launches go to
+``torch.cuda.current_stream(device)`` with ``kernelParams`` of exact-width ctypes values, so they
+are CUDA/HIP-graph capturable (compile and load before capturing: warm up eagerly).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from . import _spec
+
+
+class HipBackendError(RuntimeError):
+    """The hip backend cannot compile, load or launch a kernel."""
+
+
+def _split(result):
+    """(err, values) of a binding call: tuple or bare error (hip-python API drift)."""
+    if isinstance(result, tuple):
+        return result[0], result[1:]
+    return result, ()
+
+
+def _check(result, what: str):
+    err, values = _split(result)
+    if err is not None and int(err) != 0:
+        raise HipBackendError(f"{what} failed: {err!s}")
+    if len(values) == 1:
+        return values[0]
+    return values
+
+
+# ------------------------------------------------------------------------------------------------
+# Bindings (imported lazily; availability() reports what is missing)
+# ------------------------------------------------------------------------------------------------
+def import_hip_bindings():
+    """(hip, hiprtc) modules of hip-python, or raise ImportError naming what is missing."""
+    try:
+        from rocm.bindings import hip, hiprtc  # hip-python >= 10 split packages
+    except ImportError:
+        try:
+            from hip import hip, hiprtc  # legacy hip-python
+        except ImportError as exc:
+            raise ImportError(
+                "hip-python is not installed: `pip install hip-python` (or amdqb[rocm]) provides "
+                "hiprtc and the HIP module API the hip backend needs"
+            ) from exc
+    return hip, hiprtc
+
+
+def import_cuda_bindings():
+    """(nvrtc, driver) modules of cuda-python, or raise ImportError naming what is missing."""
+    try:
+        from cuda.bindings import driver, nvrtc
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # legacy cuda-python < 12.6
+            from cuda import nvrtc
+        except ImportError as exc:
+            raise ImportError(
+                "cuda-python is not installed: `pip install cuda-python` (or amdqb[cuda]) plus "
+                "an NVRTC library (`pip install nvidia-cuda-nvrtc-cu12`) are needed"
+            ) from exc
+    return nvrtc, driver
+
+
+def mapped_libraries(prefix: str) -> set[str]:
+    """Real paths of the shared objects named ``prefix*`` mapped into this process."""
+    found = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split(None, 5)[-1].strip() if line.count(" ") >= 5 else ""
+                if path.startswith("/") and os.path.basename(path).startswith(prefix):
+                    found.add(os.path.realpath(path))
+    except OSError:
+        pass
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# Disk cache
+# ------------------------------------------------------------------------------------------------
+class DiskCache:
+    """Code objects as ``<root>/<toolchain>/<arch>/<key>.<ext>``, written atomically."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else _spec.cache_dir() / "hip-kernels"
+
+    def path(self, toolchain: str, arch: str, key: str, ext: str) -> Path:
+        safe_arch = "".join(c if c.isalnum() or c in "-_." else "_" for c in arch)
+        return self.root / toolchain / safe_arch / f"{key}.{ext}"
+
+    def get_or_build(self, path: Path, build, force: bool = False) -> bytes:
+        """Cached bytes at ``path``; else ``build()`` them and store them (under a file lock)."""
+        if not force and path.is_file():
+            return path.read_bytes()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = path.with_suffix(path.suffix + ".lock")
+        with open(lock_path, "a+") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                if not force and path.is_file():  # another process built it meanwhile
+                    return path.read_bytes()
+                data = build()
+                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+                try:
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    os.replace(tmp, path)
+                except BaseException:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+                    raise
+                return data
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+# ------------------------------------------------------------------------------------------------
+# Toolchains
+# ------------------------------------------------------------------------------------------------
+class _Toolchain:
+    name = "?"
+
+    def compiler_id(self) -> str: ...
+
+    def target(self, device_index: int) -> tuple[str, int, str]:
+        """(arch for --offload-arch / --gpu-architecture and the cache key, wave size, file ext)."""
+
+    def compile(self, source: str, name: str, flags: list[str], include_dir: Path) -> bytes: ...
+
+    def load(self, device_index: int, image: bytes): ...
+
+    def function(self, module, name: str): ...
+
+    def launch(self, fn, grid, block, smem: int, device_index: int, params_address: int): ...
+
+
+class NvrtcToolchain(_Toolchain):
+    name = "nvrtc"
+
+    def __init__(self):
+        self.nvrtc, self.driver = import_cuda_bindings()
+        try:
+            major, minor = _check(self.nvrtc.nvrtcVersion(), "nvrtcVersion")
+        except Exception as exc:  # the binding exists but libnvrtc cannot be loaded
+            raise ImportError(
+                f"NVRTC is not usable ({exc}); install it with `pip install nvidia-cuda-nvrtc-cu12`"
+            ) from exc
+        self.version = (int(major), int(minor))
+        try:
+            archs = _check(self.nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
+            self.supported = sorted(int(a) for a in archs)
+        except Exception:
+            self.supported = []
+        _check(self.driver.cuInit(0), "cuInit")
+        self._primary = {}
+        self._streams = {}
+        self._lock = threading.Lock()
+
+    def compiler_id(self) -> str:
+        return f"nvrtc-{self.version[0]}.{self.version[1]}"
+
+    def target(self, device_index: int):
+        major, minor = torch.cuda.get_device_capability(device_index)
+        cc = major * 10 + minor
+        if not self.supported or cc in self.supported:
+            arch = f"sm_{cc}"
+        else:  # NVRTC older than the device: PTX of the newest arch it knows, JIT by the driver
+            older = [a for a in self.supported if a <= cc]
+            if not older:
+                raise HipBackendError(f"NVRTC {self.version} supports no arch <= sm_{cc}")
+            arch = f"compute_{older[-1]}"
+        return arch, 32, "cubin" if arch.startswith("sm_") else "ptx"
+
+    def compile(self, source, name, flags, include_dir):
+        nvrtc = self.nvrtc
+        opts = list(flags) + [f"-I{include_dir}"]
+        cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+        if os.path.isdir(os.path.join(cuda_home, "include")):
+            opts.append(f"-I{os.path.join(cuda_home, 'include')}")
+        prog = _check(
+            nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []),
+            "nvrtcCreateProgram",
+        )
+        try:
+            err, _ = _split(nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts]))
+            if int(err) != 0:
+                size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+                log = b" " * int(size)
+                _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+                raise HipBackendError(
+                    f"NVRTC failed to compile {name} ({err!s}) with {opts}:\n"
+                    f"{log.decode(errors='replace')}"
+                )
+            cubin = any(o.startswith("--gpu-architecture=sm_") for o in opts)
+            if cubin:
+                size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
+                image = b" " * int(size)
+                _check(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
+            else:
+                size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+                image = b" " * int(size)
+                _check(nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
+            return bytes(image)
+        finally:
+            nvrtc.nvrtcDestroyProgram(prog)
+
+    def ensure_context(self, device_index: int) -> None:
+        """Make torch's primary context of ``device_index`` current for the driver API."""
+        drv = self.driver
+        ctx = self._primary.get(device_index)
+        if ctx is None:
+            with self._lock:
+                ctx = self._primary.get(device_index)
+                if ctx is None:
+                    dev = _check(drv.cuDeviceGet(device_index), "cuDeviceGet")
+                    ctx = _check(drv.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                    self._primary[device_index] = ctx
+        current = _check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if current is None or int(current) != int(ctx):
+            _check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def load(self, device_index, image):
+        self.ensure_context(device_index)
+        buf = ctypes.create_string_buffer(image, len(image))
+        module = _check(self.driver.cuModuleLoadData(ctypes.addressof(buf)), "cuModuleLoadData")
+        return module
+
+    def function(self, module, name):
+        return _check(self.driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+
+    def launch(self, fn, grid, block, smem, device_index, params_address):
+        self.ensure_context(device_index)
+        handle = torch.cuda.current_stream(device_index).cuda_stream
+        stream = self._streams.get(handle)
+        if stream is None:
+            stream = self._streams.setdefault(handle, self.driver.CUstream(handle))
+        _check(
+            self.driver.cuLaunchKernel(
+                fn, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, params_address, 0
+            ),
+            "cuLaunchKernel",
+        )
+
+
+class HiprtcToolchain(_Toolchain):
+    name = "hiprtc"
+
+    def __init__(self):
+        self.hip, self.hiprtc = import_hip_bindings()
+        try:
+            runtime = _check(self.hip.hipRuntimeGetVersion(), "hipRuntimeGetVersion")
+        except Exception as exc:
+            raise ImportError(f"the HIP runtime is not usable through hip-python ({exc})") from exc
+        try:
+            rtc = _check(self.hiprtc.hiprtcVersion(), "hiprtcVersion")
+            rtc = ".".join(str(int(v)) for v in (rtc if isinstance(rtc, tuple) else (rtc,)))
+        except Exception:
+            rtc = "?"
+        self.version = f"hip{int(runtime)}-hiprtc{rtc}"
+        libs = mapped_libraries("libamdhip64")
+        if len(libs) > 1:
+            raise ImportError(
+                "two HIP runtimes are loaded in this process "
+                f"({', '.join(sorted(libs))}): modules would load in one and torch's streams live "
+                "in the other (hipErrorContextIsDestroyed on launch). Make hip-python use the "
+                "libamdhip64 that torch loaded (same ROCm install / LD_LIBRARY_PATH)."
+            )
+
+    def compiler_id(self) -> str:
+        return self.version
+
+    def target(self, device_index):
+        props = torch.cuda.get_device_properties(device_index)
+        arch = getattr(props, "gcnArchName", None) or ""
+        if isinstance(arch, bytes):
+            arch = arch.decode()
+        if not arch:
+            raise HipBackendError("torch does not report gcnArchName for this device")
+        base = arch.split(":")[0]
+        wave = int(getattr(props, "warp_size", 0) or (64 if base.startswith("gfx9") else 32))
+        return arch, wave, "hsaco"
+
+    def compile(self, source, name, flags, include_dir):
+        hiprtc = self.hiprtc
+        opts = list(flags) + [f"-I{include_dir}"]
+        prog = _check(
+            hiprtc.hiprtcCreateProgram(source.encode(), name.encode(), 0, [], []),
+            "hiprtcCreateProgram",
+        )
+        try:
+            err, _ = _split(
+                hiprtc.hiprtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+            )
+            if int(err) != 0:
+                size = _check(hiprtc.hiprtcGetProgramLogSize(prog), "hiprtcGetProgramLogSize")
+                log = bytearray(int(size))
+                _check(hiprtc.hiprtcGetProgramLog(prog, log), "hiprtcGetProgramLog")
+                raise HipBackendError(
+                    f"hiprtc failed to compile {name} ({err!s}) with {opts}:\n"
+                    f"{bytes(log).decode(errors='replace')}"
+                )
+            size = _check(hiprtc.hiprtcGetCodeSize(prog), "hiprtcGetCodeSize")
+            code = bytearray(int(size))
+            _check(hiprtc.hiprtcGetCode(prog, code), "hiprtcGetCode")
+            return bytes(code)  # binary with NUL bytes: never through a C string
+        finally:
+            try:
+                hiprtc.hiprtcDestroyProgram(prog.createRef())
+            except Exception:
+                pass
+
+    def load(self, device_index, image):
+        buf = ctypes.create_string_buffer(image, len(image))
+        with torch.cuda.device(device_index):
+            return _check(self.hip.hipModuleLoadData(ctypes.addressof(buf)), "hipModuleLoadData")
+
+    def function(self, module, name):
+        return _check(self.hip.hipModuleGetFunction(module, name.encode()), "hipModuleGetFunction")
+
+    def launch(self, fn, grid, block, smem, device_index, params_address):
+        stream = torch.cuda.current_stream(device_index).cuda_stream
+        if torch.cuda.current_device() != device_index:
+            with torch.cuda.device(device_index):
+                self.launch(fn, grid, block, smem, device_index, params_address)
+            return
+        result = self.hip.hipModuleLaunchKernel(
+            fn, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, params_address, None
+        )
+        _check(result, "hipModuleLaunchKernel")
+
+
+# ------------------------------------------------------------------------------------------------
+# Runtime: modules per device, launches
+# ------------------------------------------------------------------------------------------------
+class Kernel:
+    __slots__ = ("fn", "name", "device_index")
+
+    def __init__(self, fn, name, device_index):
+        self.fn = fn
+        self.name = name
+        self.device_index = device_index
+
+
+class GpuRuntime:
+    """Compiles, caches and launches kernels on the GPUs torch sees."""
+
+    def __init__(self, toolchain: _Toolchain, disk: DiskCache | None = None):
+        self.toolchain = toolchain
+        self.disk = disk or DiskCache()
+        self._modules: dict = {}
+        self._kernels: dict = {}
+        self._lock = threading.RLock()
+
+    def code_object(self, device_index: int, spec: _spec.ModuleSpec) -> tuple[str, bytes]:
+        tc = self.toolchain
+        arch, wave, ext = tc.target(device_index)
+        if tc.name == "nvrtc":
+            flags = _spec.nvrtc_flags(arch, spec)
+        else:
+            flags = _spec.hip_flags(arch, wave, spec)
+        root = _spec.source_root()
+        source, digests = _spec.read_sources(spec, root)
+        key = _spec.cache_key(tc.compiler_id(), arch, wave, flags, digests)
+        path = self.disk.path(tc.name, arch, key, ext)
+        data = self.disk.get_or_build(
+            path,
+            lambda: tc.compile(source, spec.kernel_file, flags, root / "include"),
+            force=_spec.rebuild_requested(),
+        )
+        return key, data
+
+    def kernel(self, device_index: int, spec: _spec.ModuleSpec, name: str) -> Kernel:
+        k = self._kernels.get((device_index, spec, name))
+        if k is not None:
+            return k
+        with self._lock:
+            module = self._modules.get((device_index, spec))
+            if module is None:
+                _, image = self.code_object(device_index, spec)
+                module = (self.toolchain.load(device_index, image), image)
+                self._modules[(device_index, spec)] = module
+            k = Kernel(self.toolchain.function(module[0], name), name, device_index)
+            self._kernels[(device_index, spec, name)] = k
+            return k
+
+    def launch(self, kernel: Kernel, grid, block: int, smem: int, args) -> None:
+        if isinstance(grid, int):
+            grid = (grid, 1, 1)
+        elif len(grid) == 2:
+            grid = (grid[0], grid[1], 1)
+        if min(grid) <= 0:
+            return
+        params = _spec.KernelParams(args)
+        self.toolchain.launch(
+            kernel.fn, grid, int(block), int(smem), kernel.device_index, params.address
+        )
+
+    def num_cus(self, device_index: int) -> int:
+        return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+    def smem_budget(self, device_index: int) -> int:
+        """Dynamic shared memory a block may use without opt-in attributes."""
+        return 48 * 1024
+
+
+_RUNTIME: GpuRuntime | None = None
+_RUNTIME_ERROR: Exception | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def make_toolchain() -> _Toolchain:
+    if torch.version.hip is not None:
+        return HiprtcToolchain()
+    return NvrtcToolchain()
+
+
+def get_runtime() -> GpuRuntime:
+    """The process-wide runtime; raises ImportError (with the reason) when it cannot exist."""
+    global _RUNTIME, _RUNTIME_ERROR
+    if _RUNTIME is not None:
+        return _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is None:
+            if _RUNTIME_ERROR is not None:
+                raise _RUNTIME_ERROR
+            try:
+                _RUNTIME = GpuRuntime(make_toolchain())
+            except ImportError as exc:
+                _RUNTIME_ERROR = exc
+                raise
+    return _RUNTIME

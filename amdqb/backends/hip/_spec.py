@@ -1,0 +1,190 @@
+"""Build specification of the ``hip_src`` kernels: where the sources are, which modules exist,
+their compile-time constants, compile flags and cache keys, and exact-width kernel arguments.
+
+This module imports neither torch nor the GPU bindings, so ``setup.py`` (ahead-of-time builds)
+and the CPU tests can use it.
+
+Flags keep fp contraction off (``-ffp-contract=off`` for HIP, ``--fmad=false`` for NVRTC): the
+QB histogram must be bit-identical between the router epilogue and the two-kernel histogram, which
+recompute the sigmoid in different inlining contexts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE_FORMAT = 1  # bump when the on-disk layout or the kernel ABI changes
+
+_HERE = Path(__file__).resolve().parent
+PACKAGED_SRC = _HERE.parent.parent / "_hip_src"  # amdqb/_hip_src (non-editable installs)
+REPO_SRC = _HERE.parents[2] / "hip_src"  # <repo>/hip_src (editable / source tree)
+
+# Router kernels: compile-time codes.
+DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
+SCORE_CODES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
+ROUTER_WARPS = 8  # logical warps (tokens in flight) per 256-thread router block
+ROUTER_BLOCK = 32 * ROUTER_WARPS
+ROUTER_CAP = 64  # largest Top-n the router selects (n = k, or k + 1 under QB)
+ROUTE_ITEMS = 16  # routes per thread of the lds route kernel (AMDQB_ROUTE_ITEMS)
+ROUTE_BLOCK = 256
+DET_ITEMS = 64  # 32-route chunks per deterministic tile (AMDQB_DET_ITEMS)
+DET_TILE = 32 * DET_ITEMS
+
+
+def source_root() -> Path:
+    """``amdqb/_hip_src`` when installed as a wheel, else ``<repo>/hip_src``."""
+    for root in (PACKAGED_SRC, REPO_SRC):
+        if (root / "include").is_dir() and (root / "kernels").is_dir():
+            return root
+    raise FileNotFoundError(
+        f"hip_src not found: looked for {PACKAGED_SRC} (installed package) and {REPO_SRC} "
+        "(source tree); reinstall amdqb or run from the repository"
+    )
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One compiled module: a kernel file plus its compile-time constants."""
+
+    kernel_file: str  # file name under hip_src/kernels
+    defines: tuple[tuple[str, str], ...] = ()
+
+    def define_flags(self) -> list[str]:
+        return [f"-D{name}={value}" for name, value in self.defines]
+
+    def label(self) -> str:
+        stem = self.kernel_file.rsplit(".", 1)[0]
+        return "_".join([stem] + [f"{n.lower().replace('amdqb_', '')}{v}" for n, v in self.defines])
+
+
+ROUTE_MODULE = ModuleSpec("route.hip")
+
+
+def router_module(num_experts: int, dtype_name: str, score_function: str) -> ModuleSpec:
+    return ModuleSpec(
+        "router.hip",
+        (
+            ("AMDQB_NUM_EXPERTS", str(int(num_experts))),
+            ("AMDQB_IN_DTYPE", str(DTYPE_CODES[dtype_name])),
+            ("AMDQB_SCORE", str(SCORE_CODES[score_function])),
+        ),
+    )
+
+
+def read_sources(spec: ModuleSpec, root: Path | None = None) -> tuple[str, dict[str, str]]:
+    """(kernel source text, {relative path: sha256}) of the kernel file and every header."""
+    root = root or source_root()
+    kernel = root / "kernels" / spec.kernel_file
+    text = kernel.read_text()
+    digests = {f"kernels/{spec.kernel_file}": hashlib.sha256(text.encode()).hexdigest()}
+    for header in sorted((root / "include").rglob("*")):
+        if header.is_file():
+            rel = header.relative_to(root).as_posix()
+            digests[rel] = hashlib.sha256(header.read_bytes()).hexdigest()
+    return text, digests
+
+
+def hip_flags(arch: str, wave_size: int, spec: ModuleSpec) -> list[str]:
+    """hiprtc / clang flags (no include path). ``arch`` may carry feature suffixes."""
+    return [
+        f"--offload-arch={arch}",
+        "-O3",
+        "-std=c++17",
+        "-ffp-contract=off",
+        f"-DAMDQB_WAVE_SIZE={int(wave_size)}",
+        *spec.define_flags(),
+    ]
+
+
+def nvrtc_flags(arch: str, spec: ModuleSpec) -> list[str]:
+    """NVRTC flags (no include path); ``arch`` is ``sm_XX`` (cubin) or ``compute_XX`` (PTX)."""
+    return [
+        f"--gpu-architecture={arch}",
+        "--std=c++17",
+        "--fmad=false",
+        "-DAMDQB_WAVE_SIZE=32",
+        *spec.define_flags(),
+    ]
+
+
+def cache_key(
+    compiler_id: str, arch: str, wave_size: int, flags: list[str], sources: dict[str, str]
+) -> str:
+    """sha256 over everything that determines the code object."""
+    material = {
+        "format": CACHE_FORMAT,
+        "compiler": compiler_id,
+        "arch": arch,
+        "wave": int(wave_size),
+        "flags": list(flags),
+        "sources": dict(sorted(sources.items())),
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def cache_dir() -> Path:
+    """``AMDQB_CACHE_DIR`` or ``~/.cache/amdqb``."""
+    env = os.environ.get("AMDQB_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "amdqb"
+
+
+def rebuild_requested() -> bool:
+    return os.environ.get("AMDQB_REBUILD", "0").strip().lower() not in ("", "0", "false", "no")
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel arguments: exact-width ctypes values (a Python int would be taken for a pointer, a float
+# for a double) and the kernelParams array of their addresses.
+# ------------------------------------------------------------------------------------------------
+_I32 = (-(2**31), 2**31 - 1)
+_I64 = (-(2**63), 2**63 - 1)
+
+
+def arg_i32(value: int) -> ctypes.c_int32:
+    value = int(value)
+    if not _I32[0] <= value <= _I32[1]:
+        raise ValueError(f"kernel argument {value} does not fit int32")
+    return ctypes.c_int32(value)
+
+
+def arg_i64(value: int) -> ctypes.c_int64:
+    value = int(value)
+    if not _I64[0] <= value <= _I64[1]:
+        raise ValueError(f"kernel argument {value} does not fit int64")
+    return ctypes.c_int64(value)
+
+
+def arg_f32(value: float) -> ctypes.c_float:
+    return ctypes.c_float(float(value))
+
+
+def arg_ptr(address: int | None) -> ctypes.c_void_p:
+    """A device pointer (``tensor.data_ptr()``) or NULL."""
+    return ctypes.c_void_p(int(address) if address else None)
+
+
+class KernelParams:
+    """``void*[n]`` whose entries point at the ctypes argument values; keeps them alive."""
+
+    __slots__ = ("values", "array")
+
+    def __init__(self, values):
+        for v in values:
+            if not isinstance(v, (ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p)):
+                raise TypeError(f"kernel arguments must be exact-width ctypes values, got {v!r}")
+        self.values = tuple(values)
+        self.array = (ctypes.c_void_p * max(1, len(self.values)))(
+            *[ctypes.addressof(v) for v in self.values]
+        )
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.array)
+
+    def __len__(self) -> int:
+        return len(self.values)

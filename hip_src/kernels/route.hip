@@ -1,0 +1,239 @@
+// Route rows: give every route (t, j) of topk_ids a unique slot of its expert.
+//
+// Contract (amdqb.ref.route): ids outside [0, E) are dropped (row -1, claim nothing); a valid route
+// to expert e claims slot counters[e] + rank (counters are the caller's offsets, updated in place);
+// masked layout (capacity >= 0): row = e * capacity + slot, slots >= capacity dropped (row -1);
+// compact layout (capacity < 0 here): the route kernels store the slot and
+// amdqb_route_compact_* adds offset[e] (the exclusive cumsum of the updated counters) afterwards.
+// Order inside an expert is unspecified for the atomic and lds kernels (any interleaving of the
+// atomics), ascending flat route index for the det_* kernels. counts are written by
+// amdqb_route_finalize from a snapshot of the counters taken before the call.
+//
+// Offsets are 64-bit (route count up to 2^31 - 1, the op checks it); rows are int32 (the op checks
+// E * capacity <= INT32_MAX).
+#include "amdqb_prelude.h"
+
+using namespace amdqb;
+
+#ifndef AMDQB_ROUTE_ITEMS
+#define AMDQB_ROUTE_ITEMS 16  // routes per thread of the lds kernel (kept in registers)
+#endif
+#ifndef AMDQB_DET_ITEMS
+#define AMDQB_DET_ITEMS 64  // 32-route chunks per tile of the deterministic kernels
+#endif
+
+namespace {
+
+template <typename IdT>
+AMDQB_DEVICE int expert_of(const IdT* ids, i64 i, int num_experts) {
+  // Compare in 64 bits: an int64 id of 2^32 + 3 must drop, not alias expert 3.
+  const i64 v = (i64)ids[i];
+  return (v >= 0 && v < (i64)num_experts) ? (int)v : -1;
+}
+
+AMDQB_DEVICE int place(int e, int slot, int capacity) {
+  if (capacity < 0) return slot;  // compact: offset added by amdqb_route_compact_*
+  return slot < capacity ? e * capacity + slot : -1;
+}
+
+// "old": one device-scope atomic per valid route.
+template <typename IdT>
+AMDQB_DEVICE void route_atomic(const IdT* ids, i64 n, int num_experts, int capacity, int* counters,
+                               int* rows) {
+  const i64 stride = (i64)gridDim.x * blockDim.x;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const int e = expert_of(ids, i, num_experts);
+    int row = -1;
+    if (e >= 0) row = place(e, atomic_add_global(&counters[e], 1), capacity);
+    rows[i] = row;
+  }
+}
+
+// "new": one tile of blockDim.x * AMDQB_ROUTE_ITEMS routes per block. LDS histogram of the tile,
+// one global atomicAdd per non-empty (block, expert) reserving an interval of the expert's slots,
+// then LDS-atomic ranks inside the interval. Three unconditional barriers, no grid-wide sync.
+// Dynamic shared memory: num_experts ints.
+template <typename IdT>
+AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity, int* counters,
+                            int* rows) {
+  AMDQB_DYN_SHARED(hist);
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  const i64 base = (i64)blockIdx.x * nt * AMDQB_ROUTE_ITEMS;
+
+  for (int e = tid; e < num_experts; e += nt) hist[e] = 0;
+  int ex[AMDQB_ROUTE_ITEMS];
+#pragma unroll
+  for (int j = 0; j < AMDQB_ROUTE_ITEMS; ++j) {
+    const i64 i = base + (i64)j * nt + tid;  // coalesced: item j of the block is a contiguous run
+    ex[j] = i < n ? expert_of(ids, i, num_experts) : -1;
+  }
+  block_sync();  // 1: histogram zeroed
+
+#pragma unroll
+  for (int j = 0; j < AMDQB_ROUTE_ITEMS; ++j)
+    if (ex[j] >= 0) atomic_add_shared(&hist[ex[j]], 1);
+  block_sync();  // 2: tile histogram complete
+
+  for (int e = tid; e < num_experts; e += nt) {
+    const int c = hist[e];
+    if (c > 0) hist[e] = atomic_add_global(&counters[e], c);  // interval [base_e, base_e + c)
+  }
+  block_sync();  // 3: interval bases visible
+
+#pragma unroll
+  for (int j = 0; j < AMDQB_ROUTE_ITEMS; ++j) {
+    const i64 i = base + (i64)j * nt + tid;
+    if (i < n) {
+      int row = -1;
+      if (ex[j] >= 0) row = place(ex[j], atomic_add_shared(&hist[ex[j]], 1), capacity);
+      rows[i] = row;
+    }
+  }
+}
+
+// Deterministic 1/3: per-tile histograms (tile = 32 * AMDQB_DET_ITEMS routes) into
+// tile_counts[tile * E + e], every entry written. Dynamic shared memory: num_experts ints.
+template <typename IdT>
+AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* tile_counts) {
+  AMDQB_DYN_SHARED(hist);
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  const i64 tile = 32LL * AMDQB_DET_ITEMS;
+  const i64 base = (i64)blockIdx.x * tile;
+  for (int e = tid; e < num_experts; e += nt) hist[e] = 0;
+  block_sync();
+  for (i64 k = tid; k < tile; k += nt) {
+    const i64 i = base + k;
+    if (i < n) {
+      const int e = expert_of(ids, i, num_experts);
+      if (e >= 0) atomic_add_shared(&hist[e], 1);
+    }
+  }
+  block_sync();
+  int* out = tile_counts + (i64)blockIdx.x * num_experts;
+  for (int e = tid; e < num_experts; e += nt) out[e] = hist[e];
+}
+
+// Deterministic 3/3: one logical warp (block of 32 threads) per tile walks its routes in flat
+// order, 32 at a time. Peers with the same expert are found with 32 shuffles; the lowest peer
+// advances the expert's running slot in LDS; each route's slot = running + rank among its peers.
+// Dynamic shared memory: num_experts ints.
+template <typename IdT>
+AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
+                           const int* tile_base, int* rows) {
+  AMDQB_DYN_SHARED(next);
+  const int lane = lane_id();
+  const i64 base = (i64)blockIdx.x * 32 * AMDQB_DET_ITEMS;
+  const int* tb = tile_base + (i64)blockIdx.x * num_experts;
+  for (int e = lane; e < num_experts; e += 32) next[e] = tb[e];
+  warp_sync();
+  for (int c = 0; c < AMDQB_DET_ITEMS; ++c) {
+    const i64 i = base + (i64)c * 32 + lane;
+    const int e = i < n ? expert_of(ids, i, num_experts) : -1;
+    u32 peers = 0;
+    for (int src = 0; src < 32; ++src) peers |= (u32)(shfl_i32(e, src) == e) << src;
+    const int leader = lowest_bit(peers);
+    int start = 0;
+    if (e >= 0 && lane == leader) {
+      start = next[e];
+      next[e] = start + popc32(peers);
+    }
+    start = shfl_i32(start, leader);
+    if (i < n) rows[i] = e >= 0 ? place(e, start + popc32(peers & lanemask_lt()), capacity) : -1;
+    warp_sync();  // next[] updates visible to the next chunk's leaders
+  }
+}
+
+}  // namespace
+
+// ---- kernels ------------------------------------------------------------------------------------
+#define AMDQB_ROUTE_KERNELS(SUFFIX, IdT)                                                           \
+  AMDQB_KERNEL void amdqb_route_atomic_##SUFFIX(const IdT* ids, i64 n, int num_experts,           \
+                                                int capacity, int* counters, int* rows) {          \
+    route_atomic<IdT>(ids, n, num_experts, capacity, counters, rows);                              \
+  }                                                                                                \
+  AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)                                                       \
+      amdqb_route_lds_##SUFFIX(const IdT* ids, i64 n, int num_experts, int capacity,               \
+                               int* counters, int* rows) {                                         \
+    route_lds<IdT>(ids, n, num_experts, capacity, counters, rows);                                 \
+  }                                                                                                \
+  AMDQB_KERNEL void amdqb_route_det_hist_##SUFFIX(const IdT* ids, i64 n, int num_experts,         \
+                                                  int* tile_counts) {                              \
+    det_tile_hist<IdT>(ids, n, num_experts, tile_counts);                                          \
+  }                                                                                                \
+  AMDQB_KERNEL void amdqb_route_det_rank_##SUFFIX(const IdT* ids, i64 n, int num_experts,         \
+                                                  int capacity, const int* tile_base, int* rows) { \
+    det_rank<IdT>(ids, n, num_experts, capacity, tile_base, rows);                                 \
+  }                                                                                                \
+  AMDQB_KERNEL void amdqb_route_compact_##SUFFIX(const IdT* ids, i64 n, int num_experts,          \
+                                                 const int* offsets, int* rows) {                  \
+    const i64 stride = (i64)gridDim.x * blockDim.x;                                                \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {                 \
+      const int e = expert_of(ids, i, num_experts);                                                \
+      if (e >= 0) rows[i] = (int)((u32)rows[i] + (u32)offsets[e]);                                 \
+    }                                                                                              \
+  }
+
+AMDQB_ROUTE_KERNELS(i32, i32)
+AMDQB_ROUTE_KERNELS(i64, i64)
+
+// Deterministic 2/3: per expert, exclusive scan over the tiles (in tile order) starting at the
+// caller's counter; tile_counts becomes the tiles' first slots and counters the updated values.
+AMDQB_KERNEL void amdqb_route_det_scan(int num_tiles, int num_experts, int* tile_counts,
+                                       int* counters) {
+  const int e = (int)(blockIdx.x * blockDim.x + threadIdx.x);
+  if (e >= num_experts) return;
+  int running = counters[e];
+  for (int t = 0; t < num_tiles; ++t) {
+    int* p = tile_counts + (i64)t * num_experts + e;
+    const int c = *p;
+    *p = running;
+    running += c;
+  }
+  counters[e] = running;
+}
+
+// counts[e] = routes of this call that received a row; for the compact layout also
+// offsets = exclusive cumsum of the updated counters (wrapping int32 arithmetic like the oracle's
+// int64 -> int32 cast). One block; each thread owns a contiguous chunk of experts.
+// Static shared memory: blockDim.x <= 1024 ints.
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
+    amdqb_route_finalize(int num_experts, int capacity, const int* before, const int* counters,
+                         int* counts, int* offsets) {
+  AMDQB_SHARED(u32, chunk_sum, 1024);
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  const int per = (num_experts + nt - 1) / nt;
+  const int lo = tid * per;
+  const int hi = lo + per < num_experts ? lo + per : num_experts;
+  u32 sum = 0;
+  for (int e = lo; e < hi; ++e) {
+    const int c0 = before[e];
+    const int raw = counters[e] - c0;
+    int accepted = raw;
+    if (capacity >= 0) {
+      const i64 room = (i64)capacity - c0;
+      accepted = room <= 0 ? 0 : (room < raw ? (int)room : raw);
+    }
+    counts[e] = accepted;
+    sum += (u32)counters[e];
+  }
+  if (offsets == nullptr) return;  // uniform across the block
+  chunk_sum[tid] = sum;
+  block_sync();
+  if (tid == 0) {
+    u32 run = 0;
+    for (int k = 0; k < nt; ++k) {
+      const u32 s = chunk_sum[k];
+      chunk_sum[k] = run;
+      run += s;
+    }
+  }
+  block_sync();
+  u32 run = chunk_sum[tid];
+  for (int e = lo; e < hi; ++e) {
+    offsets[e] = (int)run;
+    run += (u32)counters[e];
+  }
+}

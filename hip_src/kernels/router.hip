@@ -1,0 +1,425 @@
+// Fused score function + exact Top-k router with opt-in Quantile Balancing (QB) histogram, and the
+// serving form (biased_topk) -- a port of TransformerEngine's QB router design to 32-lane logical
+// warps (wave32 and wave64).
+//
+// Compile-time constants (-D): AMDQB_NUM_EXPERTS (E), AMDQB_IN_DTYPE (0 fp32, 1 fp16, 2 bf16),
+// AMDQB_SCORE (0 sigmoid, 1 sqrtsoftplus, 2 softmax), AMDQB_WAVE_SIZE.
+//
+// Precision contract (amdqb.ref.router): logits are converted to fp32 on load; activation, biased
+// scores, selection, normalisation, the QB cutoff and the histogram arithmetic are fp32 without
+// contraction; probs are written in the logits dtype (round to nearest even).
+//
+// Selection contract (amdqb.ref.ordering): experts are ranked by (value descending, id ascending)
+// through a monotone int32 key (-0.0 == +0.0, NaN below -inf); padding lanes (id >= E) rank below
+// every expert. The Top-n (n = k, or k + 1 under QB) is exact:
+//   1. each lane holds VPL = ceil(E/32) experts (id = j*32 + lane) in registers;
+//   2. lower bound: the n-th best of the 32 lane maxima (bitonic sort across the warp), valid for
+//      n <= 32: the n lanes with the best maxima hold n distinct experts at or above it;
+//   3. candidates at or above the bound are compacted (warp prefix sum) into a per-warp buffer of
+//      CAP = 64 entries; if they overflow (or n > 32) the bound is recomputed exactly: bitwise
+//      binary search on the key gives the n-th key, ties at that key are taken in id order via
+//      warp ballots, so exactly n candidates remain;
+//   4. pairwise ranks among the candidates give the Top-n in selection order; membership of every
+//      expert is a local compare against the k-th element.
+// QB: Top-(k+1) of u = s + b, alpha = u of the (k+1)-th, the first k are routed; for every expert
+// r = alpha - s_j, scale = fp32(B) / (U - L), bin = clamp(floor((r - L) * scale), 0, B - 1) in fp32
+// (NaN -> 0); fused mode adds 1 to hist[j * B + bin] with a device atomic in the epilogue,
+// two-kernel mode writes alpha and amdqb_qb_hist recomputes s with the same device function.
+#include "amdqb_prelude.h"
+
+using namespace amdqb;
+
+#ifndef AMDQB_NUM_EXPERTS
+#error "AMDQB_NUM_EXPERTS must be defined"
+#endif
+#ifndef AMDQB_IN_DTYPE
+#define AMDQB_IN_DTYPE 0
+#endif
+#ifndef AMDQB_SCORE
+#define AMDQB_SCORE 0
+#endif
+
+#define AMDQB_SCORE_SIGMOID 0
+#define AMDQB_SCORE_SQRTSOFTPLUS 1
+#define AMDQB_SCORE_SOFTMAX 2
+
+namespace {
+
+constexpr int E = AMDQB_NUM_EXPERTS;
+constexpr int VPL = (E + 31) / 32;  // experts per lane
+constexpr int NBYTES = (E + 7) / 8;  // bitmap bytes per token
+constexpr int WARPS = 8;             // logical warps (tokens in flight) per block of 256 threads
+constexpr int CAP = 64;              // candidate buffer per warp; also the largest n supported
+
+enum MapKind { kMapNone = 0, kByteMap = 1, kBitMap = 2, kIdx16 = 3, kIdx32 = 4, kIdx64 = 5 };
+enum QbMode { kQbNone = 0, kQbFused = 1, kQbAlpha = 2 };
+
+#if AMDQB_IN_DTYPE == 0
+typedef float in_t;
+AMDQB_DEVICE float to_f32(in_t x) { return x; }
+AMDQB_DEVICE in_t from_f32(float x) { return x; }
+#elif AMDQB_IN_DTYPE == 1
+typedef u16 in_t;
+AMDQB_DEVICE float to_f32(in_t x) { return half_to_float(x); }
+AMDQB_DEVICE in_t from_f32(float x) { return float_to_half(x); }
+#else
+typedef u16 in_t;
+AMDQB_DEVICE float to_f32(in_t x) { return bf16_to_float(x); }
+AMDQB_DEVICE in_t from_f32(float x) { return float_to_bf16(x); }
+#endif
+
+[[maybe_unused]] AMDQB_DEVICE float neg_inf() { return bits_float(0xff800000u); }
+
+// Element-wise activation (sigmoid / sqrtsoftplus); the identity for softmax, whose row
+// statistics are applied by load_scores. The same function feeds the router and amdqb_qb_hist.
+AMDQB_DEVICE float act_elementwise(float z) {
+#if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
+  return 1.0f / (1.0f + expf(-z));
+#elif AMDQB_SCORE == AMDQB_SCORE_SQRTSOFTPLUS
+  const float sp = z > 20.0f ? z : log1pf(expf(z));  // torch softplus, threshold 20
+  return sqrtf(sp);
+#else
+  return z;
+#endif
+}
+
+// QB bin of a required bias r (TE's arithmetic: multiply by the fp32 scale, no reciprocal width).
+AMDQB_DEVICE int qb_bin(float r, float lower, float scale, int num_bins) {
+  float x = floorf((r - lower) * scale);
+  if (x != x) x = 0.0f;  // NaN r -> bin 0
+  const float hi = (float)(num_bins - 1);
+  x = x < 0.0f ? 0.0f : x;
+  x = x > hi ? hi : x;
+  return (int)x;
+}
+
+AMDQB_DEVICE bool valid_slot(int j, int lane) { return j < VPL - 1 || j * 32 + lane < E; }
+
+// Scores of one token: s[j] of expert j*32 + lane (0 on padding). softmax: softmax over the E
+// experts when softmax_pre, else the raw logits.
+AMDQB_DEVICE void load_scores(const in_t* row, int lane, float (&s)[VPL], int softmax_pre) {
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    const float z = valid_slot(j, lane) ? to_f32(row[j * 32 + lane]) : 0.0f;
+    s[j] = act_elementwise(z);
+  }
+#if AMDQB_SCORE == AMDQB_SCORE_SOFTMAX
+  if (softmax_pre) {
+    float m = neg_inf();
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (valid_slot(j, lane)) m = fmaxf(m, s[j]);
+    m = warp_max_f32(m);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (valid_slot(j, lane)) sum += expf(s[j] - m);
+    sum = warp_sum_f32(sum);
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) s[j] = valid_slot(j, lane) ? expf(s[j] - m) / sum : 0.0f;
+  }
+#else
+  (void)softmax_pre;
+#endif
+}
+
+AMDQB_DEVICE bool at_or_ahead(i32 k, i32 id, i32 bk, i32 bid) {
+  return k > bk || (k == bk && id <= bid);
+}
+
+// Bitonic sort of one (key, id) pair per lane, descending in the selection order.
+AMDQB_DEVICE void warp_sort_desc(i32& k, i32& id, int lane) {
+#pragma unroll
+  for (int size = 2; size <= 32; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      const i32 ok = shfl_xor_i32(k, stride);
+      const i32 oid = shfl_xor_i32(id, stride);
+      const bool lower = (lane & stride) == 0;
+      const bool desc = (lane & size) == 0;  // size == 32: every lane, so the result is descending
+      const bool other_ahead = ahead(ok, oid, k, id);
+      if ((lower == desc) ? other_ahead : !other_ahead) {
+        k = ok;
+        id = oid;
+      }
+    }
+  }
+}
+
+// Exact n-th element of the token (n <= E): bitwise binary search on the offset-binary key for
+// the n-th largest key, then the (n - #greater)-th expert with that key in id order.
+AMDQB_DEVICE void exact_nth(const i32 (&key)[VPL], int n, int lane, i32& out_key, i32& out_id) {
+  u32 thr = 0;
+  for (int b = 31; b >= 0; --b) {
+    const u32 cand = thr | (1u << b);
+    int c = 0;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) c += ((u32)key[j] ^ 0x80000000u) >= cand ? 1 : 0;
+    if (warp_sum_i32(c) >= n) thr = cand;
+  }
+  const i32 kstar = (i32)(thr ^ 0x80000000u);
+  int g = 0;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) g += key[j] > kstar ? 1 : 0;
+  const int need = n - warp_sum_i32(g);  // >= 1 ties to take, smallest ids first
+  int running = 0;
+  i32 found = -1;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    const u32 m = ballot32(key[j] == kstar);  // id order inside a row j is lane order
+    const int pc = popc32(m);
+    if (found < 0 && running + pc >= need) {  // warp-uniform
+      const int idx = need - running - 1;
+      const bool me = ((m >> lane) & 1u) && popc32(m & lanemask_lt()) == idx;
+      found = j * 32 + lowest_bit(ballot32(me));
+    }
+    running += pc;
+  }
+  out_key = kstar;
+  out_id = found;
+}
+
+AMDQB_DEVICE int count_at_or_ahead(const i32 (&key)[VPL], int lane, i32 bk, i32 bid) {
+  int c = 0;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) c += at_or_ahead(key[j], j * 32 + lane, bk, bid) ? 1 : 0;
+  return c;
+}
+
+struct WarpBuffers {
+  i32* ckey;
+  i32* cid;
+  float* cs;
+  i32* skey;
+  i32* sid;
+  float* ss;
+};
+
+// Top-n of the token into b.skey/sid/ss[0..n) in selection order (n <= CAP, n <= E).
+AMDQB_DEVICE void select_top(const i32 (&key)[VPL], const float (&s)[VPL], int n, int lane,
+                             const WarpBuffers& b) {
+  i32 bk, bid;
+  if (n <= 32) {
+    i32 lk = key[0], lid = lane;
+#pragma unroll
+    for (int j = 1; j < VPL; ++j)
+      if (key[j] > lk) {  // strict: the lane's earliest (smallest id) maximum
+        lk = key[j];
+        lid = j * 32 + lane;
+      }
+    warp_sort_desc(lk, lid, lane);
+    bk = shfl_i32(lk, n - 1);
+    bid = shfl_i32(lid, n - 1);
+  } else {
+    exact_nth(key, n, lane, bk, bid);
+  }
+  int c = count_at_or_ahead(key, lane, bk, bid);
+  int incl = warp_inclusive_sum_i32(c);
+  int total = shfl_i32(incl, 31);
+  if (total > CAP) {  // warp-uniform; rare for real router logits
+    exact_nth(key, n, lane, bk, bid);
+    c = count_at_or_ahead(key, lane, bk, bid);
+    incl = warp_inclusive_sum_i32(c);
+    total = shfl_i32(incl, 31);  // == n
+  }
+  int pos = incl - c;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    const i32 id = j * 32 + lane;
+    if (at_or_ahead(key[j], id, bk, bid)) {
+      b.ckey[pos] = key[j];
+      b.cid[pos] = id;
+      b.cs[pos] = s[j];
+      ++pos;
+    }
+  }
+  warp_sync();
+#pragma unroll
+  for (int q = 0; q < CAP / 32; ++q) {
+    const int slot = lane + 32 * q;
+    if (slot < total) {
+      const i32 mk = b.ckey[slot], mid = b.cid[slot];
+      int rank = 0;
+      for (int m = 0; m < total; ++m) rank += ahead(b.ckey[m], b.cid[m], mk, mid) ? 1 : 0;
+      if (rank < n) {
+        b.skey[rank] = mk;
+        b.sid[rank] = mid;
+        b.ss[rank] = b.cs[slot];
+      }
+    }
+  }
+  warp_sync();
+}
+
+}  // namespace
+
+// One logical warp per token, WARPS tokens per block, persistent grid-stride loop over tokens.
+//   nsel = topk (+1 under QB); normalize: p = s / (sum_selected s + 1e-20); softmax_pre: scores are
+//   the softmax over E (else, for AMDQB_SCORE softmax, the selected logits are softmax-ed);
+//   probs (nullable) [T, E] in the logits dtype; map (nullable) per map_kind; hist/bounds for
+//   qb_mode 1, alpha_out for qb_mode 2; w_out/id_out (nullable) [T, topk] fp32 / int32.
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
+    amdqb_router(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
+                 int normalize, int softmax_pre, float scale, in_t* probs, void* map, int map_kind,
+                 int qb_mode, int* hist, const float* bounds, int num_bins, float* alpha_out,
+                 float* w_out, int* id_out) {
+  AMDQB_SHARED(i32, sh_ckey, WARPS * CAP);
+  AMDQB_SHARED(i32, sh_cid, WARPS * CAP);
+  AMDQB_SHARED(float, sh_cs, WARPS * CAP);
+  AMDQB_SHARED(i32, sh_skey, WARPS * CAP);
+  AMDQB_SHARED(i32, sh_sid, WARPS * CAP);
+  AMDQB_SHARED(float, sh_ss, WARPS * CAP);
+  const int lane = lane_id();
+  const int w = warp_in_block();
+  const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_cs + w * CAP,
+                      sh_skey + w * CAP, sh_sid + w * CAP, sh_ss + w * CAP};
+  const bool post_softmax = AMDQB_SCORE == AMDQB_SCORE_SOFTMAX && !softmax_pre;
+
+  float qb_lower = 0.0f, qb_scale = 0.0f;
+  if (qb_mode == kQbFused) {
+    qb_lower = bounds[0];
+    qb_scale = (float)num_bins / (bounds[1] - qb_lower);
+  }
+
+  for (i64 t = (i64)blockIdx.x * WARPS + w; t < num_tokens; t += (i64)gridDim.x * WARPS) {
+    float s[VPL];
+    i32 key[VPL];
+    load_scores(logits + t * E, lane, s, softmax_pre);
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+      const int e = j * 32 + lane;
+      if (valid_slot(j, lane)) {
+        const float u = bias != nullptr ? s[j] + bias[e] : s[j];
+        key[j] = order_key(u);
+      } else {
+        key[j] = kInt32Min;  // padding: ids >= E rank below every expert
+      }
+    }
+    select_top(key, s, nsel, lane, b);
+
+    // Route cutoff (k-th element) and weights.
+    const i32 ck = b.skey[topk - 1], cid = b.sid[topk - 1];
+    float denom = 1.0f, zmax = 0.0f;
+    if (post_softmax) {
+      zmax = b.ss[0];
+      denom = 0.0f;
+      for (int r = 0; r < topk; ++r) denom += expf(b.ss[r] - zmax);
+    } else if (normalize) {
+      float sum = 0.0f;
+      for (int r = 0; r < topk; ++r) sum += b.ss[r];
+      denom = sum + 1e-20f;
+    }
+    auto weight = [&](float v) -> float {
+      float p;
+      if (post_softmax)
+        p = expf(v - zmax) / denom;
+      else
+        p = normalize ? v / denom : v;
+      return p * scale;
+    };
+
+    if (probs != nullptr || map_kind == kByteMap || map_kind == kBitMap) {
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) {
+        const int e = j * 32 + lane;
+        const bool valid = valid_slot(j, lane);
+        const bool member = valid && at_or_ahead(key[j], e, ck, cid);
+        if (valid && probs != nullptr) probs[t * E + e] = from_f32(member ? weight(s[j]) : 0.0f);
+        if (valid && map_kind == kByteMap) static_cast<u8*>(map)[t * E + e] = member ? 1 : 0;
+        if (map_kind == kBitMap) {
+          const u32 bits = ballot32(member);  // bit l = expert j*32 + l
+          const int byte = j * 4 + lane;
+          if (lane < 4 && byte < NBYTES)
+            static_cast<u8*>(map)[t * NBYTES + byte] = (u8)((bits >> (8 * lane)) & 0xffu);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < CAP / 32; ++q) {
+      const int r = lane + 32 * q;
+      if (r < topk) {
+        const i64 o = t * topk + r;
+        const i32 id = b.sid[r];
+        if (map_kind == kIdx16) static_cast<i16*>(map)[o] = (i16)id;
+        if (map_kind == kIdx32) static_cast<i32*>(map)[o] = id;
+        if (map_kind == kIdx64) static_cast<i64*>(map)[o] = (i64)id;
+        if (w_out != nullptr) {
+          w_out[o] = weight(b.ss[r]);
+          id_out[o] = id;
+        }
+      }
+    }
+
+    if (qb_mode != kQbNone) {
+      const i32 aid = b.sid[topk];  // the (k+1)-th: the cutoff alpha
+      const float alpha = bias != nullptr ? b.ss[topk] + bias[aid] : b.ss[topk];
+      if (qb_mode == kQbAlpha) {
+        if (lane == 0) alpha_out[t] = alpha;
+      } else {
+#pragma unroll
+        for (int j = 0; j < VPL; ++j) {
+          const int e = j * 32 + lane;
+          if (valid_slot(j, lane)) {
+            const int bin = qb_bin(alpha - s[j], qb_lower, qb_scale, num_bins);
+            atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
+          }
+        }
+      }
+    }
+    warp_sync();  // the next token reuses this warp's buffers
+  }
+}
+
+// QB two-kernel histogram: grid (ceil(E / experts_per_block), token slices). Each block builds an
+// LDS histogram [experts_per_block, B] of its (expert, token) slice from the recomputed scores and
+// the router's cutoffs, then flushes the non-zero bins with global atomics. Threads map to
+// (token, expert) with the expert fastest, so a warp reads runs of consecutive logits.
+// Dynamic shared memory: experts_per_block * num_bins ints.
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
+    amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
+                  int num_bins, int experts_per_block, int tokens_per_slice, int* hist) {
+  AMDQB_DYN_SHARED(lh);
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  const int epb = experts_per_block;
+  const int e0 = (int)blockIdx.x * epb;
+  const int ne = E - e0 < epb ? E - e0 : epb;
+  const i64 t0 = (i64)blockIdx.y * tokens_per_slice;
+  const i64 t1 = t0 + tokens_per_slice < num_tokens ? t0 + tokens_per_slice : (i64)num_tokens;
+
+  for (int i = tid; i < epb * num_bins; i += nt) lh[i] = 0;
+  block_sync();
+
+  const float lower = bounds[0];
+  const float scale = (float)num_bins / (bounds[1] - lower);
+  const int sub = tid % epb;
+  const int rows_per_pass = nt / epb;
+  const int tt = tid / epb;
+  if (tt < rows_per_pass && sub < ne) {
+    for (i64 t = t0 + tt; t < t1; t += rows_per_pass) {
+      const float sj = act_elementwise(to_f32(logits[t * E + e0 + sub]));
+      atomic_add_shared(&lh[sub * num_bins + qb_bin(alpha[t] - sj, lower, scale, num_bins)], 1);
+    }
+  }
+  block_sync();
+
+  for (int i = tid; i < ne * num_bins; i += nt) {
+    const int c = lh[i];
+    if (c != 0) atomic_add_global(&hist[(i64)(e0 + i / num_bins) * num_bins + i % num_bins], c);
+  }
+}
+
+// fp32 scores exactly as amdqb_router computes them (softmax: over E), for tests and the oracle
+// comparison. One logical warp per token.
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
+    amdqb_scores(const in_t* logits, int num_tokens, float* out) {
+  const int lane = lane_id();
+  for (i64 t = (i64)blockIdx.x * WARPS + warp_in_block(); t < num_tokens;
+       t += (i64)gridDim.x * WARPS) {
+    float s[VPL];
+    load_scores(logits + t * E, lane, s, 1);
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (valid_slot(j, lane)) out[t * E + j * 32 + lane] = s[j];
+  }
+}

@@ -1,0 +1,686 @@
+"""``@triton.jit`` bodies of the layout and QB-update kernels (launchers in ``layout.py``).
+
+Contracts shared by every kernel here:
+
+* a *route* is one flat entry of ``topk_ids`` (int32 or int64); ids outside ``[0, E)`` are
+  dropped. Route offsets are int64 (``pid * R`` may pass 2^31 near the int32 route limit) and
+  element offsets of ``[rows, H]`` tensors are int64 (``rows * H`` may pass 2^31);
+* a *block* is the ``R = NSUB * SUB`` consecutive routes of one program, processed in ``NSUB``
+  sub-chunks of ``SUB`` routes; ``E_PAD`` is a power of two >= E (histogram width, <= 4096);
+* the stable rank of a route among the same-expert routes of its sub-chunk comes from a bitonic
+  ``tl.sort`` of ``(expert << LOG_SUB) | lane`` keys: in sorted order the position minus the
+  sub-chunk's exclusive expert histogram is that rank, and ascending lanes make it stable;
+* per-block expert histograms are ``tl.histogram`` (LDS atomics on AMD, shared memory on NVIDIA);
+* nothing here reads device values on the host: every size the host passes is a shape.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# ----------------------------------------------------------------------------------------------
+# Route-block helpers (route rows "lds" / deterministic, align block size)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_histogram(
+    ids_ptr, start, stop, E, SUB: tl.constexpr, NSUB: tl.constexpr, E_PAD: tl.constexpr
+):
+    """Expert histogram ``[E_PAD]`` of the valid routes in ``[start, stop)``."""
+    lane = tl.arange(0, SUB)
+    h = tl.zeros([E_PAD], dtype=tl.int32)
+    for c in range(NSUB):
+        offs = start + c * SUB + lane
+        raw = tl.load(ids_ptr + offs, mask=offs < stop, other=-1)
+        valid = (raw >= 0) & (raw < E)
+        h += tl.histogram(tl.where(valid, raw, 0).to(tl.int32), E_PAD, mask=valid)
+    return h
+
+
+@triton.jit
+def _block_assign(
+    ids_ptr,
+    out_ptr,
+    start,
+    stop,
+    E,
+    g,
+    cap,
+    SUB: tl.constexpr,
+    NSUB: tl.constexpr,
+    LOG_SUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    MODE: tl.constexpr,
+):
+    """Give every route of ``[start, stop)`` slot ``g[e] + rank`` (rank: stable, in-block).
+
+    ``MODE`` 0: ``out[route] = e * cap + slot`` if ``slot < cap`` else -1 (masked layout);
+    1: ``out[route] = slot`` (-1 for dropped ids); 2: ``out[slot] = route`` (align scatter).
+    """
+    lane = tl.arange(0, SUB)
+    for c in range(NSUB):
+        sub0 = start + c * SUB
+        offs = sub0 + lane
+        raw = tl.load(ids_ptr + offs, mask=offs < stop, other=-1)
+        valid = (raw >= 0) & (raw < E)
+        e = tl.where(valid, raw, 0).to(tl.int32)
+        hs = tl.histogram(e, E_PAD, mask=valid)
+        # Dropped ids and the tail past `stop` get expert E_PAD: they sort after every valid key.
+        keys = tl.sort((tl.where(valid, e, E_PAD) << LOG_SUB) | lane)
+        se = keys >> LOG_SUB
+        sl = keys & (SUB - 1)
+        ok = se < E_PAD
+        excl = tl.cumsum(hs, 0) - hs
+        slot = tl.gather(g - excl, tl.minimum(se, E_PAD - 1), 0) + lane
+        g += hs
+        dest = sub0 + sl
+        if MODE == 0:
+            keep = ok & (slot < cap)
+            tl.store(out_ptr + dest, tl.where(keep, se * cap + slot, -1), mask=dest < stop)
+        elif MODE == 1:
+            tl.store(out_ptr + dest, tl.where(ok, slot, -1), mask=dest < stop)
+        else:
+            tl.store(out_ptr + slot, dest.to(tl.int32), mask=ok)
+
+
+@triton.jit
+def _block_hist_kernel(
+    ids_ptr,
+    hist_ptr,
+    fill_ptr,
+    N,
+    E,
+    fill_len,
+    fill_per,
+    fill_val,
+    SUB: tl.constexpr,
+    NSUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    FILL: tl.constexpr,
+    FILL_BLOCK: tl.constexpr,
+):
+    """Row ``pid`` of the ``[NB, E_PAD]`` per-block histogram matrix (every entry written).
+
+    With ``FILL`` the program also writes ``fill_val`` over its ``fill_per`` slice of ``fill_ptr``
+    (the align sentinel), so the fill costs no extra launch.
+    """
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * (SUB * NSUB)
+    stop = tl.minimum(start + SUB * NSUB, N)
+    h = _block_histogram(ids_ptr, start, stop, E, SUB, NSUB, E_PAD)
+    tl.store(hist_ptr + pid.to(tl.int64) * E_PAD + tl.arange(0, E_PAD), h)
+    if FILL:
+        f0 = pid.to(tl.int64) * fill_per
+        fend = tl.minimum(f0 + fill_per, fill_len)
+        vals = tl.full([FILL_BLOCK], 0, tl.int32) + fill_val
+        for f in range(0, fill_per, FILL_BLOCK):
+            offs = f0 + f + tl.arange(0, FILL_BLOCK)
+            tl.store(fill_ptr + offs, vals, mask=offs < fend)
+
+
+@triton.jit
+def _block_assign_kernel(
+    ids_ptr,
+    hist_ptr,
+    out_ptr,
+    N,
+    E,
+    cap,
+    NB,
+    SUB: tl.constexpr,
+    NSUB: tl.constexpr,
+    LOG_SUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    MODE: tl.constexpr,
+    ADD_ROW: tl.constexpr,
+):
+    """Deterministic pass 3: slot base of block ``pid`` is row ``pid`` of the scanned matrix,
+    plus row ``NB`` (expert offsets) when ``ADD_ROW``."""
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * (SUB * NSUB)
+    stop = tl.minimum(start + SUB * NSUB, N)
+    eidx = tl.arange(0, E_PAD)
+    g = tl.load(hist_ptr + pid.to(tl.int64) * E_PAD + eidx)
+    if ADD_ROW:
+        g += tl.load(hist_ptr + NB.to(tl.int64) * E_PAD + eidx)
+    _block_assign(ids_ptr, out_ptr, start, stop, E, g, cap, SUB, NSUB, LOG_SUB, E_PAD, MODE)
+
+
+@triton.jit
+def _route_lds_kernel(
+    ids_ptr,
+    counters_ptr,
+    counts_ptr,
+    rows_ptr,
+    N,
+    E,
+    cap,
+    SUB: tl.constexpr,
+    NSUB: tl.constexpr,
+    LOG_SUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CAPACITY: tl.constexpr,
+):
+    """Route rows, "lds" path: LDS histogram of the block, ONE masked vector atomic reserving an
+    interval per non-empty expert (returns the bases), a second one adding this block's counts,
+    then sort-based ranks inside the intervals. Compact mode stores relative slots (fix-up later).
+    """
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * (SUB * NSUB)
+    stop = tl.minimum(start + SUB * NSUB, N)
+    h = _block_histogram(ids_ptr, start, stop, E, SUB, NSUB, E_PAD)
+    eidx = tl.arange(0, E_PAD)
+    live = h > 0
+    base = tl.atomic_add(counters_ptr + eidx, h, mask=live, sem="relaxed")
+    base = tl.where(live, base, 0)
+    if CAPACITY:
+        # Slots [base, base + h) of which those below cap get a row.
+        acc = tl.minimum(tl.maximum(cap - base, 0), h)
+        tl.atomic_add(counts_ptr + eidx, acc, mask=live & (acc > 0), sem="relaxed")
+        _block_assign(ids_ptr, rows_ptr, start, stop, E, base, cap, SUB, NSUB, LOG_SUB, E_PAD, 0)
+    else:
+        tl.atomic_add(counts_ptr + eidx, h, mask=live, sem="relaxed")
+        _block_assign(ids_ptr, rows_ptr, start, stop, E, base, cap, SUB, NSUB, LOG_SUB, E_PAD, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Route rows: "atomic" path and the shared compact fix-up
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_atomic_kernel(
+    ids_ptr, counters_ptr, rows_ptr, N, E, cap, BLOCK: tl.constexpr, CAPACITY: tl.constexpr
+):
+    """One global atomic per valid route claims its slot (the "old" path)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < N
+    raw = tl.load(ids_ptr + offs, mask=inb, other=-1)
+    valid = (raw >= 0) & (raw < E)
+    e = tl.where(valid, raw, 0).to(tl.int32)
+    slot = tl.atomic_add(counters_ptr + e, 1, mask=valid, sem="relaxed")
+    if CAPACITY:
+        row = tl.where(valid & (slot < cap), e * cap + slot, -1)
+    else:
+        row = tl.where(valid, slot, -1)
+    tl.store(rows_ptr + offs, row, mask=inb)
+
+
+@triton.jit
+def _route_finish_kernel(
+    counters_ptr,
+    counts_ptr,
+    off_ptr,
+    E,
+    cap,
+    CHUNK: tl.constexpr,
+    CAPACITY: tl.constexpr,
+    WRITE_OFF: tl.constexpr,
+):
+    """Single program: ``counts`` from the final counters and their snapshot (held in ``counts``);
+    with ``WRITE_OFF`` the compact offsets ``exclusive_cumsum(counters)`` (int32, wrapping like the
+    oracle's int64 -> int32 cast)."""
+    carry = tl.zeros([], dtype=tl.int32)
+    for c0 in range(0, E, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        m = idx < E
+        fin = tl.load(counters_ptr + idx, mask=m, other=0)
+        snap = tl.load(counts_ptr + idx, mask=m, other=0)
+        if CAPACITY:
+            cnt = tl.maximum(tl.minimum(fin, cap) - snap, 0)
+        else:
+            cnt = fin - snap
+        tl.store(counts_ptr + idx, cnt, mask=m)
+        if WRITE_OFF:
+            tl.store(off_ptr + idx, carry + tl.cumsum(fin, 0) - fin, mask=m)
+            carry += tl.sum(fin, 0)
+
+
+@triton.jit
+def _route_fixup_kernel(
+    ids_ptr,
+    rows_ptr,
+    counters_ptr,
+    off_ptr,
+    N,
+    E,
+    BLOCK: tl.constexpr,
+    E_PAD: tl.constexpr,
+    IN_REG: tl.constexpr,
+):
+    """Compact mode: ``row += offset[e]``. ``IN_REG`` scans the final counters in each program
+    (E <= 4096, saves a launch); otherwise the offsets come from ``_route_finish_kernel``."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < N
+    raw = tl.load(ids_ptr + offs, mask=inb, other=-1)
+    valid = (raw >= 0) & (raw < E)
+    e = tl.where(valid, raw, 0).to(tl.int32)
+    if IN_REG:
+        eidx = tl.arange(0, E_PAD)
+        tot = tl.load(counters_ptr + eidx, mask=eidx < E, other=0)
+        o = tl.gather(tl.cumsum(tot, 0) - tot, e, 0)
+    else:
+        o = tl.load(off_ptr + e, mask=valid, other=0)
+    r = tl.load(rows_ptr + offs, mask=valid, other=0)
+    tl.store(rows_ptr + offs, r + o, mask=valid)
+
+
+# ----------------------------------------------------------------------------------------------
+# Route rows: deterministic scan (any E), and the E > 4096 count / assign kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_det_scan_kernel(
+    hist_ptr,
+    counters_ptr,
+    counts_ptr,
+    NB,
+    E,
+    STRIDE,
+    cap,
+    EC: tl.constexpr,
+    BT: tl.constexpr,
+    CAPACITY: tl.constexpr,
+):
+    """Single program. ``hist[b, e]`` (row stride ``STRIDE``) becomes the slot base of block b,
+    ``counters[e] + sum_{b' < b} hist[b', e]``; counters += totals; counts; compact offsets (the
+    exclusive cumsum of the updated counters) go to row ``NB``."""
+    carry = tl.zeros([], dtype=tl.int32)
+    for e0 in range(0, E, EC):
+        eidx = e0 + tl.arange(0, EC)
+        em = eidx < E
+        c0 = tl.load(counters_ptr + eidx, mask=em, other=0)
+        run = c0
+        for b0 in range(0, NB, BT):
+            rows = b0 + tl.arange(0, BT)
+            ptrs = hist_ptr + rows.to(tl.int64)[:, None] * STRIDE + eidx[None, :]
+            msk = (rows < NB)[:, None] & em[None, :]
+            tile = tl.load(ptrs, mask=msk, other=0)
+            tl.store(ptrs, run[None, :] + tl.cumsum(tile, 0) - tile, mask=msk)
+            run += tl.sum(tile, 0)
+        tl.store(counters_ptr + eidx, run, mask=em)
+        if CAPACITY:
+            tl.store(counts_ptr + eidx, tl.maximum(tl.minimum(run, cap) - c0, 0), mask=em)
+        else:
+            tl.store(counts_ptr + eidx, run - c0, mask=em)
+            off = carry + tl.cumsum(run, 0) - run
+            tl.store(hist_ptr + NB.to(tl.int64) * STRIDE + eidx, off, mask=em)
+            carry += tl.sum(tl.where(em, run, 0), 0)
+
+
+@triton.jit
+def _count_atomic_kernel(ids_ptr, hist_ptr, N, E, SUB: tl.constexpr):
+    """E > 4096: per-block counts ``hist[pid, e]`` (zeroed) by global atomics (counting commutes,
+    so the result is deterministic)."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * SUB + tl.arange(0, SUB)
+    raw = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
+    valid = (raw >= 0) & (raw < E)
+    e = tl.where(valid, raw, 0)
+    tl.atomic_add(hist_ptr + pid.to(tl.int64) * E + e, 1, mask=valid, sem="relaxed")
+
+
+@triton.jit
+def _run_start(e_a, s_a, e_b, s_b):
+    # Over sorted experts: the start of the run holding the last element of the span.
+    return e_b, tl.where(e_a == e_b, s_a, s_b)
+
+
+@triton.jit
+def _route_assign_wide_kernel(
+    ids_ptr,
+    hist_ptr,
+    rows_ptr,
+    N,
+    E,
+    cap,
+    NB,
+    SUB: tl.constexpr,
+    CAPACITY: tl.constexpr,
+):
+    """E > 4096 deterministic pass 3 (one sub-chunk per program): rank = sorted position minus
+    the start of its expert's run (segmented scan), slot base gathered from the scanned matrix."""
+    pid = tl.program_id(0)
+    lane = tl.arange(0, SUB)
+    start = pid.to(tl.int64) * SUB
+    offs = start + lane
+    raw = tl.load(ids_ptr + offs, mask=offs < N, other=-1)
+    valid = (raw >= 0) & (raw < E)
+    ek = tl.where(valid, raw, E).to(tl.int64)
+    keys = tl.sort(ek * SUB + lane)
+    se = keys // SUB
+    sl = (keys % SUB).to(tl.int32)
+    _, run0 = tl.associative_scan((se, lane), 0, _run_start)
+    ok = se < E
+    es = tl.where(ok, se, 0)
+    slot = tl.load(hist_ptr + pid.to(tl.int64) * E + es, mask=ok, other=0) + (lane - run0)
+    if CAPACITY:
+        row = tl.where(ok & (slot < cap), es.to(tl.int32) * cap + slot, -1)
+    else:
+        row = tl.where(
+            ok, tl.load(hist_ptr + NB.to(tl.int64) * E + es, mask=ok, other=0) + slot, -1
+        )
+    dest = start + sl
+    tl.store(rows_ptr + dest, row, mask=dest < N)
+
+
+# ----------------------------------------------------------------------------------------------
+# moe_align_block_size
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _align_scan_kernel(
+    hist_ptr,
+    expert_ids_ptr,
+    post_pad_ptr,
+    NB,
+    E,
+    block_size,
+    n_eid,
+    E_PAD: tl.constexpr,
+    BT: tl.constexpr,
+    JC: tl.constexpr,
+):
+    """Single program: per-block prefixes (in place), padded expert starts (row ``NB``),
+    ``num_tokens_post_pad`` and every entry of ``expert_ids``.
+
+    Block j belongs to expert ``#{e : cumblocks[e] <= j}`` (cumblocks = inclusive cumsum of the
+    padded block counts); counted as a histogram of cumblocks over j, then a running cumsum.
+    """
+    eidx = tl.arange(0, E_PAD)
+    em = eidx < E
+    run = tl.zeros([E_PAD], dtype=tl.int32)
+    for b0 in range(0, NB, BT):
+        rows = b0 + tl.arange(0, BT)
+        ptrs = hist_ptr + rows.to(tl.int64)[:, None] * E_PAD + eidx[None, :]
+        msk = (rows < NB)[:, None] & (eidx < E_PAD)[None, :]
+        tile = tl.load(ptrs, mask=msk, other=0)
+        tl.store(ptrs, run[None, :] + tl.cumsum(tile, 0) - tile, mask=msk)
+        run += tl.sum(tile, 0)
+    nblk = (run + block_size - 1) // block_size
+    padded = nblk * block_size
+    tl.store(hist_ptr + NB.to(tl.int64) * E_PAD + eidx, tl.cumsum(padded, 0) - padded)
+    total_blocks = tl.sum(nblk, 0)
+    tl.store(post_pad_ptr, total_blocks * block_size)
+    cum = tl.cumsum(nblk, 0)
+    carry = tl.zeros([], dtype=tl.int32)
+    for j0 in range(0, n_eid, JC):
+        inr = em & (cum >= j0) & (cum < j0 + JC)
+        d = tl.histogram(tl.where(inr, cum - j0, 0), JC, mask=inr)
+        j = j0 + tl.arange(0, JC)
+        tl.store(
+            expert_ids_ptr + j,
+            tl.where(j < total_blocks, carry + tl.cumsum(d, 0), 0),
+            mask=j < n_eid,
+        )
+        carry += tl.sum(d, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunk sort + pad
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _chunk_map_kernel(
+    sizes_ptr,
+    order_ptr,
+    out_sizes_ptr,
+    map_ptr,
+    C,
+    P,
+    BP: tl.constexpr,
+    C_PAD: tl.constexpr,
+):
+    """Row map for C <= C_PAD chunks: every program rebuilds the chunk table in registers
+    (int64 cumsums) and finds each row's output chunk by counting chunk ends <= row."""
+    ci = tl.arange(0, C_PAD)
+    cm = ci < C
+    sizes = tl.load(sizes_ptr + ci, mask=cm, other=0).to(tl.int64)
+    osz = tl.load(out_sizes_ptr + ci, mask=cm, other=0).to(tl.int64)
+    order = tl.load(order_ptr + ci, mask=cm, other=0).to(tl.int32)
+    order = tl.minimum(tl.maximum(order, 0), C - 1)  # memory safety only; valid input is a perm
+    in_start = tl.cumsum(sizes, 0) - sizes
+    out_end = tl.cumsum(osz, 0)
+    out_start = out_end - osz
+    src_start = tl.gather(in_start, order, 0)
+    src_size = tl.gather(sizes, order, 0)
+    p = tl.program_id(0).to(tl.int64) * BP + tl.arange(0, BP)
+    below = (out_end[None, :] <= p[:, None]) & cm[None, :]
+    chunk = tl.sum(below.to(tl.int32), 1)
+    cc = tl.minimum(chunk, C_PAD - 1)
+    off = p - tl.gather(out_start, cc, 0)
+    copy = (chunk < C) & (off < tl.gather(src_size, cc, 0))
+    row = tl.where(copy, tl.gather(src_start, cc, 0) + off, -1)
+    tl.store(map_ptr + p, row.to(tl.int32), mask=p < P)
+
+
+@triton.jit
+def _chunk_prefix_kernel(sizes_ptr, out_sizes_ptr, table_ptr, C, CHUNK: tl.constexpr):
+    """Single program, any C: ``table[0] = exclusive cumsum(split_sizes)``,
+    ``table[1] = inclusive cumsum(output_split_sizes)`` (int64)."""
+    c_in = tl.zeros([], dtype=tl.int64)
+    c_out = tl.zeros([], dtype=tl.int64)
+    for c0 in range(0, C, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        m = idx < C
+        s = tl.load(sizes_ptr + idx, mask=m, other=0).to(tl.int64)
+        o = tl.load(out_sizes_ptr + idx, mask=m, other=0).to(tl.int64)
+        tl.store(table_ptr + idx, c_in + tl.cumsum(s, 0) - s, mask=m)
+        tl.store(table_ptr + C + idx, c_out + tl.cumsum(o, 0), mask=m)
+        c_in += tl.sum(s, 0)
+        c_out += tl.sum(o, 0)
+
+
+@triton.jit
+def _chunk_map_search_kernel(
+    sizes_ptr,
+    order_ptr,
+    out_sizes_ptr,
+    table_ptr,
+    map_ptr,
+    C,
+    P,
+    BP: tl.constexpr,
+    STEPS: tl.constexpr,
+):
+    """Row map for any C: binary search of each row in the inclusive output ends."""
+    p = tl.program_id(0).to(tl.int64) * BP + tl.arange(0, BP)
+    lo = tl.zeros([BP], dtype=tl.int32)
+    hi = tl.zeros([BP], dtype=tl.int32) + C
+    for _ in range(STEPS):
+        mid = (lo + hi) // 2
+        act = lo < hi
+        end = tl.load(table_ptr + C + mid, mask=act, other=0)
+        go_right = act & (end <= p)
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(act & (end > p), mid, hi)
+    chunk = lo
+    inside = chunk < C
+    cc = tl.minimum(chunk, C - 1)
+    o_end = tl.load(table_ptr + C + cc)
+    o_size = tl.load(out_sizes_ptr + cc).to(tl.int64)
+    src = tl.load(order_ptr + cc).to(tl.int32)
+    src = tl.minimum(tl.maximum(src, 0), C - 1)
+    off = p - (o_end - o_size)
+    copy = inside & (off < tl.load(sizes_ptr + src).to(tl.int64))
+    row = tl.where(copy, tl.load(table_ptr + src) + off, -1)
+    tl.store(map_ptr + p, row.to(tl.int32), mask=p < P)
+
+
+@triton.jit
+def _chunk_copy_kernel(
+    src_ptr,
+    map_ptr,
+    dst_ptr,
+    P,
+    H,
+    BR: tl.constexpr,
+    BH: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    """Row gather (forward: ``dst[p] = src[map[p]]`` or 0) / scatter (reverse: ``dst[map[p]] =
+    src[p]``) of ``[BR, BH]`` tiles; int64 element offsets, contiguous rows -> wide accesses."""
+    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    rm = r < P
+    m = tl.load(map_ptr + r, mask=rm, other=-1)
+    valid = m >= 0
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    cm = (cols < H)[None, :]
+    mrow = tl.where(valid, m, 0).to(tl.int64) * H
+    prow = r * H
+    if REVERSE:
+        msk = valid[:, None] & cm
+        x = tl.load(src_ptr + prow[:, None] + cols[None, :], mask=msk)
+        tl.store(dst_ptr + mrow[:, None] + cols[None, :], x, mask=msk)
+    else:
+        x = tl.load(src_ptr + mrow[:, None] + cols[None, :], mask=valid[:, None] & cm, other=0)
+        tl.store(dst_ptr + prow[:, None] + cols[None, :], x, mask=rm[:, None] & cm)
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantile Balancing updates
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _qb_rows_kernel(
+    hist_ptr,
+    bounds_ptr,
+    bhat_ptr,
+    msum_ptr,
+    E,
+    B,
+    topk,
+    ROWS: tl.constexpr,
+    BB: tl.constexpr,
+    SINGLE: tl.constexpr,
+):
+    """App. D recovery of ``ROWS`` experts, uncentred, fp32 (``amdqb.ref.qb.recover_uncentred``):
+    int64 cumulative counts, integer target ``ceil(m*k/E)``, float64 interpolation. Also writes
+    each row's sum (int64) for the empty-histogram test of ``qb_step``.
+
+    The first bin whose cumulative count reaches the target is ``beta = #{cum < target}``
+    (cum is non-decreasing); the count before it is the largest cum below the target, and the
+    cum at beta is the smallest cum at or above it. Compiled without FP fusion so the float64
+    arithmetic rounds like the oracle's separate operations.
+    """
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rm = r < E
+    rbase = r.to(tl.int64) * B
+    big = tl.full([ROWS], 9223372036854775807, tl.int64)
+    cols = tl.arange(0, BB)
+    if SINGLE:
+        msk = rm[:, None] & (cols < B)[None, :]
+        cnt = tl.load(hist_ptr + rbase[:, None] + cols[None, :], mask=msk, other=0).to(tl.int64)
+        cum = tl.cumsum(cnt, 1)
+        m = tl.sum(cnt, 1)
+        target = (m * topk + E - 1) // E
+        lt = msk & (cum < target[:, None])
+        beta = tl.sum(lt.to(tl.int64), 1)
+        before = tl.max(tl.where(lt, cum, 0), 1)
+        first = tl.min(tl.where(msk & (cum >= target[:, None]), cum, big[:, None]), 1)
+    else:
+        m = tl.zeros([ROWS], dtype=tl.int64)
+        for b0 in range(0, B, BB):
+            msk = rm[:, None] & ((b0 + cols) < B)[None, :]
+            ptrs = hist_ptr + rbase[:, None] + (b0 + cols)[None, :]
+            m += tl.sum(tl.load(ptrs, mask=msk, other=0).to(tl.int64), 1)
+        target = (m * topk + E - 1) // E
+        carry = tl.zeros([ROWS], dtype=tl.int64)
+        beta = tl.zeros([ROWS], dtype=tl.int64)
+        before = tl.zeros([ROWS], dtype=tl.int64)
+        first = big
+        for b0 in range(0, B, BB):
+            msk = rm[:, None] & ((b0 + cols) < B)[None, :]
+            ptrs = hist_ptr + rbase[:, None] + (b0 + cols)[None, :]
+            cnt = tl.load(ptrs, mask=msk, other=0).to(tl.int64)
+            cum = carry[:, None] + tl.cumsum(cnt, 1)
+            lt = msk & (cum < target[:, None])
+            beta += tl.sum(lt.to(tl.int64), 1)
+            before = tl.maximum(before, tl.max(tl.where(lt, cum, 0), 1))
+            ge = msk & (cum >= target[:, None])
+            first = tl.minimum(first, tl.min(tl.where(ge, cum, big[:, None]), 1))
+            carry += tl.sum(cnt, 1)
+    beta = tl.minimum(beta, B - 1)
+    h = tl.where(first == big, 0, first - before)
+    lower = tl.load(bounds_ptr).to(tl.float64)
+    upper = tl.load(bounds_ptr + 1).to(tl.float64)
+    q = (m * topk).to(tl.float64) / E
+    frac = tl.where(h > 0, (q - before.to(tl.float64)) / tl.maximum(h, 1).to(tl.float64), 0.0)
+    frac = tl.minimum(tl.maximum(frac, 0.0), 1.0)
+    width = (upper - lower) / B
+    bhat = lower + (beta.to(tl.float64) + frac) * width
+    bhat = tl.where(m > 0, bhat, (lower + upper) / 2)
+    tl.store(bhat_ptr + r, bhat.to(tl.float32), mask=rm)
+    tl.store(msum_ptr + r, m, mask=rm)
+
+
+@triton.jit(do_not_specialize=["ema_bits", "keep_bits"])
+def _qb_finish_kernel(
+    bhat_ptr,
+    msum_ptr,
+    bias_ptr,
+    bounds_ptr,
+    out_ptr,
+    E,
+    ema_bits,
+    keep_bits,
+    EB: tl.constexpr,
+    STEP: tl.constexpr,
+):
+    """Single program. Recover: ``out = centre(bhat)``. Step (``amdqb.ref.qb.qb_step_update``):
+    ``bias = centre(fp32(ema*old + (1-ema)*centre(bhat)))`` unless the histogram is empty, then
+    ``bounds = [min(bias) - 1, max(bias) + 1]``. Means are float64 sums of fp32 values.
+
+    ``ema`` and ``1 - ema`` arrive as the bits of the host's float64 values (a Python float
+    argument would be narrowed to fp32). Chunks of ``EB`` are recomputed in each pass instead of
+    being stored and re-read, which would need a barrier between threads.
+    """
+    acc = tl.zeros([], dtype=tl.float64)
+    for c0 in range(0, E, EB):
+        idx = c0 + tl.arange(0, EB)
+        m = idx < E
+        acc += tl.sum(tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64), 0)
+    mean1 = acc / E
+    if STEP:
+        ema = ema_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        keep = keep_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        acc2 = tl.zeros([], dtype=tl.float64)
+        total = tl.zeros([], dtype=tl.int64)
+        for c0 in range(0, E, EB):
+            idx = c0 + tl.arange(0, EB)
+            m = idx < E
+            v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
+            cen = (v - mean1).to(tl.float32)
+            old = tl.load(bias_ptr + idx, mask=m, other=0.0)
+            mixed = (ema * old.to(tl.float64) + keep * cen.to(tl.float64)).to(tl.float32)
+            acc2 += tl.sum(tl.where(m, mixed.to(tl.float64), 0.0), 0)
+            total += tl.sum(tl.load(msum_ptr + idx, mask=m, other=0), 0)
+        mean2 = acc2 / E
+        lo = tl.full([], float("inf"), tl.float32)
+        hi = tl.full([], float("-inf"), tl.float32)
+        for c0 in range(0, E, EB):
+            idx = c0 + tl.arange(0, EB)
+            m = idx < E
+            v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
+            cen = (v - mean1).to(tl.float32)
+            old = tl.load(bias_ptr + idx, mask=m, other=0.0)
+            mixed = (ema * old.to(tl.float64) + keep * cen.to(tl.float64)).to(tl.float32)
+            new = (mixed.to(tl.float64) - mean2).to(tl.float32)
+            new = tl.where(total > 0, new, old)
+            tl.store(bias_ptr + idx, new, mask=m)
+            lo = tl.minimum(lo, tl.min(tl.where(m, new, float("inf")), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(m, new, float("-inf")), 0))
+        tl.store(bounds_ptr, lo - 1.0)
+        tl.store(bounds_ptr + 1, hi + 1.0)
+    else:
+        for c0 in range(0, E, EB):
+            idx = c0 + tl.arange(0, EB)
+            m = idx < E
+            v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
+            tl.store(out_ptr + idx, (v - mean1).to(tl.float32), mask=m)

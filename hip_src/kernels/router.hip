@@ -39,6 +39,10 @@ using namespace amdqb;
 #define AMDQB_SCORE 0
 #endif
 
+#ifndef AMDQB_TRACE_OVERFLOW
+#define AMDQB_TRACE_OVERFLOW()  // the host emulator counts candidate overflows (test coverage)
+#endif
+
 #define AMDQB_SCORE_SIGMOID 0
 #define AMDQB_SCORE_SQRTSOFTPLUS 1
 #define AMDQB_SCORE_SOFTMAX 2
@@ -217,6 +221,7 @@ AMDQB_DEVICE void select_top(const i32 (&key)[VPL], const float (&s)[VPL], int n
   int incl = warp_inclusive_sum_i32(c);
   int total = shfl_i32(incl, 31);
   if (total > CAP) {  // warp-uniform; rare for real router logits
+    AMDQB_TRACE_OVERFLOW();
     exact_nth(key, n, lane, bk, bid);
     c = count_at_or_ahead(key, lane, bk, bid);
     incl = warp_inclusive_sum_i32(c);

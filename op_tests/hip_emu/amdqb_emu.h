@@ -12,11 +12,13 @@
 #include <atomic>
 #include <barrier>
 #include <chrono>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -67,6 +69,8 @@ struct Block {
 extern Block* g_block;
 extern std::atomic<long long> g_progress;
 extern uint64_t g_garbage_seed;
+struct Pool;
+extern Pool* g_pool;
 
 inline Warp& my_warp() {
   Warp& w = *g_block->warps[threadIdx.x / 32];
@@ -148,6 +152,49 @@ void call_with(void (*fn)(A...), void** args) {
 void run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem, void (*body)(void*),
               void* ctx);
 
+// Persistent worker threads (creating 256 threads per block dominated the run time).
+struct Pool {
+  std::mutex mu;
+  std::condition_variable cv, done_cv;
+  std::vector<std::thread> workers;
+  long long gen = 0;
+  int active = 0, remaining = 0;
+  std::function<void(int)> task;
+
+  void loop(int idx) {
+    long long seen = 0;
+    for (;;) {
+      std::function<void(int)> t;
+      {
+        std::unique_lock<std::mutex> l(mu);
+        cv.wait(l, [&] { return gen != seen; });
+        seen = gen;
+        if (idx >= active) continue;
+        t = task;
+      }
+      t(idx);
+      std::lock_guard<std::mutex> l(mu);
+      if (--remaining == 0) done_cv.notify_all();
+    }
+  }
+  void run(int n, std::function<void(int)> f) {
+    {
+      std::lock_guard<std::mutex> l(mu);
+      while ((int)workers.size() < n) {
+        const int idx = (int)workers.size();
+        workers.emplace_back([this, idx] { loop(idx); });
+      }
+      task = std::move(f);
+      active = n;
+      remaining = n;
+      ++gen;
+    }
+    cv.notify_all();
+    std::unique_lock<std::mutex> l(mu);
+    done_cv.wait(l, [&] { return remaining == 0; });
+  }
+};
+
 }  // namespace amdqb_emu
 
 // Defines `extern "C" int amdqb_emu_launch_<kernel>(gx, gy, gz, bx, smem, void** args)`.
@@ -172,16 +219,19 @@ void run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem, v
   Block* g_block = nullptr;                                                                        \
   std::atomic<long long> g_progress{0};                                                            \
   uint64_t g_garbage_seed = 1;                                                                     \
+  Pool* g_pool = new Pool(); /* never destroyed: workers die with the process */                   \
   void run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem,                   \
                 void (*body)(void*), void* ctx) {                                                  \
     gridDim = amdqb_dim3{gx, gy, gz};                                                              \
     blockDim = amdqb_dim3{bx, 1, 1};                                                               \
-    std::atomic<bool> done{false};                                                                 \
+    std::mutex done_mu;                                                                            \
+    std::condition_variable done_cv;                                                               \
+    bool done = false;                                                                             \
     std::thread watchdog([&] {                                                                     \
       long long last = -1;                                                                         \
       int idle = 0;                                                                                \
-      while (!done.load()) {                                                                       \
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));                               \
+      std::unique_lock<std::mutex> lock(done_mu);                                                  \
+      while (!done_cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return done; })) {      \
         long long now = g_progress.load();                                                         \
         idle = (now == last) ? idle + 1 : 0;                                                       \
         last = now;                                                                                \
@@ -197,22 +247,22 @@ void run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem, v
           Block block((int)bx, smem);                                                              \
           g_block = &block;                                                                        \
           g_garbage_seed = g_garbage_seed * 6364136223846793005ull + 1442695040888963407ull;       \
-          std::vector<std::thread> threads;                                                        \
-          threads.reserve(bx);                                                                     \
-          for (unsigned t = 0; t < bx; ++t)                                                        \
-            threads.emplace_back([&, t] {                                                          \
-              threadIdx = amdqb_dim3{t, 0, 0};                                                     \
-              blockIdx = amdqb_dim3{x, y, z};                                                      \
-              body(ctx);                                                                           \
-              g_progress++;                                                                        \
-              block.warps[t / 32]->exited.store(1);                                                \
-              block.warps[t / 32]->bar.arrive_and_drop();                                          \
-              block.bar.arrive_and_drop();                                                         \
-            });                                                                                    \
-          for (auto& th : threads) th.join();                                                      \
+          g_pool->run((int)bx, [&](int t) {                                                        \
+            threadIdx = amdqb_dim3{(unsigned)t, 0, 0};                                             \
+            blockIdx = amdqb_dim3{x, y, z};                                                        \
+            body(ctx);                                                                             \
+            g_progress++;                                                                          \
+            block.warps[t / 32]->exited.store(1);                                                  \
+            block.warps[t / 32]->bar.arrive_and_drop();                                            \
+            block.bar.arrive_and_drop();                                                           \
+          });                                                                                      \
           g_block = nullptr;                                                                       \
         }                                                                                          \
-    done.store(true);                                                                              \
+    {                                                                                              \
+      std::lock_guard<std::mutex> lock(done_mu);                                                   \
+      done = true;                                                                                 \
+    }                                                                                              \
+    done_cv.notify_all();                                                                          \
     watchdog.join();                                                                               \
   }                                                                                                \
   }

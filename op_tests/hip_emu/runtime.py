@@ -45,13 +45,16 @@ class EmuRuntime:
         self._libs = {}
         self.launches = []  # (kernel name, grid, block, smem) of every launch
 
-    def _library(self, spec: _spec.ModuleSpec):
-        lib = self._libs.get(spec)
+    def _library(self, spec: _spec.ModuleSpec, which: str | None = None):
+        if which is None:
+            which = {"router.hip": "AMDQB_EMU_ROUTER", "route.hip": "AMDQB_EMU_ROUTE"}[
+                spec.kernel_file
+            ]
+        lib = self._libs.get((spec, which))
         if lib is not None:
             return lib
         root = _spec.source_root()
         _, digests = _spec.read_sources(spec, root)
-        which = "AMDQB_EMU_ROUTER" if spec.kernel_file == "router.hip" else "AMDQB_EMU_ROUTE"
         flags = [
             "-std=c++20",
             "-O1",
@@ -71,7 +74,7 @@ class EmuRuntime:
         for name in ("amdqb_emu.h", "emu_kernels.cpp"):
             material += hashlib.sha256((HERE / name).read_bytes()).hexdigest()
         key = hashlib.sha256(material.encode()).hexdigest()[:24]
-        out = self.build_dir / f"{spec.label()}_w{self.wave_size}_{key}.so"
+        out = self.build_dir / f"{spec.label()}_{which[10:].lower()}_w{self.wave_size}_{key}.so"
         with _BUILD_LOCK:
             if not out.is_file():
                 out.parent.mkdir(parents=True, exist_ok=True)
@@ -82,8 +85,12 @@ class EmuRuntime:
                     raise RuntimeError(f"emulator build failed: {' '.join(cmd)}\n{res.stderr}")
                 os.replace(tmp, out)
             lib = ctypes.CDLL(str(out))
-        self._libs[spec] = lib
+        self._libs[(spec, which)] = lib
         return lib
+
+    def converter(self):
+        """ctypes library exposing the prelude's conversions and order key (no kernels)."""
+        return self._library(_spec.ROUTE_MODULE, "AMDQB_EMU_CONVERT")
 
     def kernel(self, device_index, spec, name):
         fn = getattr(self._library(spec), f"amdqb_emu_launch_{name}")

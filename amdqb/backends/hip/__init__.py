@@ -2,7 +2,7 @@
 NVRTC via cuda-python on NVIDIA), cached on disk, launched on torch's current stream.
 
 Ops: ``router_fwd``, ``biased_topk``, ``route_rows``. Declined through :func:`unsupported` (the
-dispatcher falls back to triton/torch): grouped Top-k, more than 2048 experts in a router, Top-n
+dispatcher falls back to triton/torch): grouped Top-k, more than 4096 experts in a router, Top-n
 above 64 (n = k, or k + 1 under QB), QB with more than 12288 bins. ``router_bwd``, the QB updates,
 ``align_block_size`` and the chunk ops are left to the other backends.
 

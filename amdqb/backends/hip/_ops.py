@@ -14,7 +14,7 @@ from . import _spec
 from ._spec import arg_f32, arg_i32, arg_i64, arg_ptr
 
 # Limits of this backend (``unsupported`` declines beyond them; the next backend runs the op).
-MAX_ROUTER_EXPERTS = 2048  # 64 experts per lane in registers (scores + keys)
+MAX_ROUTER_EXPERTS = 4096  # experts per lane live in registers (spills beyond ~2048)
 MAX_SELECT = _spec.ROUTER_CAP  # Top-n with n = k (k + 1 under QB)
 MAX_QB_BINS = 12288  # one LDS histogram row of the two-kernel mode within 48 KiB
 MAX_DET_EXPERTS = 12288  # deterministic route kernels keep E ints in LDS
@@ -151,7 +151,14 @@ def _launch_router(
     w_out,
     id_out,
 ):
-    tokens = logits.shape[0]
+    tokens, num_experts = logits.shape
+    if not 1 <= topk <= nsel <= min(MAX_SELECT, num_experts):
+        raise ValueError(
+            f"hip router selects 1 <= topk <= n <= min({MAX_SELECT}, E={num_experts}), "
+            f"got topk={topk}, n={nsel}"
+        )
+    if num_experts > MAX_ROUTER_EXPERTS:
+        raise ValueError(f"hip router supports E <= {MAX_ROUTER_EXPERTS}, got {num_experts}")
     dev = _dev(logits)
     k = rt.kernel(dev, _router_spec(logits, score_function), "amdqb_router")
     args = [

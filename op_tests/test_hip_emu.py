@@ -1,0 +1,460 @@
+"""The ``hip`` backend's kernels executed on the CPU by the host emulator (op_tests/hip_emu).
+
+The hip_src kernels are compiled with g++ against an emulation of the GPU execution model (one
+thread per GPU thread, barrier-synchronised 32-lane logical warps, wave32 and wave64 ballots,
+per-block poisoned shared memory) and driven by the backend's own launchers
+(``amdqb.backends.hip._ops``) with the same ``kernelParams`` arrays the GPU runtimes pass. Results
+are compared with the ``amdqb.ref`` oracles: exact for routes, counts and histograms, within a
+tolerance for probabilities. This runs in CI without a GPU; it is not a substitute for the GPU
+tests in test_hip_backend.py (memory model, real atomics, timing).
+"""
+
+import ctypes
+
+import pytest
+import torch
+
+from amdqb import ref
+from amdqb.backends.hip import _ops, _spec
+from amdqb.ref.ordering import order_key
+from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
+from hip_emu.runtime import EmuRuntime, compiler
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) for the emulator")
+
+_RUNTIMES = {}
+
+
+def emu(wave: int = 32) -> EmuRuntime:
+    if wave not in _RUNTIMES:
+        _RUNTIMES[wave] = EmuRuntime(wave_size=wave, cus=2)
+    return _RUNTIMES[wave]
+
+
+# ------------------------------------------------------------------------------------------------
+# Prelude scalar helpers
+# ------------------------------------------------------------------------------------------------
+def _call(fn, x, out):
+    fn(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_longlong(x.numel()))
+    return out
+
+
+def _float_corpus():
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (400_000,), generator=g, dtype=torch.int64)
+    specials = [65504.0, 65519.99, 65520.0, 65520.01, 2.0**-25, 2.0**-25 * 1.0001, 2.0**-24 * 1.5]
+    specials += [2.0**-24 * 2.5, 2.0**-14, 2.0**-14 * (1 - 2**-12), -0.0, 0.0, 1e-45, 3.4e38]
+    specials += [float("inf"), -float("inf"), float("nan"), -float("nan")]
+    all_halves = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    return torch.cat(
+        [
+            bits.to(torch.int32).view(torch.float32),
+            torch.randn(200_000, generator=g) * 1e-5,
+            torch.randn(200_000, generator=g) * 3e4,
+            torch.randn(50_000, generator=g) * 1e-7,
+            all_halves.view(torch.float16).float(),
+            all_halves.view(torch.bfloat16).float(),
+            torch.tensor(specials),
+        ]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prelude_float_conversions_match_torch_bitwise(dtype):
+    lib = emu().converter()
+    x = _float_corpus()
+    name = "f16" if dtype == torch.float16 else "bf16"
+    y = _call(
+        getattr(lib, f"amdqb_emu_f32_to_{name}"), x, torch.empty(x.numel(), dtype=torch.int16)
+    )
+    want = x.to(dtype).view(torch.int16)
+    nan = x.isnan()
+    assert torch.equal(y[~nan], want[~nan])
+    assert y[nan].view(dtype).isnan().all()
+    h = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    back = _call(getattr(lib, f"amdqb_emu_{name}_to_f32"), h, torch.empty(65536))
+    want = h.view(dtype).float()
+    nan = want.isnan()
+    assert torch.equal(back.view(torch.int32)[~nan], want.view(torch.int32)[~nan])
+    assert back[nan].isnan().all()
+
+
+def test_prelude_order_key_matches_oracle():
+    x = _float_corpus()
+    k = _call(emu().converter().amdqb_emu_order_key, x, torch.empty(x.numel(), dtype=torch.int32))
+    assert torch.equal(k, order_key(x))
+
+
+# ------------------------------------------------------------------------------------------------
+# Route rows
+# ------------------------------------------------------------------------------------------------
+def make_ids(m, k, e, dist, seed, dtype=torch.int32):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, e, (m, k), generator=g, dtype=torch.int64)
+    if dist == "shared" and k > 1:
+        ids[:, 0] = 0  # a shared expert in every token
+    elif dist == "one":
+        ids.fill_(e - 1)
+    elif dist == "dropped":
+        flat = ids.view(-1)
+        flat[::3] = -1
+        flat[1::7] = e
+        flat[2::11] = e + 5
+        if dtype == torch.int64:
+            flat[3::13] = 2**32 + 1  # must drop, not alias expert 1
+    return ids.to(dtype)
+
+
+def check_routes(ids, e, capacity, c0, rows, counts, counters, deterministic=False):
+    """Counts and counters equal the oracle's; per expert, the rows are the oracle's row set."""
+    want_counters = c0.clone()
+    want_rows, want_counts = ref.moe_route_rows(ids, e, capacity, want_counters)
+    assert torch.equal(counts, want_counts), "counts differ from the oracle"
+    assert torch.equal(counters, want_counters), "counters differ from the oracle"
+    if deterministic:
+        assert torch.equal(rows, want_rows)
+        return
+    flat = ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < e)
+    assert torch.all(rows.reshape(-1)[~valid] == -1), "invalid ids must get row -1"
+
+    def per_expert(r):  # sorted (expert, row) pairs of the valid routes
+        return torch.sort(flat[valid] * (2**33) + r.reshape(-1)[valid].long()).values
+
+    assert torch.equal(per_expert(rows), per_expert(want_rows)), "not the oracle's row sets"
+    got = rows[rows >= 0]
+    assert got.unique().numel() == got.numel(), "a row was claimed twice"
+
+
+ROUTE_EXPERTS = [1, 17, 129, 257, 513, 896, 4096]
+
+
+@pytest.mark.parametrize("e", ROUTE_EXPERTS)
+@pytest.mark.parametrize("impl", ["atomic", "lds"])
+def test_route_rows_distributions(e, impl):
+    # Emulator-sized calls (<= ~6000 routes); the GPU tests cover both sides of the seed gate.
+    rt = emu()
+    k = 4
+    cases = [("uniform", 1500), ("shared", 300), ("one", 200), ("dropped", 700), ("uniform", 1)]
+    for seed, (dist, m) in enumerate(cases):
+        ids = make_ids(m, k, e, dist, seed)
+        for capacity in (None, max(1, m * k // (2 * e))):
+            c0 = torch.randint(0, 3, (e,), dtype=torch.int32)
+            counters = c0.clone()
+            rows = torch.full_like(ids, -7)
+            counts = torch.full((e,), -7, dtype=torch.int32)
+            _ops.route_rows(rt, ids, e, capacity, counters, rows, counts, False, impl)
+            check_routes(ids, e, capacity, c0, rows, counts, counters)
+
+
+@pytest.mark.parametrize("wave", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_route_rows_deterministic_matches_oracle_bitwise(wave, dtype):
+    rt = emu(wave)
+    for e, m, k, dist in [(7, 800, 3, "dropped"), (896, 300, 8, "shared"), (129, 64, 5, "one")]:
+        ids = make_ids(m, k, e, dist, e, dtype)
+        for capacity in (None, 9):
+            c0 = torch.randint(0, 5, (e,), dtype=torch.int32)
+            counters = c0.clone()
+            rows = torch.empty(ids.shape, dtype=torch.int32)
+            counts = torch.empty(e, dtype=torch.int32)
+            _ops.route_rows(rt, ids, e, capacity, counters, rows, counts, True, "lds")
+            check_routes(ids, e, capacity, c0, rows, counts, counters, deterministic=True)
+
+
+def test_route_rows_int64_ids_and_empty():
+    rt = emu()
+    e = 33
+    ids = make_ids(300, 4, e, "dropped", 3, torch.int64)
+    for impl in ("atomic", "lds"):
+        c0 = torch.zeros(e, dtype=torch.int32)
+        counters = c0.clone()
+        rows = torch.empty(ids.shape, dtype=torch.int32)
+        counts = torch.empty(e, dtype=torch.int32)
+        _ops.route_rows(rt, ids, e, None, counters, rows, counts, False, impl)
+        check_routes(ids, e, None, c0, rows, counts, counters)
+    empty = torch.empty(0, 4, dtype=torch.int32)
+    counters = torch.full((e,), 3, dtype=torch.int32)
+    counts = torch.full((e,), -1, dtype=torch.int32)
+    _ops.route_rows(
+        rt, empty, e, None, counters, torch.empty(0, 4, dtype=torch.int32), counts, False, "lds"
+    )
+    assert torch.all(counts == 0) and torch.all(counters == 3)
+
+
+def test_route_lds_launch_shape():
+    rt = emu()
+    rt.launches.clear()
+    ids = make_ids(1025, 16, 896, "uniform", 0)
+    counters = torch.zeros(896, dtype=torch.int32)
+    _ops.route_rows(
+        rt, ids, 896, 64, counters, torch.empty_like(ids), torch.empty_like(counters), False, "lds"
+    )
+    name, grid, block, smem = rt.launches[0]
+    assert name == "amdqb_route_lds_i32"
+    assert grid[0] == -(-ids.numel() // (_spec.ROUTE_BLOCK * _spec.ROUTE_ITEMS))
+    assert smem == 4 * 896 and block == _spec.ROUTE_BLOCK
+
+
+# ------------------------------------------------------------------------------------------------
+# Router
+# ------------------------------------------------------------------------------------------------
+def make_logits(t, e, style, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, e, generator=g)
+    if style == "ties":
+        x = torch.randint(-2, 3, (t, e), generator=g).float()
+    elif style == "nan_inf":
+        mask = torch.rand(t, e, generator=g)
+        x[mask < 0.05] = float("nan")
+        x[(mask >= 0.05) & (mask < 0.1)] = float("inf")
+        x[(mask >= 0.1) & (mask < 0.15)] = -float("inf")
+        x[0] = float("nan")
+    elif style == "overflow":
+        # Experts 0..7 (mod 32) tie at the top: > 64 candidates above the lane-max bound, so the
+        # exact path runs and must resolve the tie by id.
+        x[:, (torch.arange(e) % 32) < 8] = 4.0
+    elif style == "zeros":
+        x = torch.zeros(t, e)
+        x[:, ::2] = -0.0
+    return x.to(dtype)
+
+
+def overflows(rt, e=257):
+    """Warps that took the candidate-overflow path so far (emulator counter)."""
+    lib = rt._library(_spec.router_module(e, "float32", "sigmoid"))
+    lib.amdqb_emu_overflows.restype = ctypes.c_longlong
+    return lib.amdqb_emu_overflows()
+
+
+def alloc_map(t, e, k, fmt):
+    if fmt == "bytemap":
+        return torch.empty(t, e, dtype=torch.bool), "bytemap"
+    if fmt == "bitmap":
+        return torch.empty(t, (e + 7) // 8, dtype=torch.uint8), "bitmap"
+    dtype = {"idx16": torch.int16, "idx32": torch.int32, "idx64": torch.int64}[fmt]
+    return torch.empty(t, k, dtype=dtype), "indices"
+
+
+def routed_mask(map_out, kind, e, k):
+    if kind == "bytemap":
+        return map_out
+    if kind == "bitmap":
+        return ref.unpack_bitmap(map_out, e)
+    m = torch.zeros(map_out.shape[0], e, dtype=torch.bool)
+    return m.scatter_(1, map_out.long(), True)
+
+
+def run_router(
+    rt,
+    logits,
+    k,
+    fmt="bytemap",
+    score="sigmoid",
+    bias=None,
+    qb_mode=None,
+    num_bins=1000,
+    pre=False,
+    scaling=None,
+):
+    t, e = logits.shape
+    probs = torch.full((t, e), 7.0, dtype=logits.dtype)
+    map_out, kind = alloc_map(t, e, k, fmt)
+    hist = bounds = None
+    if qb_mode is not None:
+        hist = torch.zeros(e, num_bins, dtype=torch.int32)
+        bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+    _ops.router_fwd(
+        rt,
+        logits,
+        k,
+        score,
+        pre,
+        None,
+        None,
+        scaling,
+        bias,
+        probs,
+        map_out,
+        kind,
+        hist,
+        bounds,
+        qb_mode,
+    )
+    return probs, map_out, kind, hist, bounds
+
+
+def check_router(rt, logits, k, fmt="bytemap", score="sigmoid", bias=None, qb_mode=None, **kw):
+    t, e = logits.shape
+    probs, map_out, kind, hist, bounds = run_router(rt, logits, k, fmt, score, bias, qb_mode, **kw)
+    s = _ops.score_values(rt, logits, score)
+    scaling = kw.get("scaling")
+    if qb_mode is not None:
+        idx_ref, alpha = qb_cutoff_and_routes(s, bias, k)
+        assert torch.equal(hist, qb_histogram_counts(s, alpha, bounds, hist.shape[1]))
+        assert torch.all(hist.sum(1) == t)
+        probs_ref, idx_ref2, map_ref = ref.fused_topk_with_score_function(
+            logits, k, expert_bias=bias, scores=s, scaling_factor=scaling
+        )
+        assert torch.equal(idx_ref, idx_ref2)
+    else:
+        probs_ref, idx_ref, map_ref = ref.fused_topk_with_score_function(
+            logits,
+            k,
+            use_pre_softmax=kw.get("pre", False),
+            score_function=score,
+            expert_bias=bias,
+            scores=s if score != "softmax" else None,
+            scaling_factor=scaling,
+        )
+    mask = routed_mask(map_out, kind, e, k)
+    assert torch.all(mask.sum(1) == k), "every token gets exactly k distinct experts"
+    assert torch.equal(mask, map_ref), "routing differs from the oracle"
+    if kind == "indices":
+        assert torch.equal(map_out.long(), idx_ref), "indices are not in selection order"
+    torch.testing.assert_close(
+        probs.float(), probs_ref.to(logits.dtype).float(), atol=2e-6, rtol=1e-2, equal_nan=True
+    )
+    return hist
+
+
+@pytest.mark.parametrize("fmt", ["bytemap", "bitmap", "idx16", "idx32", "idx64"])
+@pytest.mark.parametrize("k", [8, 16])
+def test_qb_router_modes_formats(fmt, k):
+    rt = emu()
+    e, t = 896, 21
+    logits = make_logits(t, e, "normal", k)
+    bias = torch.linspace(-0.2, 0.2, e)
+    hists = [
+        check_router(rt, logits, k, fmt, bias=bias, qb_mode=m)
+        for m in ("two_kernel", "fused_atomic")
+    ]
+    assert torch.equal(hists[0], hists[1]), "two_kernel and fused_atomic histograms differ"
+
+
+@pytest.mark.parametrize("wave", [32, 64])
+@pytest.mark.parametrize("style", ["normal", "ties", "nan_inf", "overflow", "zeros"])
+def test_router_styles_both_wave_sizes(wave, style):
+    rt = emu(wave)
+    e, t = 257, 19
+    logits = make_logits(t, e, style, 5)
+    bias = (torch.randn(e, generator=torch.Generator().manual_seed(1)) * 0.05).float()
+    if style in ("ties", "zeros", "overflow"):
+        bias = torch.zeros(e)  # keep the logits' exact ties
+    before = overflows(rt)
+    check_router(rt, logits, 16, "idx32", bias=bias)
+    if style == "overflow":
+        assert overflows(rt) > before, "the candidate-overflow (exact) path did not run"
+    h = [
+        check_router(rt, logits, 16, "bitmap", bias=bias, qb_mode=m, num_bins=64)
+        for m in ("two_kernel", "fused_atomic")
+    ]
+    assert torch.equal(h[0], h[1])
+
+
+@pytest.mark.parametrize("k,qb", [(33, False), (40, True), (63, True), (64, False)])
+def test_router_exact_path_large_k(k, qb):
+    rt = emu(64)
+    e = 896
+    logits = make_logits(9, e, "ties", k)
+    bias = torch.zeros(e)
+    check_router(rt, logits, k, "idx64", bias=bias, qb_mode="fused_atomic" if qb else None)
+
+
+@pytest.mark.parametrize("e", [1, 2, 3, 31, 32, 33, 64, 65])
+def test_router_small_expert_counts(e):
+    rt = emu()
+    logits = make_logits(13, e, "normal", e)
+    for k in sorted({1, max(1, e // 2), min(e, _ops.MAX_SELECT)}):
+        check_router(rt, logits, k, "bitmap")
+        if k < e and k + 1 <= _ops.MAX_SELECT:
+            bias = torch.randn(e) * 0.1
+            check_router(rt, logits, k, "idx16", bias=bias, qb_mode="two_kernel", num_bins=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_router_half_dtypes(dtype):
+    rt = emu()
+    e = 129
+    logits = make_logits(17, e, "normal", 3, dtype)
+    bias = torch.randn(e) * 0.05
+    check_router(rt, logits, 6, "bytemap", bias=bias, scaling=2.5)
+    check_router(rt, logits, 6, "idx32", bias=bias, qb_mode="fused_atomic", num_bins=100)
+
+
+@pytest.mark.parametrize(
+    "score,pre", [("sqrtsoftplus", False), ("softmax", True), ("softmax", False)]
+)
+def test_router_score_functions(score, pre):
+    rt = emu()
+    e = 200
+    logits = make_logits(11, e, "normal", 9) * 3
+    bias = torch.randn(e) * 0.05 if score == "sqrtsoftplus" else None
+    for k in (1, 5):
+        check_router(rt, logits, k, "idx32", score=score, bias=bias, pre=pre, scaling=1.5)
+
+
+def test_qb_histogram_bin_edges_and_clamping():
+    # TE's conformance vector: tie at the cutoff drops the largest id; both ends clamp.
+    rt = emu()
+    logits = torch.tensor(
+        [[3, 3, 3, -1, -2, -3, -4, -5], [5, 4, 3, 2, -2, -3, -4, -5]], dtype=torch.float32
+    )
+    bias = torch.zeros(8)
+    for mode in ("two_kernel", "fused_atomic"):
+        hist = torch.zeros(8, 8, dtype=torch.int32)
+        bounds = torch.tensor([-0.05, 0.05])
+        rmap = torch.empty(2, 8, dtype=torch.bool)
+        _ops.router_fwd(
+            rt,
+            logits,
+            2,
+            "sigmoid",
+            False,
+            None,
+            None,
+            None,
+            bias,
+            torch.empty(2, 8),
+            rmap,
+            "bytemap",
+            hist,
+            bounds,
+            mode,
+        )
+        assert rmap[0, :3].tolist() == [True, True, False]
+        assert hist[:, 0].sum() > 0 and hist[:, -1].sum() > 0
+        s = _ops.score_values(rt, logits, "sigmoid")
+        _, alpha = qb_cutoff_and_routes(s, bias, 2)
+        assert torch.equal(hist, qb_histogram_counts(s, alpha, bounds, 8))
+
+
+@pytest.mark.parametrize("score", ["sigmoid", "softmax", "sqrtsoftplus"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_biased_topk(score, renormalize):
+    rt = emu()
+    e, t, k = 384, 10, 8
+    logits = make_logits(t, e, "normal", 4)
+    bias = None if score == "softmax" else torch.randn(e) * 0.05
+    w = torch.empty(t, k)
+    ids = torch.empty(t, k, dtype=torch.int32)
+    _ops.biased_topk(rt, logits, k, bias, score, renormalize, 0.5, None, None, w, ids)
+    s = _ops.score_values(rt, logits, score)
+    sel = s if bias is None else s + bias
+    want_ids = ref.ordering.ranked_indices(sel, k).to(torch.int32)
+    assert torch.equal(ids, want_ids)
+    want_w, _ = ref.biased_topk(logits, k, bias, score, renormalize, 0.5)
+    torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-4)
+    gathered = s.gather(1, ids.long())
+    if renormalize:
+        gathered = gathered / (gathered.sum(-1, keepdim=True) + 1e-20)
+    torch.testing.assert_close(w, gathered * 0.5, atol=1e-7, rtol=1e-6)
+
+
+def test_score_values_match_torch_closely():
+    rt = emu()
+    logits = make_logits(5, 96, "normal", 0) * 4
+    for score in ("sigmoid", "sqrtsoftplus", "softmax"):
+        s = _ops.score_values(rt, logits, score)
+        want = ref.router.activation(logits, score)
+        torch.testing.assert_close(s, want, atol=1e-6, rtol=1e-5)

@@ -26,7 +26,7 @@ from . import _ops
 BACKEND = "hip"
 
 
-def _runtime():
+def _rt():
     from ._runtime import get_runtime
 
     return get_runtime()
@@ -41,7 +41,7 @@ def availability(info) -> tuple[bool, str]:
     if info.vendor == "amd" and torch.version.hip is None:
         return False, "torch is not a ROCm build"
     try:
-        rt = _runtime()
+        rt = _rt()
     except ImportError as exc:
         return False, str(exc)
     except Exception as exc:  # a broken installation must not break dispatch
@@ -86,7 +86,7 @@ def router_fwd(
     qb_mode,
 ):
     _ops.router_fwd(
-        _runtime(),
+        _rt(),
         logits,
         topk,
         score_function,
@@ -117,7 +117,7 @@ def biased_topk(
     ids_out,
 ):
     _ops.biased_topk(
-        _runtime(),
+        _rt(),
         logits,
         topk,
         expert_bias,
@@ -143,7 +143,7 @@ def route_rows(
         )
         return
     _ops.route_rows(
-        _runtime(),
+        _rt(),
         topk_ids,
         num_experts,
         capacity,
@@ -157,7 +157,7 @@ def route_rows(
 
 def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
     """fp32 ``[T, E]`` activations exactly as the router kernel computes them (softmax: over E)."""
-    return _ops.score_values(_runtime(), logits2d.contiguous(), score_function)
+    return _ops.score_values(_rt(), logits2d.contiguous(), score_function)
 
 
 OPS = {

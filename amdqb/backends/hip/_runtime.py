@@ -68,20 +68,38 @@ def import_hip_bindings():
     return hip, hiprtc
 
 
-def import_cuda_bindings():
-    """(nvrtc, driver) modules of cuda-python, or raise ImportError naming what is missing."""
+_CUDA_HINT = (
+    "`pip install cuda-python` (or amdqb[cuda]) plus an NVRTC library matching its major version "
+    "(`pip install nvidia-cuda-nvrtc-cu12` for 12.x, `nvidia-cuda-nvrtc` for 13.x)"
+)
+
+
+def import_nvrtc():
+    """cuda-python's NVRTC module, or raise ImportError naming what is missing."""
     try:
-        from cuda.bindings import driver, nvrtc
+        from cuda.bindings import nvrtc
+    except ImportError:
+        try:
+            from cuda import nvrtc  # legacy cuda-python < 12.6
+        except ImportError as exc:
+            raise ImportError(
+                f"cuda-python (NVRTC bindings) is not installed: {_CUDA_HINT}"
+            ) from exc
+    return nvrtc
+
+
+def import_cuda_driver():
+    """cuda-python's driver-API module, or raise ImportError naming what is missing."""
+    try:
+        from cuda.bindings import driver
     except ImportError:
         try:
             from cuda import cuda as driver  # legacy cuda-python < 12.6
-            from cuda import nvrtc
         except ImportError as exc:
             raise ImportError(
-                "cuda-python is not installed: `pip install cuda-python` (or amdqb[cuda]) plus "
-                "an NVRTC library (`pip install nvidia-cuda-nvrtc-cu12`) are needed"
+                f"cuda-python (driver bindings) is not installed: {_CUDA_HINT}"
             ) from exc
-    return nvrtc, driver
+    return driver
 
 
 def mapped_libraries(prefix: str) -> set[str]:
@@ -157,44 +175,35 @@ class _Toolchain:
     def launch(self, fn, grid, block, smem: int, device_index: int, params_address: int): ...
 
 
-class NvrtcToolchain(_Toolchain):
-    name = "nvrtc"
+class NvrtcCompiler:
+    """NVRTC through cuda-python; needs no GPU (the CPU tests compile every kernel with it)."""
 
     def __init__(self):
-        self.nvrtc, self.driver = import_cuda_bindings()
+        self.nvrtc = import_nvrtc()
         try:
             major, minor = _check(self.nvrtc.nvrtcVersion(), "nvrtcVersion")
         except Exception as exc:  # the binding exists but libnvrtc cannot be loaded
-            raise ImportError(
-                f"NVRTC is not usable ({exc}); install it with `pip install nvidia-cuda-nvrtc-cu12`"
-            ) from exc
+            raise ImportError(f"NVRTC is not usable ({exc}): {_CUDA_HINT}") from exc
         self.version = (int(major), int(minor))
         try:
             archs = _check(self.nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")
             self.supported = sorted(int(a) for a in archs)
         except Exception:
             self.supported = []
-        _check(self.driver.cuInit(0), "cuInit")
-        self._primary = {}
-        self._streams = {}
-        self._lock = threading.Lock()
 
     def compiler_id(self) -> str:
         return f"nvrtc-{self.version[0]}.{self.version[1]}"
 
-    def target(self, device_index: int):
-        major, minor = torch.cuda.get_device_capability(device_index)
-        cc = major * 10 + minor
+    def arch_for(self, cc: int) -> str:
+        """``sm_XX`` (cubin) when NVRTC knows the device, else PTX of the newest older arch."""
         if not self.supported or cc in self.supported:
-            arch = f"sm_{cc}"
-        else:  # NVRTC older than the device: PTX of the newest arch it knows, JIT by the driver
-            older = [a for a in self.supported if a <= cc]
-            if not older:
-                raise HipBackendError(f"NVRTC {self.version} supports no arch <= sm_{cc}")
-            arch = f"compute_{older[-1]}"
-        return arch, 32, "cubin" if arch.startswith("sm_") else "ptx"
+            return f"sm_{cc}"
+        older = [a for a in self.supported if a <= cc]
+        if not older:
+            raise HipBackendError(f"NVRTC {self.version} supports no arch <= sm_{cc}")
+        return f"compute_{older[-1]}"
 
-    def compile(self, source, name, flags, include_dir):
+    def compile(self, source: str, name: str, flags: list[str], include_dir: Path) -> bytes:
         nvrtc = self.nvrtc
         opts = list(flags) + [f"-I{include_dir}"]
         cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
@@ -214,8 +223,7 @@ class NvrtcToolchain(_Toolchain):
                     f"NVRTC failed to compile {name} ({err!s}) with {opts}:\n"
                     f"{log.decode(errors='replace')}"
                 )
-            cubin = any(o.startswith("--gpu-architecture=sm_") for o in opts)
-            if cubin:
+            if any(o.startswith("--gpu-architecture=sm_") for o in opts):
                 size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
                 image = b" " * int(size)
                 _check(nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
@@ -226,6 +234,29 @@ class NvrtcToolchain(_Toolchain):
             return bytes(image)
         finally:
             nvrtc.nvrtcDestroyProgram(prog)
+
+
+class NvrtcToolchain(_Toolchain):
+    name = "nvrtc"
+
+    def __init__(self):
+        self.compiler = NvrtcCompiler()
+        self.driver = import_cuda_driver()
+        _check(self.driver.cuInit(0), "cuInit")
+        self._primary = {}
+        self._streams = {}
+        self._lock = threading.Lock()
+
+    def compiler_id(self) -> str:
+        return self.compiler.compiler_id()
+
+    def target(self, device_index: int):
+        major, minor = torch.cuda.get_device_capability(device_index)
+        arch = self.compiler.arch_for(major * 10 + minor)
+        return arch, 32, "cubin" if arch.startswith("sm_") else "ptx"
+
+    def compile(self, source, name, flags, include_dir):
+        return self.compiler.compile(source, name, flags, include_dir)
 
     def ensure_context(self, device_index: int) -> None:
         """Make torch's primary context of ``device_index`` current for the driver API."""

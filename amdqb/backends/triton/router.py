@@ -1,8 +1,695 @@
-"""Triton launchers of the router kernels (placeholder until the Triton router lands)."""
+"""Triton launchers of the fused Top-k router, its QB histogram, its backward and ``biased_topk``.
 
-OPS: dict = {}
-UNSUPPORTED: dict = {}
+Precision and tie-break contract: the one of ``amdqb.ref.router`` (fp32 math, (value desc, id asc)
+order through the monotone int32 key, NaN lowest, exactly k distinct experts per token; QB cutoff =
+the (k+1)-th of that order, histogram ``clamp(floor((alpha - s - L) * (B / (U - L))), 0, B-1)``
+with a correctly rounded ``B / (U - L)``). The selection is exact for every input; weights and
+probabilities agree with the oracle to fp32 rounding (the kernels' ``exp`` / division may differ
+from PyTorch's by an ulp), and the QB histogram is bitwise the oracle's when the oracle is evaluated
+on :func:`score_values` (the kernels' own activations). ``two_kernel`` and ``fused_atomic`` give
+bitwise-identical histograms (same jit helpers, integer counts).
+
+Launch knobs live in :data:`CONFIGS` (one dict, per dispatch arch family, ``"default"`` first):
+
+* ``row_elems``: BT * W, registers per router program (BT rows of W padded columns);
+* ``pair_elems``: cap on BT * max(G, CAP)^2 (the pairwise-rank tensors of the fast path);
+* ``warps_small`` / ``warps_large`` / ``large_tile``: num_warps for BT * W below / at or above it;
+* ``max_cap``: largest compacted-candidate tile of the fast path (else exact search + sort);
+* ``hist_lds_bytes``: the two_kernel histogram's private (LDS / shared) bytes per program, which
+  sets experts per program = largest power of two with next_pow2(EPP * B) * 4 bytes inside it;
+* ``hist_iter_elems``: tokens x experts per histogram iteration; ``hist_tokens_per_prog``: token
+  slice per program (token slices = ceil(T / it), at most ``hist_max_slices``);
+* ``auto_two_kernel_min_tokens``: ``qb_mode="auto"`` uses two_kernel from this T on, and only where
+  ``tl.histogram`` lowers to one shared-memory atomic per element (see below), else fused_atomic.
+
+``tl.histogram`` has two lowerings: one shared-memory atomic per element (recent Triton on NVIDIA),
+or a warp ballot/popcount scheme whose ALU cost grows with the bin count (Triton 3.6 on both
+vendors, and AMD on 3.9; measured by compiling for gfx942 / sm_90). At E*B-sized private
+histograms the ballot scheme costs thousands of instructions per element, so
+:func:`lds_histogram_is_per_element` compiles a tiny probe once per device and the two_kernel
+histogram falls back to direct global atomics (same counts) where the probe shows ballots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from . import _router_kernels as K
+from .codegen import KernelSpec
+
+MAX_EXPERTS = 4096
+
+CONFIGS: dict[str, dict] = {
+    "default": {
+        "row_elems": 1024,
+        "pair_elems": 16384,
+        "elems_per_warp": 512,
+        "max_warps": 8,
+        "max_cap": 128,
+        "tau_groups_min": 32,
+        "hist_lds_bytes": 32 * 1024,
+        "hist_iter_elems": 8192,
+        "hist_tokens_per_prog": 2048,
+        "hist_max_slices": 16,
+        "hist_warps": 8,
+        "auto_two_kernel_min_tokens": 2048,
+        "bwd_row_elems": 2048,
+    },
+    # Untuned guesses until bench/ numbers exist: H100/H200 and MI300 start from the default.
+    "sm_90": {},
+    "sm_100": {},
+    "sm_80": {},
+    "gfx942": {},
+    "gfx950": {},
+    "gfx1250": {},
+}
+
+_SCORES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
+_MAPS = {"bytemap": 1, "bitmap": 2, "indices": 3}
 
 
-def codegen_specs() -> list:
-    return []
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _family(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "default"
+    from ... import dispatch
+
+    return dispatch.device_info(device).arch_family
+
+
+def config(family: str) -> dict:
+    return {**CONFIGS["default"], **CONFIGS.get(family, {})}
+
+
+def _warps(tile: int, cfg: dict) -> int:
+    return max(1, min(cfg["max_warps"], tile // cfg["elems_per_warp"]))
+
+
+def _device_ctx(t: torch.Tensor):
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+# --------------------------------------------------------------------------------------------
+# Plans: every constexpr of a router specialisation, from the problem shape and the config.
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RouterPlan:
+    E: int
+    K: int
+    R: int
+    NG: int
+    GS: int
+    GT: int
+    NGP: int
+    GSP: int
+    W: int
+    EP: int
+    BT: int
+    G: int
+    CAP: int
+    ID_BITS: int
+    FAST: bool
+    USE_TAU: bool
+    num_warps: int
+
+    def constexprs(self) -> dict:
+        names = (
+            "E",
+            "K",
+            "R",
+            "NG",
+            "GS",
+            "GT",
+            "NGP",
+            "GSP",
+            "W",
+            "EP",
+            "BT",
+            "G",
+            "CAP",
+            "ID_BITS",
+        )
+        out = {n: getattr(self, n) for n in names}
+        out["FAST"] = self.FAST
+        out["USE_TAU"] = self.USE_TAU
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def plan_router(E: int, K: int, qb: bool, num_groups, group_topk, family: str) -> RouterPlan:
+    cfg = config(family)
+    EP = max(16, _next_pow2(E))
+    if num_groups is not None and num_groups > 1:
+        NG, GT = num_groups, group_topk
+        GS = E // NG
+        GSP = _next_pow2(GS)
+        NGP = max(_next_pow2(NG), 16 // GSP if GSP < 16 else 1)
+    else:
+        NG, GT, GS, GSP, NGP = 1, 1, E, EP, 1
+    W = NGP * GSP
+    R = K if qb else K - 1
+    CAP = max(16, _next_pow2(math.ceil(1.5 * (R + 1))))
+    G = min(W, max(cfg["tau_groups_min"], _next_pow2(R + 1)))
+    if W <= CAP and W <= cfg["max_cap"]:
+        # Everything is a candidate: no lower bound needed, no overflow possible.
+        CAP, G, use_tau, fast = W, W, False, True
+    else:
+        use_tau = True
+        fast = CAP <= min(W, cfg["max_cap"]) and G <= cfg["max_cap"]
+    pair = max(G if use_tau else 0, CAP) if fast else 0
+    bt = max(1, cfg["row_elems"] // W)
+    if pair:
+        bt = min(bt, max(1, cfg["pair_elems"] // (pair * pair)))
+    BT = 1 << (bt.bit_length() - 1)
+    warps = _warps(BT * W, cfg)
+    id_bits = (E + W - 1).bit_length()
+    return RouterPlan(
+        E, K, R, NG, GS, GT, NGP, GSP, W, EP, BT, G, CAP, id_bits, fast, use_tau, warps
+    )
+
+
+@dataclass(frozen=True)
+class HistPlan:
+    EPP: int
+    BT: int
+    NB: int
+    LDS: bool
+    tokens_per_prog: int
+    slices: int
+    num_warps: int
+
+
+def plan_histogram(E: int, B: int, T: int, family: str, lds_ok: bool) -> HistPlan:
+    cfg = config(family)
+    budget = cfg["hist_lds_bytes"]
+    epp = 1
+    while epp < 32 and _next_pow2(2 * epp * B) * 4 <= budget and 2 * epp <= _next_pow2(E):
+        epp *= 2
+    lds = lds_ok and _next_pow2(epp * B) * 4 <= budget
+    if not lds:  # direct global atomics: no private histogram, take a wider expert slice
+        epp = min(8, _next_pow2(E))
+    bt = max(16, min(1024, cfg["hist_iter_elems"] // epp))
+    slices = max(1, min(cfg["hist_max_slices"], -(-T // cfg["hist_tokens_per_prog"])))
+    per = -(-T // slices)
+    per = -(-per // bt) * bt
+    slices = max(1, -(-T // per))
+    return HistPlan(epp, bt, _next_pow2(epp * B), lds, per, slices, cfg["hist_warps"])
+
+
+# --------------------------------------------------------------------------------------------
+# How tl.histogram is lowered here (one compile per device, no device work).
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _histogram_probe(target) -> bool:
+    from triton.compiler import ASTSource
+
+    src = ASTSource(
+        fn=K._histogram_probe_kernel,
+        signature={"x_ptr": "*i32", "o_ptr": "*i32", "N": "constexpr", "NB": "constexpr"},
+        constexprs={"N": 256, "NB": 256},
+    )
+    compiled = triton.compile(src, target=target, options={"num_warps": 4})
+    asm = compiled.asm.get("ptx") or compiled.asm.get("amdgcn") or ""
+    # The ballot lowering emits popcounts per owned bin; the per-element one emits none.
+    return ("popc" not in asm) and ("bcnt" not in asm)
+
+
+def lds_histogram_is_per_element(device: torch.device) -> bool:
+    """True where ``tl.histogram`` costs one shared-memory atomic per element on ``device``."""
+    if device.type != "cuda" or _interpreting():
+        return True
+    try:
+        with torch.cuda.device(device):
+            target = triton.runtime.driver.active.get_current_target()
+        return _histogram_probe(target)
+    except Exception:  # pragma: no cover - a probe failure must not break routing
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers.
+# --------------------------------------------------------------------------------------------
+def _launch_router(
+    logits,
+    plan: RouterPlan,
+    *,
+    score,
+    pre,
+    renorm,
+    bias,
+    scaling,
+    probs=None,
+    map_out=None,
+    map_code=0,
+    ids=None,
+    weights=None,
+    qb=0,
+    nbins=2,
+    hist=None,
+    bounds=None,
+    cut=None,
+):
+    T = logits.shape[0]
+    grid = (triton.cdiv(T, plan.BT),)
+    dummy = logits
+    scratch = dummy
+    if plan.FAST:
+        rows = grid[0] * plan.BT
+        scratch = torch.empty(rows * (2 * plan.CAP + 1), dtype=torch.int32, device=logits.device)
+    bytes_scratch = dummy
+    if map_code == 2 and plan.NG > 1:
+        bytes_scratch = torch.empty(T * plan.E, dtype=torch.uint8, device=logits.device)
+    K._router_fwd_kernel[grid](
+        logits,
+        bias if bias is not None else dummy,
+        probs if probs is not None else dummy,
+        map_out if map_out is not None else dummy,
+        ids if ids is not None else dummy,
+        weights if weights is not None else dummy,
+        hist if hist is not None else dummy,
+        bounds if bounds is not None else dummy,
+        cut if cut is not None else dummy,
+        scratch,
+        bytes_scratch,
+        T,
+        float(1.0 if scaling is None else scaling),
+        **plan.constexprs(),
+        SCORE=score,
+        PRE=bool(pre),
+        RENORM=bool(renorm),
+        HAS_BIAS=bias is not None,
+        QB=qb,
+        NBINS=nbins,
+        MAP=map_code,
+        DENSE=probs is not None,
+        COMPACT_W=weights is not None,
+        num_warps=plan.num_warps,
+    )
+
+
+def _resolve_qb_mode(mode: str, T: int, device: torch.device, family: str) -> tuple[str, bool]:
+    lds_ok = lds_histogram_is_per_element(device)
+    if mode == "auto":
+        two = lds_ok and T >= config(family)["auto_two_kernel_min_tokens"]
+        mode = "two_kernel" if two else "fused_atomic"
+    return mode, lds_ok
+
+
+def router_fwd(
+    logits,
+    topk,
+    score_function,
+    use_pre_softmax,
+    num_groups,
+    group_topk,
+    scaling_factor,
+    expert_bias,
+    probs_out,
+    map_out,
+    map_kind,
+    qb_histogram,
+    qb_bin_bounds,
+    qb_mode,
+):
+    T, E = logits.shape
+    if T == 0:
+        return
+    family = _family(logits.device)
+    use_qb = qb_histogram is not None
+    plan = plan_router(E, topk, use_qb, num_groups, group_topk, family)
+    score = _SCORES[score_function]
+    pre = bool(use_pre_softmax) and score == 2
+    renorm = score != 2 and topk > 1
+    map_code = _MAPS[map_kind]
+    if map_kind == "bytemap":
+        map_kwargs = {"map_out": map_out.view(torch.uint8), "map_code": 1}
+    elif map_kind == "bitmap":
+        map_kwargs = {"map_out": map_out, "map_code": 2}
+    else:
+        map_kwargs = {"ids": map_out, "map_code": map_code}
+    common = dict(score=score, pre=pre, renorm=renorm, bias=expert_bias, scaling=scaling_factor)
+    with _device_ctx(logits):
+        if not use_qb:
+            _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common)
+            return
+        B = qb_histogram.shape[1]
+        mode, lds_ok = _resolve_qb_mode(qb_mode, T, logits.device, family)
+        if mode == "fused_atomic":
+            _launch_router(
+                logits,
+                plan,
+                probs=probs_out,
+                **map_kwargs,
+                **common,
+                qb=1,
+                nbins=B,
+                hist=qb_histogram,
+                bounds=qb_bin_bounds,
+            )
+            return
+        cut = torch.empty(T, dtype=torch.float32, device=logits.device)
+        _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common, qb=2, cut=cut)
+        _launch_histogram(logits, cut, qb_bin_bounds, qb_histogram, family, lds_ok)
+
+
+def _launch_histogram(logits, cut, bounds, hist, family, lds_ok):
+    T, E = logits.shape
+    B = hist.shape[1]
+    hp = plan_histogram(E, B, T, family, lds_ok)
+    grid = (triton.cdiv(E, hp.EPP), hp.slices)
+    K._qb_hist_kernel[grid](
+        logits,
+        cut,
+        bounds,
+        hist,
+        T,
+        hp.tokens_per_prog,
+        E=E,
+        NBINS=B,
+        EPP=hp.EPP,
+        BT=hp.BT,
+        NB=hp.NB,
+        LDS=hp.LDS,
+        num_warps=hp.num_warps,
+    )
+
+
+def biased_topk(
+    logits,
+    topk,
+    expert_bias,
+    score_function,
+    renormalize,
+    scaling_factor,
+    num_groups,
+    group_topk,
+    weights_out,
+    ids_out,
+):
+    T, E = logits.shape
+    if T == 0:
+        return
+    plan = plan_router(E, topk, False, num_groups, group_topk, _family(logits.device))
+    score = _SCORES[score_function]
+    with _device_ctx(logits):
+        _launch_router(
+            logits,
+            plan,
+            score=score,
+            pre=score == 2,  # serving form: softmax over all experts, then Top-k
+            renorm=bool(renormalize),
+            bias=expert_bias,
+            scaling=scaling_factor,
+            ids=ids_out,
+            weights=weights_out,
+            map_code=3,
+        )
+
+
+def _bwd_tile(E: int, family: str) -> tuple[int, int, int]:
+    cfg = config(family)
+    W = max(16, _next_pow2(E))
+    bt = max(1, cfg["bwd_row_elems"] // W)
+    BT = 1 << (bt.bit_length() - 1)
+    return W, BT, _warps(BT * W, cfg)
+
+
+def router_bwd(
+    grad_probs,
+    logits,
+    routed,
+    topk,
+    score_function,
+    use_pre_softmax,
+    scaling_factor,
+    grad_logits_out,
+):
+    T, E = logits.shape
+    if T == 0:
+        return
+    W, BT, warps = _bwd_tile(E, _family(logits.device))
+    score = _SCORES[score_function]
+    with _device_ctx(logits):
+        K._router_bwd_kernel[(triton.cdiv(T, BT),)](
+            grad_probs,
+            logits,
+            routed.view(torch.uint8),
+            grad_logits_out,
+            T,
+            float(1.0 if scaling_factor is None else scaling_factor),
+            E=E,
+            W=W,
+            BT=BT,
+            SCORE=score,
+            PRE=bool(use_pre_softmax) and score == 2,
+            NORM=topk > 1,
+            num_warps=warps,
+        )
+
+
+def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
+    """fp32 ``[T, E]`` activations computed by exactly the router kernels' activation code.
+
+    For ``softmax`` the row reductions use the ungrouped router tile (same BT, W and warps), so the
+    values are the ungrouped router's own.
+    """
+    T, E = logits2d.shape
+    out = torch.empty(T, E, dtype=torch.float32, device=logits2d.device)
+    if T == 0:
+        return out
+    plan = plan_router(E, 1, False, None, None, _family(logits2d.device))
+    with _device_ctx(logits2d):
+        K._scores_kernel[(triton.cdiv(T, plan.BT),)](
+            logits2d.contiguous(),
+            out,
+            T,
+            E=E,
+            W=plan.W,
+            BT=plan.BT,
+            SCORE=_SCORES[score_function],
+            num_warps=plan.num_warps,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatcher hooks.
+# --------------------------------------------------------------------------------------------
+def _router_unsupported(info, features):
+    e = features.get("num_experts", 0)
+    if e > MAX_EXPERTS:
+        return f"E > {MAX_EXPERTS} (num_experts={e}): the router keeps a whole row in registers"
+    if features.get("qb") and e * features.get("num_bins", 0) >= 2**31:
+        return "E * B >= 2^31 histogram bins (32-bit histogram offsets)"
+    return None
+
+
+def _topk_unsupported(info, features):
+    e = features.get("num_experts", 0)
+    if e > MAX_EXPERTS:
+        return f"E > {MAX_EXPERTS} (num_experts={e}): the router keeps a whole row in registers"
+    return None
+
+
+OPS = {"router_fwd": router_fwd, "router_bwd": router_bwd, "biased_topk": biased_topk}
+UNSUPPORTED = {
+    "router_fwd": _router_unsupported,
+    "router_bwd": _topk_unsupported,
+    "biased_topk": _topk_unsupported,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# AMD code generation checks (op_tests/test_amd_codegen.py).
+# --------------------------------------------------------------------------------------------
+_FWD_PTRS = (
+    "logits_ptr",
+    "bias_ptr",
+    "probs_ptr",
+    "map_ptr",
+    "ids_ptr",
+    "w_ptr",
+    "hist_ptr",
+    "bounds_ptr",
+    "cut_ptr",
+    "scratch_ptr",
+    "bytes_ptr",
+)
+
+
+def _fwd_spec(name, plan, *, types, score, pre, renorm, qb, nbins, map_code, dense, compact):
+    sig = {n: types.get(n, "*fp32") for n in _FWD_PTRS}
+    sig.update({"T": "i32", "scaling": "fp32"})
+    constexprs = dict(
+        plan.constexprs(),
+        SCORE=score,
+        PRE=pre,
+        RENORM=renorm,
+        HAS_BIAS=score != 2,
+        QB=qb,
+        NBINS=nbins,
+        MAP=map_code,
+        DENSE=dense,
+        COMPACT_W=compact,
+    )
+    for key in constexprs:
+        sig[key] = "constexpr"
+    return KernelSpec(name, K._router_fwd_kernel, sig, constexprs, num_warps=plan.num_warps)
+
+
+def codegen_specs(family: str = "gfx942") -> list:
+    """The kernel specialisations worth compiling for AMD: the seed shape E=896, k=16, B=1000."""
+    E, k, B = 896, 16, 1000
+    qb_plan = plan_router(E, k, True, None, None, family)
+    plain = plan_router(E, k, False, None, None, family)
+    grouped = plan_router(256, 8, False, 8, 4, family)
+    large_k = plan_router(E, 200, False, None, None, family)
+    fwd_types = {"map_ptr": "*u8", "scratch_ptr": "*i32", "hist_ptr": "*i32", "bytes_ptr": "*u8"}
+    specs = [
+        _fwd_spec(
+            "router_qb_fused_atomic",
+            qb_plan,
+            types=fwd_types,
+            score=0,
+            pre=False,
+            renorm=True,
+            qb=1,
+            nbins=B,
+            map_code=1,
+            dense=True,
+            compact=False,
+        ),
+        _fwd_spec(
+            "router_qb_two_kernel_cutoff",
+            qb_plan,
+            types=fwd_types,
+            score=0,
+            pre=False,
+            renorm=True,
+            qb=2,
+            nbins=B,
+            map_code=1,
+            dense=True,
+            compact=False,
+        ),
+        _fwd_spec(
+            "router_sigmoid_bytemap",
+            plain,
+            types=fwd_types,
+            score=0,
+            pre=False,
+            renorm=True,
+            qb=0,
+            nbins=2,
+            map_code=1,
+            dense=True,
+            compact=False,
+        ),
+        _fwd_spec(
+            "router_grouped_softmax_bitmap",
+            grouped,
+            types=fwd_types,
+            score=2,
+            pre=True,
+            renorm=False,
+            qb=0,
+            nbins=2,
+            map_code=2,
+            dense=True,
+            compact=False,
+        ),
+        _fwd_spec(
+            "router_large_k_indices",
+            large_k,
+            types={**fwd_types, "ids_ptr": "*i64"},
+            score=0,
+            pre=False,
+            renorm=True,
+            qb=0,
+            nbins=2,
+            map_code=3,
+            dense=True,
+            compact=False,
+        ),
+        _fwd_spec(
+            "biased_topk_sigmoid",
+            plain,
+            types={**fwd_types, "ids_ptr": "*i32"},
+            score=0,
+            pre=False,
+            renorm=True,
+            qb=0,
+            nbins=2,
+            map_code=3,
+            dense=False,
+            compact=True,
+        ),
+    ]
+    hp = plan_histogram(E, B, 16384, family, lds_ok=True)
+    hist_sig = {
+        "logits_ptr": "*fp32",
+        "cut_ptr": "*fp32",
+        "bounds_ptr": "*fp32",
+        "hist_ptr": "*i32",
+        "T": "i32",
+        "tokens_per_prog": "i32",
+    }
+    # The LDS variant at the real bin count, with a short token block per tl.histogram call (the
+    # ballot lowering unrolls per element and would take minutes to compile at the full block).
+    hist_const = dict(E=E, NBINS=B, EPP=hp.EPP, BT=64, NB=hp.NB, LDS=True)
+    specs.append(
+        KernelSpec(
+            "qb_histogram_two_kernel_lds",
+            K._qb_hist_kernel,
+            {**hist_sig, **{n: "constexpr" for n in hist_const}},
+            hist_const,
+            num_warps=hp.num_warps,
+            expect_lds_atomics=True,
+        )
+    )
+    glob_const = dict(hist_const, BT=hp.BT, LDS=False)
+    specs.append(
+        KernelSpec(
+            "qb_histogram_two_kernel_global",
+            K._qb_hist_kernel,
+            {**hist_sig, **{n: "constexpr" for n in glob_const}},
+            glob_const,
+            num_warps=hp.num_warps,
+        )
+    )
+    W, BT, warps = _bwd_tile(E, family)
+    bwd_const = dict(E=E, W=W, BT=BT, SCORE=0, PRE=False, NORM=True)
+    specs.append(
+        KernelSpec(
+            "router_bwd_sigmoid",
+            K._router_bwd_kernel,
+            {
+                "grad_ptr": "*fp32",
+                "logits_ptr": "*fp32",
+                "routed_ptr": "*u8",
+                "out_ptr": "*fp32",
+                "T": "i32",
+                "scaling": "fp32",
+                **{n: "constexpr" for n in bwd_const},
+            },
+            bwd_const,
+            num_warps=warps,
+        )
+    )
+    return specs

@@ -15,7 +15,7 @@ status=0
 
 run_tests() {  # the whole suite on the GPU, every available backend
   local sel=${1:-}
-  timeout "${TEST_TIMEOUT:-420}" python -m pytest op_tests -q -p no:cacheprovider -x \
+  timeout "${TEST_TIMEOUT:-420}" python -m pytest op_tests -q -p no:cacheprovider --maxfail=40 -rfE \
     --durations=15 ${sel:+-k "$sel"} 2>&1 | tail -n 400 > "$OUT/tests.log"
   local rc=${PIPESTATUS[0]}
   tail -n 3 "$OUT/tests.log"

@@ -124,28 +124,81 @@ def _block_hist_kernel(
 def _block_assign_kernel(
     ids_ptr,
     hist_ptr,
+    counters_ptr,
     out_ptr,
     N,
     E,
     cap,
-    NB,
     SUB: tl.constexpr,
     NSUB: tl.constexpr,
     LOG_SUB: tl.constexpr,
     E_PAD: tl.constexpr,
     MODE: tl.constexpr,
-    ADD_ROW: tl.constexpr,
+    ADD_OFF: tl.constexpr,
 ):
-    """Deterministic pass 3: slot base of block ``pid`` is row ``pid`` of the scanned matrix,
-    plus row ``NB`` (expert offsets) when ``ADD_ROW``."""
+    """Route rows, deterministic pass 3: the slot base of block ``pid`` is row ``pid`` of the
+    scanned matrix; compact mode (``ADD_OFF``) adds the exclusive cumsum of the final counters,
+    recomputed in registers by every program (E_PAD <= 4096 adds)."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * (SUB * NSUB)
     stop = tl.minimum(start + SUB * NSUB, N)
     eidx = tl.arange(0, E_PAD)
     g = tl.load(hist_ptr + pid.to(tl.int64) * E_PAD + eidx)
-    if ADD_ROW:
-        g += tl.load(hist_ptr + NB.to(tl.int64) * E_PAD + eidx)
+    if ADD_OFF:
+        tot = tl.load(counters_ptr + eidx, mask=eidx < E, other=0)
+        g += tl.cumsum(tot, 0) - tot
     _block_assign(ids_ptr, out_ptr, start, stop, E, g, cap, SUB, NSUB, LOG_SUB, E_PAD, MODE)
+
+
+@triton.jit
+def _align_assign_kernel(
+    ids_ptr,
+    hist_ptr,
+    sorted_ptr,
+    expert_ids_ptr,
+    post_pad_ptr,
+    N,
+    E,
+    NB,
+    block_size,
+    n_eid,
+    eid_per,
+    SUB: tl.constexpr,
+    NSUB: tl.constexpr,
+    LOG_SUB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    JC: tl.constexpr,
+):
+    """Align pass 3. Every program rebuilds the padded expert starts from the totals (row
+    ``NB``) in registers, scatters its routes (stable ranks), and writes its ``eid_per`` slice of
+    ``expert_ids``: block j belongs to expert ``#{e : cumblocks[e] <= j}``, counted as a histogram
+    of cumblocks over the slice plus the experts ending before it; blocks past the padded total
+    get 0. Program 0 writes ``num_tokens_post_pad``."""
+    pid = tl.program_id(0)
+    eidx = tl.arange(0, E_PAD)
+    em = eidx < E
+    counts = tl.load(
+        hist_ptr + (NB + tl.zeros([], dtype=tl.int64)) * E_PAD + eidx, mask=em, other=0
+    )
+    nblk = (counts + block_size - 1) // block_size
+    padded = nblk * block_size
+    g = tl.load(hist_ptr + pid.to(tl.int64) * E_PAD + eidx) + tl.cumsum(padded, 0) - padded
+    start = pid.to(tl.int64) * (SUB * NSUB)
+    stop = tl.minimum(start + SUB * NSUB, N)
+    _block_assign(ids_ptr, sorted_ptr, start, stop, E, g, 0, SUB, NSUB, LOG_SUB, E_PAD, 2)
+    total_blocks = tl.sum(nblk, 0)
+    if pid == 0:
+        tl.store(post_pad_ptr, total_blocks * block_size)
+    cum = tl.cumsum(nblk, 0)
+    j_lo = pid * eid_per
+    j_hi = tl.minimum(j_lo + eid_per, n_eid)
+    for j0 in range(j_lo, j_hi, JC):
+        inr = em & (cum >= j0) & (cum < j0 + JC)
+        d = tl.histogram(tl.where(inr, cum - j0, 0), JC, mask=inr)
+        before = tl.sum((em & (cum < j0)).to(tl.int32), 0)
+        j = j0 + tl.arange(0, JC)
+        ex = tl.where(j < total_blocks, before + tl.cumsum(d, 0), 0)
+        tl.store(expert_ids_ptr + j, ex, mask=j < j_hi)
 
 
 @triton.jit
@@ -273,7 +326,7 @@ def _route_fixup_kernel(
 
 
 @triton.jit
-def _route_det_scan_kernel(
+def _block_scan_kernel(
     hist_ptr,
     counters_ptr,
     counts_ptr,
@@ -283,16 +336,25 @@ def _route_det_scan_kernel(
     cap,
     EC: tl.constexpr,
     BT: tl.constexpr,
+    USE_COUNTERS: tl.constexpr,
     CAPACITY: tl.constexpr,
+    WRITE_TOTAL: tl.constexpr,
+    WRITE_OFF: tl.constexpr,
 ):
-    """Single program. ``hist[b, e]`` (row stride ``STRIDE``) becomes the slot base of block b,
-    ``counters[e] + sum_{b' < b} hist[b', e]``; counters += totals; counts; compact offsets (the
-    exclusive cumsum of the updated counters) go to row ``NB``."""
+    """Exclusive scan over blocks, one expert chunk of ``EC`` per program (experts are
+    independent here): ``hist[b, e]`` (row stride ``STRIDE``) becomes ``c0[e] + sum_{b' < b}
+    hist[b', e]`` with ``c0`` the caller counters (``USE_COUNTERS``, which then get the totals and
+    ``counts`` this call's rows) or 0. ``WRITE_TOTAL`` stores the per-expert totals in row ``NB``;
+    ``WRITE_OFF`` (single program, grid 1) stores the compact offsets -- the exclusive cumsum of
+    the updated counters across all experts -- there instead."""
     carry = tl.zeros([], dtype=tl.int32)
-    for e0 in range(0, E, EC):
+    for e0 in range(tl.program_id(0) * EC, E, tl.num_programs(0) * EC):
         eidx = e0 + tl.arange(0, EC)
         em = eidx < E
-        c0 = tl.load(counters_ptr + eidx, mask=em, other=0)
+        if USE_COUNTERS:
+            c0 = tl.load(counters_ptr + eidx, mask=em, other=0)
+        else:
+            c0 = tl.zeros([EC], dtype=tl.int32)
         run = c0
         for b0 in range(0, NB, BT):
             rows = b0 + tl.arange(0, BT)
@@ -301,13 +363,17 @@ def _route_det_scan_kernel(
             tile = tl.load(ptrs, mask=msk, other=0)
             tl.store(ptrs, run[None, :] + tl.cumsum(tile, 0) - tile, mask=msk)
             run += tl.sum(tile, 0)
-        tl.store(counters_ptr + eidx, run, mask=em)
-        if CAPACITY:
-            tl.store(counts_ptr + eidx, tl.maximum(tl.minimum(run, cap) - c0, 0), mask=em)
-        else:
-            tl.store(counts_ptr + eidx, run - c0, mask=em)
-            off = carry + tl.cumsum(run, 0) - run
-            tl.store(hist_ptr + NB.to(tl.int64) * STRIDE + eidx, off, mask=em)
+        if USE_COUNTERS:
+            tl.store(counters_ptr + eidx, run, mask=em)
+            if CAPACITY:
+                tl.store(counts_ptr + eidx, tl.maximum(tl.minimum(run, cap) - c0, 0), mask=em)
+            else:
+                tl.store(counts_ptr + eidx, run - c0, mask=em)
+        row_nb = hist_ptr + (NB + tl.zeros([], dtype=tl.int64)) * STRIDE + eidx
+        if WRITE_TOTAL:
+            tl.store(row_nb, run, mask=em)
+        if WRITE_OFF:
+            tl.store(row_nb, carry + tl.cumsum(run, 0) - run, mask=em)
             carry += tl.sum(tl.where(em, run, 0), 0)
 
 
@@ -361,7 +427,10 @@ def _route_assign_wide_kernel(
         row = tl.where(ok & (slot < cap), es.to(tl.int32) * cap + slot, -1)
     else:
         row = tl.where(
-            ok, tl.load(hist_ptr + NB.to(tl.int64) * E + es, mask=ok, other=0) + slot, -1
+            ok,
+            tl.load(hist_ptr + (NB + tl.zeros([], dtype=tl.int64)) * E + es, mask=ok, other=0)
+            + slot,
+            -1,
         )
     dest = start + sl
     tl.store(rows_ptr + dest, row, mask=dest < N)
@@ -370,54 +439,6 @@ def _route_assign_wide_kernel(
 # ----------------------------------------------------------------------------------------------
 # moe_align_block_size
 # ----------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _align_scan_kernel(
-    hist_ptr,
-    expert_ids_ptr,
-    post_pad_ptr,
-    NB,
-    E,
-    block_size,
-    n_eid,
-    E_PAD: tl.constexpr,
-    BT: tl.constexpr,
-    JC: tl.constexpr,
-):
-    """Single program: per-block prefixes (in place), padded expert starts (row ``NB``),
-    ``num_tokens_post_pad`` and every entry of ``expert_ids``.
-
-    Block j belongs to expert ``#{e : cumblocks[e] <= j}`` (cumblocks = inclusive cumsum of the
-    padded block counts); counted as a histogram of cumblocks over j, then a running cumsum.
-    """
-    eidx = tl.arange(0, E_PAD)
-    em = eidx < E
-    run = tl.zeros([E_PAD], dtype=tl.int32)
-    for b0 in range(0, NB, BT):
-        rows = b0 + tl.arange(0, BT)
-        ptrs = hist_ptr + rows.to(tl.int64)[:, None] * E_PAD + eidx[None, :]
-        msk = (rows < NB)[:, None] & (eidx < E_PAD)[None, :]
-        tile = tl.load(ptrs, mask=msk, other=0)
-        tl.store(ptrs, run[None, :] + tl.cumsum(tile, 0) - tile, mask=msk)
-        run += tl.sum(tile, 0)
-    nblk = (run + block_size - 1) // block_size
-    padded = nblk * block_size
-    tl.store(hist_ptr + NB.to(tl.int64) * E_PAD + eidx, tl.cumsum(padded, 0) - padded)
-    total_blocks = tl.sum(nblk, 0)
-    tl.store(post_pad_ptr, total_blocks * block_size)
-    cum = tl.cumsum(nblk, 0)
-    carry = tl.zeros([], dtype=tl.int32)
-    for j0 in range(0, n_eid, JC):
-        inr = em & (cum >= j0) & (cum < j0 + JC)
-        d = tl.histogram(tl.where(inr, cum - j0, 0), JC, mask=inr)
-        j = j0 + tl.arange(0, JC)
-        tl.store(
-            expert_ids_ptr + j,
-            tl.where(j < total_blocks, carry + tl.cumsum(d, 0), 0),
-            mask=j < n_eid,
-        )
-        carry += tl.sum(d, 0)
 
 
 # ----------------------------------------------------------------------------------------------

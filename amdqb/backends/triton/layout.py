@@ -49,7 +49,7 @@ def _env_int(name: str, default: int) -> int:
 CONFIG = {
     # routes per program of the lds path, as a multiple of E_PAD (amortises the E_PAD-wide
     # histogram sweep and the interval reservation; seed 004: cost grows with ceil(E/256))
-    "lds_routes_per_bucket": _env_int("AMDQB_LDS_ROUTES_PER_BUCKET", 2),
+    "lds_routes_per_bucket": _env_int("AMDQB_LDS_ROUTES_PER_BUCKET", 1),
     "lds_max_routes": _env_int("AMDQB_LDS_MAX_ROUTES", 4096),
     "route_warps": _env_int("AMDQB_ROUTE_WARPS", 8),
     "atomic_block": 1024,
@@ -94,6 +94,19 @@ def _tile_rows(rows: int, width: int, budget: int = 16384) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def _scan(hist, counters, counts, nb, num_experts, stride, cap, capacity, mode):
+    """Launch ``_block_scan_kernel``: expert chunks in parallel, or one program carrying the
+    cross-expert offsets (``mode == "offsets"``)."""
+    single = mode == "offsets"
+    ec = 1024 if single else 64
+    K._block_scan_kernel[(1 if single else triton.cdiv(num_experts, ec),)](
+        hist, counters, counts, nb, num_experts, stride, cap,
+        EC=ec, BT=_tile_rows(nb, ec, 16384 if single else 8192),
+        USE_COUNTERS=mode != "totals", CAPACITY=capacity is not None,
+        WRITE_TOTAL=mode == "totals", WRITE_OFF=single, num_warps=8 if single else 4,
+    )  # fmt: skip
+
+
 def _route_deterministic(ids, num_experts, capacity, counters, rows, counts, n):
     cap = 0 if capacity is None else capacity
     warps = CONFIG["route_warps"]
@@ -102,10 +115,8 @@ def _route_deterministic(ids, num_experts, capacity, counters, rows, counts, n):
         nb = triton.cdiv(n, sub)
         hist = torch.zeros(nb + 1, num_experts, dtype=torch.int32, device=ids.device)
         K._count_atomic_kernel[(nb,)](ids, hist, n, num_experts, SUB=sub, num_warps=4)
-        K._route_det_scan_kernel[(1,)](
-            hist, counters, counts, nb, num_experts, num_experts, cap,
-            EC=1024, BT=_tile_rows(nb, 1024), CAPACITY=capacity is not None, num_warps=8,
-        )  # fmt: skip
+        mode = "counters" if capacity is not None else "offsets"
+        _scan(hist, counters, counts, nb, num_experts, num_experts, cap, capacity, mode)
         K._route_assign_wide_kernel[(nb,)](
             ids, hist, rows, n, num_experts, cap, nb,
             SUB=sub, CAPACITY=capacity is not None, num_warps=warps,
@@ -114,20 +125,16 @@ def _route_deterministic(ids, num_experts, capacity, counters, rows, counts, n):
     e_pad = _e_pad(num_experts)
     sub, nsub = _blocking(n, CONFIG["det_routes"])
     nb = triton.cdiv(n, sub * nsub)
-    hist = torch.empty(nb + 1, e_pad, dtype=torch.int32, device=ids.device)
+    hist = torch.empty(nb, e_pad, dtype=torch.int32, device=ids.device)
     K._block_hist_kernel[(nb,)](
         ids, hist, hist, n, num_experts, 0, 0, 0,
         SUB=sub, NSUB=nsub, E_PAD=e_pad, FILL=False, FILL_BLOCK=16, num_warps=warps,
     )  # fmt: skip
-    K._route_det_scan_kernel[(1,)](
-        hist, counters, counts, nb, num_experts, e_pad, cap,
-        EC=min(e_pad, 1024), BT=_tile_rows(nb, min(e_pad, 1024)),
-        CAPACITY=capacity is not None, num_warps=8,
-    )  # fmt: skip
+    _scan(hist, counters, counts, nb, num_experts, e_pad, cap, capacity, "counters")
     K._block_assign_kernel[(nb,)](
-        ids, hist, rows, n, num_experts, cap, nb,
+        ids, hist, counters, rows, n, num_experts, cap,
         SUB=sub, NSUB=nsub, LOG_SUB=sub.bit_length() - 1, E_PAD=e_pad,
-        MODE=0 if capacity is not None else 1, ADD_ROW=capacity is None, num_warps=warps,
+        MODE=0 if capacity is not None else 1, ADD_OFF=capacity is None, num_warps=warps,
     )  # fmt: skip
 
 
@@ -216,15 +223,14 @@ def align_block_size(
             ids, hist, sorted_ids_out, n, num_experts, fill_len, fill_per, n,
             SUB=sub, NSUB=nsub, E_PAD=e_pad, FILL=True, FILL_BLOCK=fill_block, num_warps=warps,
         )  # fmt: skip
-        K._align_scan_kernel[(1,)](
-            hist, expert_ids_out, num_post_pad_out, nb, num_experts, block_size,
-            expert_ids_out.numel(), E_PAD=e_pad, BT=_tile_rows(nb, e_pad), JC=4096,
-            num_warps=8,
-        )  # fmt: skip
-        K._block_assign_kernel[(nb,)](
-            ids, hist, sorted_ids_out, n, num_experts, 0, nb,
-            SUB=sub, NSUB=nsub, LOG_SUB=sub.bit_length() - 1, E_PAD=e_pad,
-            MODE=2, ADD_ROW=True, num_warps=warps,
+        _scan(hist, hist, hist, nb, num_experts, e_pad, 0, None, "totals")
+        n_eid = expert_ids_out.numel()
+        jc = 256
+        K._align_assign_kernel[(nb,)](
+            ids, hist, sorted_ids_out, expert_ids_out, num_post_pad_out, n, num_experts, nb,
+            block_size, n_eid, triton.cdiv(triton.cdiv(n_eid, nb), jc) * jc,
+            SUB=sub, NSUB=nsub, LOG_SUB=sub.bit_length() - 1, E_PAD=e_pad, JC=jc,
+            num_warps=warps,
         )  # fmt: skip
 
 
@@ -406,25 +412,27 @@ def codegen_specs() -> list:
             dict(SUB=1024, NSUB=1, E_PAD=1024, FILL=True, FILL_BLOCK=1024), 8, lds=True,
         ),
         _spec(
-            "block_assign_align_e896", K._block_assign_kernel,
-            {**ids, **i32("hist_ptr", "out_ptr")},
-            dict(route, NSUB=1, E_PAD=1024, MODE=2, ADD_ROW=True), 8, lds=True,
+            "align_assign_e896", K._align_assign_kernel,
+            {**ids, **i32("hist_ptr", "sorted_ptr", "expert_ids_ptr", "post_pad_ptr")},
+            dict(route, NSUB=1, E_PAD=1024, JC=256), 8, lds=True,
+            notes="stable ranks + scatter; expert_ids via a histogram of cumulative block counts",
         ),
         _spec(
-            "block_assign_capacity_e4096", K._block_assign_kernel,
-            {"ids_ptr": "i64", **i32("hist_ptr", "out_ptr")},
-            dict(route, NSUB=1, E_PAD=4096, MODE=0, ADD_ROW=False), 8, lds=True,
+            "block_assign_compact_e4096", K._block_assign_kernel,
+            {"ids_ptr": "i64", **i32("hist_ptr", "counters_ptr", "out_ptr")},
+            dict(route, NSUB=1, E_PAD=4096, MODE=1, ADD_OFF=True), 8, lds=True,
         ),
         _spec(
-            "route_det_scan_e896", K._route_det_scan_kernel,
+            "block_scan_parallel", K._block_scan_kernel,
             i32("hist_ptr", "counters_ptr", "counts_ptr"),
-            dict(EC=1024, BT=16, CAPACITY=False), 8,
+            dict(EC=64, BT=128, USE_COUNTERS=True, CAPACITY=True, WRITE_TOTAL=False,
+                 WRITE_OFF=False), 4,
         ),
         _spec(
-            "align_scan_e896", K._align_scan_kernel,
-            i32("hist_ptr", "expert_ids_ptr", "post_pad_ptr"),
-            dict(E_PAD=1024, BT=16, JC=4096), 8, lds=True,
-            notes="expert_ids via a histogram of cumulative block counts",
+            "block_scan_offsets", K._block_scan_kernel,
+            i32("hist_ptr", "counters_ptr", "counts_ptr"),
+            dict(EC=1024, BT=16, USE_COUNTERS=True, CAPACITY=False, WRITE_TOTAL=False,
+                 WRITE_OFF=True), 8,
         ),
         _spec(
             "count_atomic_wide", K._count_atomic_kernel, {**ids, "hist_ptr": "i32"},

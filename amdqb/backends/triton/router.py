@@ -9,25 +9,34 @@ from PyTorch's by an ulp), and the QB histogram is bitwise the oracle's when the
 on :func:`score_values` (the kernels' own activations). ``two_kernel`` and ``fused_atomic`` give
 bitwise-identical histograms (same jit helpers, integer counts).
 
-Launch knobs live in :data:`CONFIGS` (one dict, per dispatch arch family, ``"default"`` first):
+Launch knobs live in :data:`CONFIGS` (one dict, per dispatch arch family, ``"default"`` first;
+the per-arch entries are empty until bench/ measurements exist):
 
-* ``row_elems``: BT * W, registers per router program (BT rows of W padded columns);
-* ``pair_elems``: cap on BT * max(G, CAP)^2 (the pairwise-rank tensors of the fast path);
-* ``warps_small`` / ``warps_large`` / ``large_tile``: num_warps for BT * W below / at or above it;
-* ``max_cap``: largest compacted-candidate tile of the fast path (else exact search + sort);
+* ``row_elems``: BT * W, the router tile per program (BT rows of W = next_pow2(E) columns); 1024
+  gives one row per program at E=896, which keeps row reductions inside 2 warps and ~120 registers
+  per thread (Triton 3.6, sm_90);
+* ``elems_per_warp`` / ``max_warps``: num_warps = BT * W / elems_per_warp, clamped;
+* ``pair_elems``: cap on BT * max(G, CAP)^2, the pairwise-rank tensors of the fast path;
+* ``tau_groups_min`` / ``max_cap``: the fast path uses G = max(tau_groups_min, next_pow2(R+1))
+  strided groups for the lower bound and CAP = next_pow2(1.5 (R+1)) candidate slots (R = k, or
+  k-1 without QB); it is used while G and CAP <= max_cap, else the exact path. At E=896, k=16
+  (QB) ~1% of random rows overflow CAP=32 and take the exact search (correct, ~5x slower per row);
 * ``hist_lds_bytes``: the two_kernel histogram's private (LDS / shared) bytes per program, which
-  sets experts per program = largest power of two with next_pow2(EPP * B) * 4 bytes inside it;
-* ``hist_iter_elems``: tokens x experts per histogram iteration; ``hist_tokens_per_prog``: token
-  slice per program (token slices = ceil(T / it), at most ``hist_max_slices``);
+  sets experts per program = largest power of two with next_pow2(EPP * B) * 4 bytes inside it
+  (B=1000 -> 8 experts, 32 KiB);
+* ``hist_iter_elems`` (private) / ``hist_global_iter_elems`` (global atomics): tokens x experts per
+  histogram-kernel iteration; ``hist_tokens_per_prog``: token slice per program (token slices =
+  ceil(T / it), at most ``hist_max_slices``); ``hist_warps``;
 * ``auto_two_kernel_min_tokens``: ``qb_mode="auto"`` uses two_kernel from this T on, and only where
-  ``tl.histogram`` lowers to one shared-memory atomic per element (see below), else fused_atomic.
+  ``tl.histogram`` lowers to one shared-memory atomic per element (see below), else fused_atomic;
+* ``bwd_row_elems``: backward tile.
 
-``tl.histogram`` has two lowerings: one shared-memory atomic per element (recent Triton on NVIDIA),
-or a warp ballot/popcount scheme whose ALU cost grows with the bin count (Triton 3.6 on both
-vendors, and AMD on 3.9; measured by compiling for gfx942 / sm_90). At E*B-sized private
-histograms the ballot scheme costs thousands of instructions per element, so
-:func:`lds_histogram_is_per_element` compiles a tiny probe once per device and the two_kernel
-histogram falls back to direct global atomics (same counts) where the probe shows ballots.
+``tl.histogram`` has two lowerings: one shared-memory atomic per element (Triton 3.9 on NVIDIA),
+or a warp ballot/popcount scheme whose ALU cost grows with the bin count (Triton 3.6 on NVIDIA and
+AMD, Triton 3.9 on AMD; checked by compiling for sm_90 / gfx942 with both versions): at 8192 bins
+it is ~2000 instructions per element. :func:`lds_histogram_is_per_element` compiles a tiny probe
+once per device; where it shows ballots, the two_kernel histogram kernel uses direct global
+atomics (identical counts, no private histogram) and ``"auto"`` picks fused_atomic.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ CONFIGS: dict[str, dict] = {
         "tau_groups_min": 32,
         "hist_lds_bytes": 32 * 1024,
         "hist_iter_elems": 8192,
+        "hist_global_iter_elems": 1024,
         "hist_tokens_per_prog": 2048,
         "hist_max_slices": 16,
         "hist_warps": 8,
@@ -204,7 +214,10 @@ def plan_histogram(E: int, B: int, T: int, family: str, lds_ok: bool) -> HistPla
     lds = lds_ok and _next_pow2(epp * B) * 4 <= budget
     if not lds:  # direct global atomics: no private histogram, take a wider expert slice
         epp = min(8, _next_pow2(E))
-    bt = max(16, min(1024, cfg["hist_iter_elems"] // epp))
+    # A private histogram amortises its zero/read-back over big token blocks; global atomics
+    # gain nothing from them (and big blocks cost layout-conversion scratch).
+    iter_elems = cfg["hist_iter_elems"] if lds else cfg["hist_global_iter_elems"]
+    bt = max(16, min(1024, iter_elems // epp))
     slices = max(1, min(cfg["hist_max_slices"], -(-T // cfg["hist_tokens_per_prog"])))
     per = -(-T // slices)
     per = -(-per // bt) * bt
@@ -466,8 +479,9 @@ def router_bwd(
 def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
     """fp32 ``[T, E]`` activations computed by exactly the router kernels' activation code.
 
-    For ``softmax`` the row reductions use the ungrouped router tile (same BT, W and warps), so the
-    values are the ungrouped router's own.
+    Bitwise the router's for ``sigmoid`` / ``sqrtsoftplus`` (element-wise, the same jit helper;
+    the QB tests rely on this). For ``softmax`` the row max / sum may associate differently from
+    the router's tile, so values agree to fp32 rounding only.
     """
     T, E = logits2d.shape
     out = torch.empty(T, E, dtype=torch.float32, device=logits2d.device)
@@ -663,7 +677,8 @@ def codegen_specs(family: str = "gfx942") -> list:
             expect_lds_atomics=True,
         )
     )
-    glob_const = dict(hist_const, BT=hp.BT, LDS=False)
+    hg = plan_histogram(E, B, 16384, family, lds_ok=False)
+    glob_const = dict(E=E, NBINS=B, EPP=hg.EPP, BT=hg.BT, NB=hg.NB, LDS=False)
     specs.append(
         KernelSpec(
             "qb_histogram_two_kernel_global",

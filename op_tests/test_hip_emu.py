@@ -18,6 +18,7 @@ from amdqb import ref
 from amdqb.backends.hip import _ops, _spec
 from amdqb.ref.ordering import order_key
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
+from hip_emu.checks import check_routes, make_ids, make_logits, routed_mask
 from hip_emu.runtime import EmuRuntime, compiler
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) for the emulator")
@@ -88,44 +89,6 @@ def test_prelude_order_key_matches_oracle():
 # ------------------------------------------------------------------------------------------------
 # Route rows
 # ------------------------------------------------------------------------------------------------
-def make_ids(m, k, e, dist, seed, dtype=torch.int32):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, e, (m, k), generator=g, dtype=torch.int64)
-    if dist == "shared" and k > 1:
-        ids[:, 0] = 0  # a shared expert in every token
-    elif dist == "one":
-        ids.fill_(e - 1)
-    elif dist == "dropped":
-        flat = ids.view(-1)
-        flat[::3] = -1
-        flat[1::7] = e
-        flat[2::11] = e + 5
-        if dtype == torch.int64:
-            flat[3::13] = 2**32 + 1  # must drop, not alias expert 1
-    return ids.to(dtype)
-
-
-def check_routes(ids, e, capacity, c0, rows, counts, counters, deterministic=False):
-    """Counts and counters equal the oracle's; per expert, the rows are the oracle's row set."""
-    want_counters = c0.clone()
-    want_rows, want_counts = ref.moe_route_rows(ids, e, capacity, want_counters)
-    assert torch.equal(counts, want_counts), "counts differ from the oracle"
-    assert torch.equal(counters, want_counters), "counters differ from the oracle"
-    if deterministic:
-        assert torch.equal(rows, want_rows)
-        return
-    flat = ids.reshape(-1).long()
-    valid = (flat >= 0) & (flat < e)
-    assert torch.all(rows.reshape(-1)[~valid] == -1), "invalid ids must get row -1"
-
-    def per_expert(r):  # sorted (expert, row) pairs of the valid routes
-        return torch.sort(flat[valid] * (2**33) + r.reshape(-1)[valid].long()).values
-
-    assert torch.equal(per_expert(rows), per_expert(want_rows)), "not the oracle's row sets"
-    got = rows[rows >= 0]
-    assert got.unique().numel() == got.numel(), "a row was claimed twice"
-
-
 ROUTE_EXPERTS = [1, 17, 129, 257, 513, 896, 4096]
 
 
@@ -199,27 +162,6 @@ def test_route_lds_launch_shape():
 # ------------------------------------------------------------------------------------------------
 # Router
 # ------------------------------------------------------------------------------------------------
-def make_logits(t, e, style, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, e, generator=g)
-    if style == "ties":
-        x = torch.randint(-2, 3, (t, e), generator=g).float()
-    elif style == "nan_inf":
-        mask = torch.rand(t, e, generator=g)
-        x[mask < 0.05] = float("nan")
-        x[(mask >= 0.05) & (mask < 0.1)] = float("inf")
-        x[(mask >= 0.1) & (mask < 0.15)] = -float("inf")
-        x[0] = float("nan")
-    elif style == "overflow":
-        # Experts 0..7 (mod 32) tie at the top: > 64 candidates above the lane-max bound, so the
-        # exact path runs and must resolve the tie by id.
-        x[:, (torch.arange(e) % 32) < 8] = 4.0
-    elif style == "zeros":
-        x = torch.zeros(t, e)
-        x[:, ::2] = -0.0
-    return x.to(dtype)
-
-
 def overflows(rt, e=257):
     """Warps that took the candidate-overflow path so far (emulator counter)."""
     lib = rt._library(_spec.router_module(e, "float32", "sigmoid"))
@@ -234,15 +176,6 @@ def alloc_map(t, e, k, fmt):
         return torch.empty(t, (e + 7) // 8, dtype=torch.uint8), "bitmap"
     dtype = {"idx16": torch.int16, "idx32": torch.int32, "idx64": torch.int64}[fmt]
     return torch.empty(t, k, dtype=dtype), "indices"
-
-
-def routed_mask(map_out, kind, e, k):
-    if kind == "bytemap":
-        return map_out
-    if kind == "bitmap":
-        return ref.unpack_bitmap(map_out, e)
-    m = torch.zeros(map_out.shape[0], e, dtype=torch.bool)
-    return m.scatter_(1, map_out.long(), True)
 
 
 def run_router(
@@ -307,7 +240,7 @@ def check_router(rt, logits, k, fmt="bytemap", score="sigmoid", bias=None, qb_mo
             scores=s if score != "softmax" else None,
             scaling_factor=scaling,
         )
-    mask = routed_mask(map_out, kind, e, k)
+    mask = routed_mask(map_out, kind, e)
     assert torch.all(mask.sum(1) == k), "every token gets exactly k distinct experts"
     assert torch.equal(mask, map_ref), "routing differs from the oracle"
     if kind == "indices":

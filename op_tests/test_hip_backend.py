@@ -190,6 +190,28 @@ def test_runtime_caches_in_memory_and_on_disk(tmp_path, monkeypatch):
     assert len(rebuilt.compiles) == 1, "AMDQB_REBUILD recompiles once per process, not per call"
 
 
+def test_runtime_uses_a_matching_prebuilt_code_object(tmp_path, monkeypatch):
+    monkeypatch.setenv("AMDQB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("AMDQB_REBUILD", raising=False)
+    monkeypatch.setattr(_spec, "PREBUILT_DIR", tmp_path / "prebuilt")
+    tc = FakeToolchain()
+    tc.name = "hiprtc"
+    tc.target = lambda device_index: ("gfx942:sramecc+:xnack-", 64, "hsaco")
+    name = _spec.prebuilt_name(_spec.ROUTE_MODULE, "gfx942", 64)
+    assert name.startswith("route-gfx942-") and name.endswith(".hsaco")
+    (tmp_path / "prebuilt").mkdir()
+    (tmp_path / "prebuilt" / name).write_bytes(b"AOT code object")
+    _runtime.GpuRuntime(tc).kernel(0, _spec.ROUTE_MODULE, "amdqb_route_lds_i32")
+    assert tc.compiles == [] and tc.loads[0][1] == b"AOT code object"
+    # Another wave size or other sources never match the file.
+    assert _spec.prebuilt_name(_spec.ROUTE_MODULE, "gfx942", 32) != name
+    monkeypatch.setenv("AMDQB_REBUILD", "1")
+    tc2 = FakeToolchain()
+    tc2.name, tc2.target = tc.name, tc.target
+    _runtime.GpuRuntime(tc2).kernel(0, _spec.ROUTE_MODULE, "amdqb_route_lds_i32")
+    assert len(tc2.compiles) == 1
+
+
 def test_runtime_key_changes_with_defines(tmp_path, monkeypatch):
     monkeypatch.setenv("AMDQB_CACHE_DIR", str(tmp_path))
     rt = _runtime.GpuRuntime(FakeToolchain())

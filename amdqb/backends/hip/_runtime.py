@@ -415,6 +415,12 @@ class GpuRuntime:
         root = _spec.source_root()
         source, digests = _spec.read_sources(spec, root)
         key = _spec.cache_key(tc.compiler_id(), arch, wave, flags, digests)
+        if tc.name == "hiprtc" and not _spec.rebuild_requested():
+            prebuilt = _spec.PREBUILT_DIR / _spec.prebuilt_name(
+                spec, arch.split(":")[0], wave, root
+            )
+            if prebuilt.is_file():
+                return key, prebuilt.read_bytes()
         path = self.disk.path(tc.name, arch, key, ext)
         data = self.disk.get_or_build(
             path,

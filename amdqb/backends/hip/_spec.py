@@ -22,6 +22,7 @@ CACHE_FORMAT = 1  # bump when the on-disk layout or the kernel ABI changes
 
 _HERE = Path(__file__).resolve().parent
 PACKAGED_SRC = _HERE.parent.parent / "_hip_src"  # amdqb/_hip_src (non-editable installs)
+PREBUILT_DIR = _HERE.parent.parent / "_hip_prebuilt"  # setup.py AOT code objects (optional)
 REPO_SRC = _HERE.parents[2] / "hip_src"  # <repo>/hip_src (editable / source tree)
 
 # Router kernels: compile-time codes.
@@ -125,6 +126,24 @@ def cache_key(
         "sources": dict(sorted(sources.items())),
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def prebuilt_name(
+    spec: ModuleSpec, base_arch: str, wave_size: int, root: Path | None = None
+) -> str:
+    """File name of an ahead-of-time code object (setup.py, AMDQB_ROCM_ARCHS): a hash of the
+    sources, the base arch (any xnack/sramecc mode), the wave size and the flags -- the compiler
+    is hipcc, not hiprtc, so its version is not part of it."""
+    _, digests = read_sources(spec, root)
+    material = {
+        "format": CACHE_FORMAT,
+        "arch": base_arch,
+        "wave": int(wave_size),
+        "flags": hip_flags(base_arch, wave_size, spec),
+        "sources": dict(sorted(digests.items())),
+    }
+    key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
+    return f"{spec.label()}-{base_arch}-{key}.hsaco"
 
 
 def cache_dir() -> Path:

@@ -53,11 +53,13 @@ def _block_assign(
     LOG_SUB: tl.constexpr,
     E_PAD: tl.constexpr,
     MODE: tl.constexpr,
+    h0=None,
 ):
     """Give every route of ``[start, stop)`` slot ``g[e] + rank`` (rank: stable, in-block).
 
     ``MODE`` 0: ``out[route] = e * cap + slot`` if ``slot < cap`` else -1 (masked layout);
     1: ``out[route] = slot`` (-1 for dropped ids); 2: ``out[slot] = route`` (align scatter).
+    ``h0``: the block histogram when the caller has it and ``NSUB == 1`` (saves a histogram).
     """
     lane = tl.arange(0, SUB)
     for c in range(NSUB):
@@ -66,7 +68,10 @@ def _block_assign(
         raw = tl.load(ids_ptr + offs, mask=offs < stop, other=-1)
         valid = (raw >= 0) & (raw < E)
         e = tl.where(valid, raw, 0).to(tl.int32)
-        hs = tl.histogram(e, E_PAD, mask=valid)
+        if h0 is None:
+            hs = tl.histogram(e, E_PAD, mask=valid)
+        else:
+            hs = h0
         # Dropped ids and the tail past `stop` get expert E_PAD: they sort after every valid key.
         keys = tl.sort((tl.where(valid, e, E_PAD) << LOG_SUB) | lane)
         se = keys >> LOG_SUB
@@ -232,10 +237,16 @@ def _route_lds_kernel(
         # Slots [base, base + h) of which those below cap get a row.
         acc = tl.minimum(tl.maximum(cap - base, 0), h)
         tl.atomic_add(counts_ptr + eidx, acc, mask=live & (acc > 0), sem="relaxed")
-        _block_assign(ids_ptr, rows_ptr, start, stop, E, base, cap, SUB, NSUB, LOG_SUB, E_PAD, 0)
+        mode: tl.constexpr = 0
     else:
         tl.atomic_add(counts_ptr + eidx, h, mask=live, sem="relaxed")
-        _block_assign(ids_ptr, rows_ptr, start, stop, E, base, cap, SUB, NSUB, LOG_SUB, E_PAD, 1)
+        mode: tl.constexpr = 1
+    if NSUB == 1:
+        _block_assign(
+            ids_ptr, rows_ptr, start, stop, E, base, cap, SUB, NSUB, LOG_SUB, E_PAD, mode, h
+        )
+    else:
+        _block_assign(ids_ptr, rows_ptr, start, stop, E, base, cap, SUB, NSUB, LOG_SUB, E_PAD, mode)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,16 +6,33 @@ on the host, launches on the current stream of the tensors' device and launches 
 empty input (outputs that must still be defined are filled with torch ops). Internal scratch is
 ``torch.empty`` (written in full before it is read) unless noted.
 
-Launches per call (``N`` routes):
+Launches per call (``N`` routes, ``R`` routes per program):
 
-* ``route_rows`` -- ``lds``: zero counts + 1 (+1 compact fix-up); ``atomic``: counter snapshot +
-  1 + finish (+1 compact fix-up); ``deterministic`` (either impl): 3 (per-block histograms, one
-  program scanning them, stable ranks); E > 4096 deterministic: zero + 3.
-* ``align_block_size`` -- 3: histograms + sentinel fill, one scan program (expert offsets,
-  ``expert_ids``, ``num_tokens_post_pad``), stable ranks + scatter. E <= 4096.
-* ``chunk_row_map`` -- 1 (C <= 1024 chunks), else 2; ``chunk_copy`` -- 1.
-* ``qb_recover`` / ``qb_step`` -- 2: per-expert recovery over a grid, one program to centre / mix
-  / bound.
+* ``route_rows``
+  - ``lds``: zero counts + 1 [+ 1 compact fix-up]. A program takes R = max(1024, E_PAD) routes,
+    builds their histogram with ``tl.histogram`` (LDS), reserves one interval per non-empty
+    expert with one masked vector atomic on the counters (returns the bases), adds its accepted
+    counts with a second one, and ranks routes inside the intervals by a bitonic sort of
+    ``(expert << 10 | lane)`` keys (1024 per sort). Compact rows are relative slots until the
+    fix-up adds ``offset[e]`` (scanned from the final counters in registers by every program).
+  - ``atomic``: counter snapshot + 1 (one returning global atomic per route) + finish (counts
+    from the snapshot; compact offsets when E > 4096) [+ 1 compact fix-up].
+  - ``deterministic`` (either impl): 3 -- per-block histograms into a ``[NB, E_PAD]`` matrix, an
+    exclusive scan over blocks (one program per 64 experts; also updates counters and counts),
+    stable ranks + stores. E > 4096: zero + 3 (atomic counts, scan, sort + segmented scan).
+* ``align_block_size`` -- 3: histograms + sentinel fill, per-expert block scan, then each
+  program rebuilds the padded expert starts in registers, scatters its routes by stable rank and
+  writes a slice of ``expert_ids`` (a histogram of cumulative block counts); E <= 4096.
+* ``chunk_row_map`` -- 1 (C <= 1024 chunks: tables rebuilt in registers per program), else 2
+  (prefix table + binary search); ``chunk_copy`` -- 1 (``[rows, H]`` tiles, 16-byte accesses
+  when H allows).
+* ``qb_recover`` / ``qb_step`` -- 2: per-expert recovery over a grid (int64 cumsums, float64
+  interpolation, no FP contraction), one program to centre / mix / write the bounds.
+
+Tuning knobs (environment, read at import): ``AMDQB_ROUTE_SUB`` (routes per sort, default 1024;
+64 under the CPU interpreter), ``AMDQB_LDS_ROUTES_PER_BUCKET``, ``AMDQB_LDS_MAX_ROUTES``,
+``AMDQB_ROUTE_WARPS``, ``AMDQB_DET_ROUTES``, ``AMDQB_ALIGN_ROUTES``, ``AMDQB_COPY_TILE``,
+``AMDQB_COPY_WARPS``.
 """
 
 from __future__ import annotations
@@ -385,7 +402,7 @@ def codegen_specs() -> list:
         _spec(
             "route_lds_capacity_e896", K._route_lds_kernel,
             {**ids, **i32("counters_ptr", "counts_ptr", "rows_ptr")},
-            dict(route, NSUB=2, E_PAD=1024, CAPACITY=True), 8, lds=True,
+            dict(route, NSUB=1, E_PAD=1024, CAPACITY=True), 8, lds=True,
             notes="lds route: LDS histogram + one interval atomic per non-empty expert",
         ),
         _spec(

@@ -16,7 +16,8 @@ the per-arch entries are empty until bench/ measurements exist):
   gives one row per program at E=896, which keeps row reductions inside 2 warps and ~120 registers
   per thread (Triton 3.6, sm_90);
 * ``elems_per_warp`` / ``max_warps``: num_warps = BT * W / elems_per_warp, clamped;
-* ``pair_elems``: cap on BT * max(G, CAP)^2, the pairwise-rank tensors of the fast path;
+* ``pair_elems``: cap on BT * max(G, CAP)^2, the pairwise-rank tensors of the fast path, and
+  ``pairs_per_warp``: at least that many warps for them (register pressure);
 * ``tau_groups_min`` / ``max_cap``: the fast path uses G = max(tau_groups_min, next_pow2(R+1))
   strided groups for the lower bound and CAP = next_pow2(1.5 (R+1)) candidate slots (R = k, or
   k-1 without QB); it is used while G and CAP <= max_cap, else the exact path. At E=896, k=16
@@ -58,7 +59,8 @@ MAX_EXPERTS = 4096
 CONFIGS: dict[str, dict] = {
     "default": {
         "row_elems": 1024,
-        "pair_elems": 16384,
+        "pair_elems": 4096,
+        "pairs_per_warp": 2048,
         "elems_per_warp": 512,
         "max_warps": 8,
         "max_cap": 128,
@@ -187,7 +189,9 @@ def plan_router(E: int, K: int, qb: bool, num_groups, group_topk, family: str) -
     if pair:
         bt = min(bt, max(1, cfg["pair_elems"] // (pair * pair)))
     BT = 1 << (bt.bit_length() - 1)
-    warps = _warps(BT * W, cfg)
+    warps = max(
+        _warps(BT * W, cfg), min(cfg["max_warps"], BT * pair * pair // cfg["pairs_per_warp"])
+    )
     id_bits = (E + W - 1).bit_length()
     return RouterPlan(
         E, K, R, NG, GS, GT, NGP, GSP, W, EP, BT, G, CAP, id_bits, fast, use_tau, warps

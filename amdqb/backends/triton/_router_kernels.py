@@ -14,7 +14,8 @@ while k real candidates exist. The rank-R element (R = k-1, or k under QB) is th
 of an element is "(key, -id) beats or equals (key_c, -id_c)" (strictly beats under QB), so every
 row gets exactly k distinct experts whatever the data (ties, NaN, +-inf).
 
-Selection (per program: BT rows x W padded columns held in registers):
+Selection (per program: BT rows x W = next_pow2(E) padded columns held in registers; BT = 1 at
+E=896):
 
 * fast path (k small): a lower bound ``tau`` on the cutoff key is the (R+1)-th largest of the maxima
   of G strided column groups; the few elements with ``key >= tau`` are compacted into a
@@ -249,9 +250,9 @@ def _router_fwd_kernel(
         if tl.max(cnt, axis=0) > CAP:
             kx, ix = _exact_cutoff(key, ids, R, BT, ID_BITS)
             cand = (key > kx[:, None]) | ((key == kx[:, None]) & (ids[None, :] <= ix[:, None]))
-        # Compact (key, id) of the candidates: row r owns scratch[r*SROW:], keys [0, CAP), ids
-        # [CAP, 2CAP), a slot counter at 2CAP. Slots come from atomics on the counter (any order
-        # works: the ranks below do not depend on it), which is cheaper than a row scan here.
+        # Compact (key, id) of the candidates. Row r owns 2*CAP+1 int32 of scratch: keys [0, CAP),
+        # ids [CAP, 2CAP), a slot counter at 2CAP. Slots come from atomics on the counter (any
+        # order works: the ranks below do not depend on it), cheaper than a row-wide scan here.
         sbase = scratch_ptr + rows64 * (2 * CAP + 1)
         tl.store(sbase + 2 * CAP, tl.zeros([BT], dtype=tl.int32), mask=row_ok)
         tl.debug_barrier()

@@ -503,6 +503,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--print-every", type=int, default=0, help="table row every N steps (default steps // 10)"
     )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for the run (default 1: the per-step tensors are small and extra "
+        "intra-op threads only add overhead, badly so on a busy CPU; 0 leaves torch's setting)",
+    )
     parser.add_argument("--out", default="demo_out", help="output folder (default ./demo_out)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return parser
@@ -529,6 +536,32 @@ def _device_description(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.processor() or platform.machine()} ({os.cpu_count()} logical CPUs)"
+
+
+def _simulate(args, device: torch.device, num_hot: int):
+    """Build the stream and the four methods, run the loop; returns them and the loop's wall time."""
+    stream = Stream(
+        args.tokens,
+        args.experts,
+        args.dim,
+        args.logit_scale,
+        args.seed,
+        device,
+        num_hot=num_hot,
+        hot_offset=args.hot_offset,
+        mean_drift=args.drift,
+    )
+    methods = [
+        Method(args.experts, args.topk, device),
+        AuxFree(args.experts, args.topk, device, rate=args.aux_rate),
+        QBHistogram(args.experts, args.topk, device, num_bins=args.bins),
+        QBExact(args.experts, args.topk, device, num_bins=args.bins),
+    ]
+    start = time.perf_counter()
+    hist = run(args, methods, stream)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return stream, methods, hist, time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -570,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         "bins": args.bins,
         "aux_rate": args.aux_rate,
         "window": window,
+        "threads": args.threads,
     }
     choice = dispatch.select(
         "router_fwd",
@@ -592,30 +626,15 @@ def main(argv: list[str] | None = None) -> int:
         f"seed={args.seed}\n"
     )
 
-    with torch.no_grad():
-        stream = Stream(
-            args.tokens,
-            args.experts,
-            args.dim,
-            args.logit_scale,
-            args.seed,
-            device,
-            num_hot=num_hot,
-            hot_offset=args.hot_offset,
-            mean_drift=args.drift,
-        )
-        methods = [
-            Method(args.experts, args.topk, device),
-            AuxFree(args.experts, args.topk, device, rate=args.aux_rate),
-            QBHistogram(args.experts, args.topk, device, num_bins=args.bins),
-            QBExact(args.experts, args.topk, device, num_bins=args.bins),
-        ]
-        start = time.perf_counter()
-        hist = run(args, methods, stream)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - start
-        final = report(methods, hist, window, args.bins)
+    threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        with torch.no_grad():
+            stream, methods, hist, wall = _simulate(args, device, num_hot)
+            final = report(methods, hist, window, args.bins)
+    finally:
+        torch.set_num_threads(threads)
     print(f"\n{args.steps} steps in {wall:.1f} s")
 
     os.makedirs(args.out, exist_ok=True)

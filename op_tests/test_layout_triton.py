@@ -223,17 +223,13 @@ def test_align_expert_map_and_empty(backend):
 
 
 @pytest.mark.parametrize("backend", kernel_backends("align_block_size"))
-def test_align_refuses_beyond_4096_experts(backend):
-    from amdqb import dispatch
-
-    module = dispatch._backend_module(backend)
-    hook = getattr(module, "unsupported", None)
-    if hook is None or hook("align_block_size", None, {"num_experts": 4097}) is None:
-        pytest.skip(f"{backend} supports E > 4096")
-    with pytest.raises(RuntimeError, match="4096"):
-        amdqb.moe_align_block_size(
-            make_ids(4, 2, 5000, "uniform").to(DEVICE), 16, 5000, backend=backend
-        )
+@pytest.mark.parametrize("e", [4097, 10000])
+def test_align_beyond_4096_experts(backend, e):
+    m, k = (8192, 16) if HAS_GPU else (40, 4)
+    ids = make_ids(m, k, e, "dropped", seed=e)
+    ids.view(-1)[1::6] = e - 1
+    check_align(ids, 16, e, False, backend)
+    check_align(ids, 64, e, True, backend)
 
 
 # ----------------------------------------------------------------------------------------------

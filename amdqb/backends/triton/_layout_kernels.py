@@ -407,19 +407,21 @@ def _run_start(e_a, s_a, e_b, s_b):
 
 
 @triton.jit
-def _route_assign_wide_kernel(
+def _assign_wide_kernel(
     ids_ptr,
     hist_ptr,
-    rows_ptr,
+    out_ptr,
     N,
     E,
     cap,
     NB,
     SUB: tl.constexpr,
-    CAPACITY: tl.constexpr,
+    MODE: tl.constexpr,
 ):
-    """E > 4096 deterministic pass 3 (one sub-chunk per program): rank = sorted position minus
-    the start of its expert's run (segmented scan), slot base gathered from the scanned matrix."""
+    """E > 4096 pass 3 (one sub-chunk per program, no E-wide registers): rank = sorted position
+    minus the start of its expert's run (segmented scan over the sorted keys); slot base gathered
+    from row ``pid`` of the scanned matrix, plus row ``NB`` (compact offsets / padded expert
+    starts) in modes 1 and 2. Modes as in ``_block_assign``."""
     pid = tl.program_id(0)
     lane = tl.arange(0, SUB)
     start = pid.to(tl.int64) * SUB
@@ -429,27 +431,57 @@ def _route_assign_wide_kernel(
     ek = tl.where(valid, raw, E).to(tl.int64)
     keys = tl.sort(ek * SUB + lane)
     se = keys // SUB
-    sl = (keys % SUB).to(tl.int32)
+    dest = start + (keys % SUB)
     _, run0 = tl.associative_scan((se, lane), 0, _run_start)
     ok = se < E
     es = tl.where(ok, se, 0)
     slot = tl.load(hist_ptr + pid.to(tl.int64) * E + es, mask=ok, other=0) + (lane - run0)
-    if CAPACITY:
+    if MODE != 0:
+        nb64 = NB + tl.zeros([], dtype=tl.int64)
+        slot += tl.load(hist_ptr + nb64 * E + es, mask=ok, other=0)
+    if MODE == 0:
         row = tl.where(ok & (slot < cap), es.to(tl.int32) * cap + slot, -1)
+        tl.store(out_ptr + dest, row, mask=dest < N)
+    elif MODE == 1:
+        tl.store(out_ptr + dest, tl.where(ok, slot, -1), mask=dest < N)
     else:
-        row = tl.where(
-            ok,
-            tl.load(hist_ptr + (NB + tl.zeros([], dtype=tl.int64)) * E + es, mask=ok, other=0)
-            + slot,
-            -1,
-        )
-    dest = start + sl
-    tl.store(rows_ptr + dest, row, mask=dest < N)
+        tl.store(out_ptr + slot, dest.to(tl.int32), mask=ok)
 
 
-# ----------------------------------------------------------------------------------------------
-# moe_align_block_size
-# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _align_offsets_wide_kernel(hist_ptr, post_pad_ptr, NB, E, block_size, CHUNK: tl.constexpr):
+    """E > 4096 align, single program: row ``NB`` (per-expert totals) becomes the padded expert
+    starts, row ``NB + 1`` the inclusive cumulative block counts; ``num_tokens_post_pad``."""
+    nb64 = NB + tl.zeros([], dtype=tl.int64)
+    carry = tl.zeros([], dtype=tl.int32)
+    for e0 in range(0, E, CHUNK):
+        idx = e0 + tl.arange(0, CHUNK)
+        m = idx < E
+        nblk = (tl.load(hist_ptr + nb64 * E + idx, mask=m, other=0) + block_size - 1) // block_size
+        cum = carry + tl.cumsum(nblk, 0)
+        tl.store(hist_ptr + nb64 * E + idx, (cum - nblk) * block_size, mask=m)
+        tl.store(hist_ptr + (nb64 + 1) * E + idx, cum, mask=m)
+        carry += tl.sum(nblk, 0)
+    tl.store(post_pad_ptr, carry * block_size)
+
+
+@triton.jit
+def _align_expert_ids_wide_kernel(
+    cum_ptr, expert_ids_ptr, E, n_eid, BJ: tl.constexpr, STEPS: tl.constexpr
+):
+    """E > 4096 align: block j belongs to expert ``#{e : cumblocks[e] <= j}`` (binary search);
+    blocks past the padded total get 0."""
+    j = tl.program_id(0) * BJ + tl.arange(0, BJ)
+    lo = tl.zeros([BJ], dtype=tl.int32)
+    hi = tl.zeros([BJ], dtype=tl.int32) + E
+    for _ in range(STEPS):
+        act = lo < hi
+        mid = (lo + hi) // 2
+        below = act & (tl.load(cum_ptr + mid, mask=act, other=0) <= j)
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(act & ~below, mid, hi)
+    total = tl.load(cum_ptr + E - 1)
+    tl.store(expert_ids_ptr + j, tl.where(j < total, lo, 0), mask=j < n_eid)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,7 +48,6 @@ from . import _layout_kernels as K
 from .codegen import KernelSpec
 
 LDS_MAX_EXPERTS = 4096  # E_PAD <= 4096: the int32 LDS histogram stays <= 16 KiB
-ALIGN_MAX_EXPERTS = 4096
 CHUNK_MAP_MAX_REG = 1024  # chunks handled in registers by the single-launch row map
 
 
@@ -134,9 +133,9 @@ def _route_deterministic(ids, num_experts, capacity, counters, rows, counts, n):
         K._count_atomic_kernel[(nb,)](ids, hist, n, num_experts, SUB=sub, num_warps=4)
         mode = "counters" if capacity is not None else "offsets"
         _scan(hist, counters, counts, nb, num_experts, num_experts, cap, capacity, mode)
-        K._route_assign_wide_kernel[(nb,)](
+        K._assign_wide_kernel[(nb,)](
             ids, hist, rows, n, num_experts, cap, nb,
-            SUB=sub, CAPACITY=capacity is not None, num_warps=warps,
+            SUB=sub, MODE=0 if capacity is not None else 1, num_warps=warps,
         )  # fmt: skip
         return
     e_pad = _e_pad(num_experts)
@@ -217,6 +216,30 @@ def route_rows(
 # ----------------------------------------------------------------------------------------------
 
 
+def _align_wide(ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad, n):
+    """E > 4096: nothing E-wide in registers (atomic block counts, single-program offsets, binary
+    search for expert_ids, sort + segmented-scan ranks); 7 launches."""
+    sub = min(CONFIG["sub_max"], max(16, _pow2(n)))
+    nb = triton.cdiv(n, sub)
+    hist = torch.zeros(nb + 2, num_experts, dtype=torch.int32, device=ids.device)
+    sorted_ids.fill_(n)
+    K._count_atomic_kernel[(nb,)](ids, hist, n, num_experts, SUB=sub, num_warps=4)
+    _scan(hist, hist, hist, nb, num_experts, num_experts, 0, None, "totals")
+    K._align_offsets_wide_kernel[(1,)](
+        hist, num_post_pad, nb, num_experts, block_size, CHUNK=4096, num_warps=8
+    )
+    n_eid = expert_ids.numel()
+    bj = min(1024, _pow2(n_eid))
+    K._align_expert_ids_wide_kernel[(triton.cdiv(n_eid, bj),)](
+        hist[nb + 1], expert_ids, num_experts, n_eid,
+        BJ=bj, STEPS=(num_experts + 1).bit_length(), num_warps=4,
+    )  # fmt: skip
+    K._assign_wide_kernel[(nb,)](
+        ids, hist, sorted_ids, n, num_experts, 0, nb,
+        SUB=sub, MODE=2, num_warps=CONFIG["route_warps"],
+    )  # fmt: skip
+
+
 def align_block_size(
     topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
@@ -227,6 +250,12 @@ def align_block_size(
         num_post_pad_out.zero_()
         return
     ids = topk_ids.reshape(-1)
+    if num_experts > LDS_MAX_EXPERTS:
+        with _device(ids):
+            _align_wide(
+                ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out, n
+            )
+        return
     e_pad = _e_pad(num_experts)
     sub, nsub = _blocking(n, CONFIG["align_routes"])
     nb = triton.cdiv(n, sub * nsub)
@@ -360,14 +389,7 @@ def _route_unsupported(info, features):
     return None
 
 
-def _align_unsupported(info, features):
-    e = features.get("num_experts", 0)
-    if e > ALIGN_MAX_EXPERTS:
-        return f"align_block_size keeps the expert scan in registers: E <= {ALIGN_MAX_EXPERTS}, got {e}"
-    return None
-
-
-UNSUPPORTED = {"route_rows": _route_unsupported, "align_block_size": _align_unsupported}
+UNSUPPORTED = {"route_rows": _route_unsupported}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,8 +478,16 @@ def codegen_specs() -> list:
             dict(SUB=1024), 4,
         ),
         _spec(
-            "route_assign_wide", K._route_assign_wide_kernel,
-            {**ids, **i32("hist_ptr", "rows_ptr")}, dict(SUB=1024, CAPACITY=False), 8,
+            "assign_wide_align", K._assign_wide_kernel,
+            {**ids, **i32("hist_ptr", "out_ptr")}, dict(SUB=1024, MODE=2), 8,
+        ),
+        _spec(
+            "align_offsets_wide", K._align_offsets_wide_kernel,
+            i32("hist_ptr", "post_pad_ptr"), dict(CHUNK=4096), 8,
+        ),
+        _spec(
+            "align_expert_ids_wide", K._align_expert_ids_wide_kernel,
+            i32("cum_ptr", "expert_ids_ptr"), dict(BJ=1024, STEPS=14), 4,
         ),
         _spec(
             "chunk_map_c128", K._chunk_map_kernel,

@@ -67,8 +67,10 @@ def _expert_offsets(expert_ids, num_post_pad, cfg: MoEConfig):
     blocks = expert_ids.numel()
     used = torch.arange(blocks, device=expert_ids.device) * cfg.block_size < num_post_pad
     owner = torch.where(used, expert_ids.long(), cfg.num_experts)
-    per_expert = torch.bincount(owner, minlength=cfg.num_experts + 1)[: cfg.num_experts]
-    return (torch.cumsum(per_expert, 0) * cfg.block_size).to(torch.int32)
+    # scatter_add, not bincount: bincount sizes its output on the host (a sync, illegal in capture)
+    per_expert = torch.zeros(cfg.num_experts + 1, dtype=torch.long, device=expert_ids.device)
+    per_expert.scatter_add_(0, owner, torch.ones_like(owner))
+    return (torch.cumsum(per_expert[: cfg.num_experts], 0) * cfg.block_size).to(torch.int32)
 
 
 def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:

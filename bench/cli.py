@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 import torch
 
@@ -44,12 +45,20 @@ def main(argv: list[str] | None = None) -> int:
         "serving": dict(buckets=(1, 8), config="small") if small else {},
     }
     names = list(SUITES) if args.suite == "all" else [args.suite]
-    reports = []
+    failed = []
     for name in names:
-        for report in SUITES[name](device, cfg, **shapes[name]):
-            print(report.markdown())
-            reports.append(report)
+        try:
+            reports = SUITES[name](device, cfg, **shapes[name])
+        except Exception:  # report and go on: one broken suite must not hide the others
+            traceback.print_exc()
+            failed.append(name)
+            continue
+        for report in reports:
+            print(report.markdown(), flush=True)
+        if args.json:
+            write_json(args.json, reports)
     if args.json:
-        write_json(args.json, reports)
         print(f"results written to {args.json}", file=sys.stderr)
-    return 0
+    if failed:
+        print(f"failed suites: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0

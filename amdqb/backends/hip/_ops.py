@@ -222,6 +222,8 @@ def router_fwd(
     qb = qb_histogram is not None
     if qb and qb_mode == "auto":
         qb_mode = auto_qb_mode(tokens, num_experts)
+    if qb and not qb_bin_bounds.is_contiguous():  # the kernels read bounds[0], bounds[1]
+        qb_bin_bounds = qb_bin_bounds.contiguous()
     kind = _INDEX_KINDS[map_out.dtype] if map_kind == "indices" else _MAP_KINDS[map_kind]
     softmax = score_function == "softmax"
     num_bins = qb_histogram.shape[1] if qb else 0

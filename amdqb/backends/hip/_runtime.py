@@ -276,8 +276,18 @@ class NvrtcToolchain(_Toolchain):
     def load(self, device_index, image):
         self.ensure_context(device_index)
         buf = ctypes.create_string_buffer(image, len(image))
-        module = _check(self.driver.cuModuleLoadData(ctypes.addressof(buf)), "cuModuleLoadData")
-        return module
+        try:
+            return _check(self.driver.cuModuleLoadData(ctypes.addressof(buf)), "cuModuleLoadData")
+        except HipBackendError as exc:
+            try:
+                drv = int(_check(self.driver.cuDriverGetVersion(), "cuDriverGetVersion"))
+                drv = f"{drv // 1000}.{drv % 1000 // 10}"
+            except Exception:
+                drv = "?"
+            raise HipBackendError(
+                f"{exc} (code object from {self.compiler_id()}, driver supports CUDA {drv}): "
+                "install an NVRTC no newer than the driver, e.g. nvidia-cuda-nvrtc-cu12"
+            ) from exc
 
     def function(self, module, name):
         return _check(self.driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")

@@ -372,13 +372,13 @@ def test_route_rows_atomic_vs_lds(e, dist):
         ids = make_ids(m, k, e, "uniform" if dist == "counters" else dist, m + e)
         for capacity in (None, max(1, m * k // e)):
             results = {}
+            c0 = (
+                torch.randint(0, 50, (e,), dtype=torch.int32)
+                if dist == "counters"
+                else torch.zeros(e, dtype=torch.int32)
+            )
             for impl in ("atomic", "lds"):
-                c0 = (
-                    torch.randint(0, 50, (e,), dtype=torch.int32)
-                    if dist == "counters"
-                    else torch.zeros(e, dtype=torch.int32)
-                )
-                counters = c0.to(DEV)
+                counters = c0.clone().to(DEV)
                 rows, counts = amdqb.moe_route_rows(
                     ids.to(DEV), e, capacity=capacity, counters=counters, impl=impl, backend="hip"
                 )
@@ -395,9 +395,9 @@ def test_route_rows_deterministic(e, dtype):
     ids = make_ids(3001, k, e, "dropped", e, dtype)
     for capacity in (None, 4):
         outs = []
+        c0 = torch.randint(0, 5, (e,), dtype=torch.int32)
         for impl in ("atomic", "lds", "lds"):
-            c0 = torch.randint(0, 5, (e,), dtype=torch.int32)
-            counters = c0.to(DEV)
+            counters = c0.clone().to(DEV)
             rows, counts = amdqb.moe_route_rows(
                 ids.to(DEV),
                 e,

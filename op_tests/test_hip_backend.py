@@ -94,6 +94,14 @@ def test_disk_cache_atomic_write_reload_and_force(tmp_path):
     assert len(builds) == 2
 
 
+def test_disk_cache_unwritable_dir_still_builds(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    cache = _runtime.DiskCache(blocker / "sub")
+    path = cache.path("nvrtc", "sm_90", "d" * 64, "cubin")
+    assert cache.get_or_build(path, lambda: b"image") == b"image"
+
+
 def test_disk_cache_failed_build_leaves_nothing(tmp_path):
     cache = _runtime.DiskCache(tmp_path)
     path = cache.path("hiprtc", "gfx942", "f" * 64, "hsaco")

@@ -133,7 +133,10 @@ class DiskCache:
         """Cached bytes at ``path``; else ``build()`` them and store them (under a file lock)."""
         if not force and path.is_file():
             return path.read_bytes()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:  # read-only home / cache dir: compile, keep it in memory only
+            return build()
         lock_path = path.with_suffix(path.suffix + ".lock")
         with open(lock_path, "a+") as lock:
             fcntl.flock(lock.fileno(), fcntl.LOCK_EX)

@@ -14,7 +14,13 @@ activation is the backend's own (``expf``-based sigmoid, not bitwise torch's), w
 :func:`score_values` exists: evaluated on these scores the oracle gives identical routes and QB
 histograms. Both QB histogram modes give bitwise-identical histograms. Route rows: counts exact,
 rows a bijection onto each expert's slots; order inside an expert is unspecified (any atomic
-interleaving) unless ``deterministic=True`` (ascending flat route index).
+interleaving) unless ``deterministic=True`` (ascending flat route index; beyond 12288 experts the
+deterministic mode runs the oracle, eager only).
+
+Verification without a device: every kernel compiles for gfx942 / gfx1100 / gfx1201 (clang-19),
+sm_90 (nvcc) and through NVRTC with the runtime's own flags (op_tests/test_hip_compile.py), and runs
+on the CPU under the host emulator of op_tests/hip_emu (wave32 and wave64 logical warps) against
+the oracles (op_tests/test_hip_emu.py). hiprtc has not executed anything: no ROCm device exists here.
 """
 
 from __future__ import annotations

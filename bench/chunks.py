@@ -111,7 +111,10 @@ def run(
                 fn()
                 torch.cuda.synchronize()
                 peak[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        # the torch backend and the split/cat baseline size or index by device values: eager
+        eager = {n: impls.pop(n) for n in ("torch", "torch_split_cat") if n in impls}
         times = time_alternating(impls, device, cfg)
+        times.update(time_alternating(eager, device, cfg, graphs=False))
         elt = inp.element_size()
         nbytes = 2 * (n + num_out) * hidden * elt  # forward r+w, restore r+w
         outputs_mib = (num_out * hidden * elt + num_out * 4 * 2 + n * hidden * elt) / 2**20

@@ -129,7 +129,11 @@ def run(
             impls[name] = lambda n=name: amdqb.moe_align_block_size(
                 ids, block_size, num_experts, backend=n
             )
-        for name, us in time_alternating(impls, device, cfg).items():
+        # the torch oracle sizes outputs from device values (not capturable): timed eagerly
+        oracle = {"torch": impls.pop("torch")}
+        times = time_alternating(impls, device, cfg)
+        times.update(time_alternating(oracle, device, cfg, graphs=False))
+        for name, us in times.items():
             align.add(
                 M=m,
                 backend=name,

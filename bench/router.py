@@ -38,8 +38,9 @@ def te_style_torch_qb(logits, bias, topk, hist, bounds):
     e, b = hist.shape
     scale = torch.tensor(float(b), device=s.device) / (bounds[1] - bounds[0])
     bins = torch.floor((alpha - s - bounds[0]) * scale).nan_to_num(0.0).clamp(0, b - 1).long()
-    flat = bins + torch.arange(e, device=s.device) * b
-    hist += torch.bincount(flat.reshape(-1), minlength=e * b).view(e, b).to(torch.int32)
+    flat = (bins + torch.arange(e, device=s.device) * b).reshape(-1)
+    # scatter_add rather than bincount: bincount sizes its output on the host (no graph capture)
+    hist.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     return probs, rmap
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from . import layout, router
+from .router import score_values  # the router's own activations (tests compare on them)
 
 OPS = {**router.OPS, **layout.OPS}
 _UNSUPPORTED = {**router.UNSUPPORTED, **layout.UNSUPPORTED}

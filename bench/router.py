@@ -36,7 +36,7 @@ def te_style_torch_qb(logits, bias, topk, hist, bounds):
     probs = torch.zeros_like(s).scatter(1, routed, sel / (sel.sum(-1, keepdim=True) + 1e-20))
     rmap = torch.zeros_like(s, dtype=torch.bool).scatter(1, routed, True)
     e, b = hist.shape
-    scale = torch.tensor(float(b), device=s.device) / (bounds[1] - bounds[0])
+    scale = float(b) / (bounds[1] - bounds[0])  # no host scalar tensor: capturable
     bins = torch.floor((alpha - s - bounds[0]) * scale).nan_to_num(0.0).clamp(0, b - 1).long()
     flat = (bins + torch.arange(e, device=s.device) * b).reshape(-1)
     # scatter_add rather than bincount: bincount sizes its output on the host (no graph capture)

@@ -317,6 +317,7 @@ def _launch_router(
         DENSE=probs is not None,
         COMPACT_W=weights is not None,
         num_warps=plan.num_warps,
+        enable_fp_fusion=False,
     )
 
 
@@ -404,6 +405,7 @@ def _launch_histogram(logits, cut, bounds, hist, family, lds_ok):
         NB=hp.NB,
         LDS=hp.LDS,
         num_warps=hp.num_warps,
+        enable_fp_fusion=False,
     )
 
 
@@ -477,6 +479,7 @@ def router_bwd(
             PRE=bool(use_pre_softmax) and score == 2,
             NORM=topk > 1,
             num_warps=warps,
+            enable_fp_fusion=False,
         )
 
 
@@ -502,6 +505,7 @@ def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
             BT=plan.BT,
             SCORE=_SCORES[score_function],
             num_warps=plan.num_warps,
+            enable_fp_fusion=False,
         )
     return out
 

@@ -122,9 +122,25 @@ _DEFAULT_PREFERENCE = {
     "sm_100": ("triton", "hip", "torch"),
 }
 
-# Per-op overrides: {op: {arch_family: order}}. Filled from bench/results measurements; each entry
-# says where its evidence is.
-OP_PREFERENCE: dict[str, dict[str, tuple[str, ...]]] = {}
+
+# Per-op overrides: {op: {arch_family: order or callable(features) -> order}}, each from a
+# measurement in bench/results/ (the entry says which).
+def _sm90_router_order(features: dict) -> tuple[str, ...]:
+    # H200, 2026-11-29 (bench/results/h200.json, E=896 k=16): below ~1024 tokens the Triton router
+    # is faster (T=256: 8.5 vs 12.4 us no-QB, 14.7 vs 16.9 us QB); from 1024 tokens on the hip
+    # (NVRTC) router is (T=4096: 30.9 vs 47.1 us no-QB, 51.2 vs 69.2 us best QB; T=16384: 164.6 vs
+    # 171.6 us, 253.9 vs 240.4 us -- QB at 16384 the one exception, within 6%).
+    if features.get("tokens_bucket") == "small":
+        return ("triton", "hip", "torch")
+    return ("hip", "triton", "torch")
+
+
+OP_PREFERENCE: dict[str, dict[str, object]] = {
+    "router_fwd": {"sm_90": _sm90_router_order},
+    # H200, 2026-11-29: the hip route kernels beat Triton's (M=8192 uniform: lds 9.3 vs 21.5 us,
+    # atomic 17.7 vs 17.5 us; all-one-expert lds 9.1 vs 13.4 us).
+    "route_rows": {"sm_90": ("hip", "triton", "torch")},
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,11 +167,11 @@ class Choice:
     rejected: tuple[tuple[str, str], ...] = ()
 
 
-def preference(op: str, info: DeviceInfo) -> tuple[str, ...]:
-    per_op = OP_PREFERENCE.get(op, {})
-    return per_op.get(info.arch_family) or _DEFAULT_PREFERENCE.get(
-        info.arch_family, ("triton", "torch")
-    )
+def preference(op: str, info: DeviceInfo, features: dict | None = None) -> tuple[str, ...]:
+    order = OP_PREFERENCE.get(op, {}).get(info.arch_family)
+    if callable(order):
+        order = order(features or {})
+    return order or _DEFAULT_PREFERENCE.get(info.arch_family, ("triton", "torch"))
 
 
 def _env_backend() -> str | None:
@@ -167,7 +183,7 @@ def _env_backend() -> str | None:
 def _select_cached(op: str, device_str: str, forced: str | None, features: tuple) -> Choice:
     info = _device_info_cached(device_str)
     rejected: list[tuple[str, str]] = []
-    candidates = (forced,) if forced else preference(op, info)
+    candidates = (forced,) if forced else preference(op, info, dict(features))
     for name in candidates:
         ok, why = backend_status(name, info)
         if ok:

@@ -387,6 +387,7 @@ def fused_topk_with_score_function(
         grouped=num_groups is not None,
         qb=use_qb,
         num_bins=qb_histogram.shape[1] if use_qb else 0,
+        tokens_bucket="small" if tokens < 1024 else "large",
     )
     qb = (qb_histogram, qb_bin_bounds, qb_histogram_mode) if use_qb else (None, None, None)
     cfg = (

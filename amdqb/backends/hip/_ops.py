@@ -125,8 +125,9 @@ def _router_grid(rt, dev, tokens):
 
 
 def auto_qb_mode(tokens: int, num_experts: int) -> str:
-    """``qb_histogram_mode="auto"``: fused atomics while T*E is small (few collisions per bin),
-    LDS-privatised two-kernel histograms beyond. Not measured yet (the bench records it)."""
+    """``qb_histogram_mode="auto"``: fused atomics while T*E is small, LDS-privatised two-kernel
+    histograms beyond. Measured on an H200 (bench/results/h200.json, E=896 k=16): fused/two-kernel
+    = 16.9/21.6 us at T=256, 24.5/24.3 at 1024, 67.0/51.2 at 4096, 278/254 at 16384."""
     return "fused_atomic" if tokens * num_experts <= (1 << 20) else "two_kernel"
 
 

@@ -22,12 +22,16 @@ def test_buffers_initial_state_and_addresses_stable():
     ptrs = (bal.bias.data_ptr(), bal.bin_bounds.data_ptr(), bal.histogram.data_ptr())
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
-        bal.route(torch.randn(64, 16, generator=g).to(DEVICE) + torch.linspace(-1, 1, 16, device=DEVICE))
+        bal.route(
+            torch.randn(64, 16, generator=g).to(DEVICE) + torch.linspace(-1, 1, 16, device=DEVICE)
+        )
         bal.step()
     assert ptrs == (bal.bias.data_ptr(), bal.bin_bounds.data_ptr(), bal.histogram.data_ptr())
     assert int(bal.histogram.sum()) == 0
     lo, hi = bal.bin_bounds.tolist()
-    assert lo == pytest.approx(float(bal.bias.min()) - 1) and hi == pytest.approx(float(bal.bias.max()) + 1)
+    assert lo == pytest.approx(float(bal.bias.min()) - 1) and hi == pytest.approx(
+        float(bal.bias.max()) + 1
+    )
     assert abs(float(bal.bias.double().mean())) < 1e-6
 
 

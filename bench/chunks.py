@@ -11,9 +11,17 @@ from __future__ import annotations
 import torch
 
 import amdqb
-from amdqb import dispatch, ref
+from amdqb import ref
 
-from .common import Progress, Report, TimingConfig, copy_bandwidth, environment, time_alternating
+from .common import (
+    Progress,
+    backends_for,
+    Report,
+    TimingConfig,
+    copy_bandwidth,
+    environment,
+    time_alternating,
+)
 
 
 def make_layout(n, ranks, experts, align, g):
@@ -68,12 +76,7 @@ def run(
     report = Report("chunks", env)
     g = torch.Generator().manual_seed(0)
     progress = Progress(len(tokens), "chunks")
-    info = dispatch.device_info(device)
-    backends = [
-        n
-        for n in ("hip", "triton", "torch")
-        if dispatch.backend_status(n, info)[0] and "chunk_copy" in dispatch._backend_module(n).OPS
-    ]
+    backends = backends_for("chunk_copy", device, ("hip", "triton", "torch"))
     for n in tokens:
         sizes, order, out_sizes, num_out = make_layout(n, ranks, experts, align, g)
         inp = torch.randn(n, hidden, generator=g).to(device, dtype)

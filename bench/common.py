@@ -106,6 +106,18 @@ def time_alternating(
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
+def backends_for(op: str, device: torch.device, names=("hip", "triton")) -> list[str]:
+    """The backends among ``names`` that are available on ``device`` and implement ``op``."""
+    from amdqb import dispatch
+
+    info = dispatch.device_info(device)
+    return [
+        n
+        for n in names
+        if dispatch.backend_status(n, info)[0] and op in dispatch._backend_module(n).OPS
+    ]
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 58 * 2**20, cfg: TimingConfig | None = None):
     """Measured device copy bandwidth in GB/s counting bytes read + written."""
     cfg = cfg or TimingConfig()

@@ -15,7 +15,7 @@ import torch
 import amdqb
 from amdqb import dispatch, ref
 
-from .common import Progress, Report, TimingConfig, environment, time_alternating
+from .common import Progress, backends_for, Report, TimingConfig, environment, time_alternating
 
 SPEC_ALIGN_TRITON_PEER = {512: 251, 2517: 272, 8192: 307}  # vLLM-algorithm Triton, H200 (µs)
 SPEC_TORCH_BINCOUNT = {512: 194, 2517: 201, 8192: 247}
@@ -60,16 +60,6 @@ def check_rows(rows, counts, ids, e, capacity):
         raise AssertionError("a row lies outside its expert's capacity range")
 
 
-def route_backends(device) -> list[str]:
-    info = dispatch.device_info(device)
-    names = []
-    for name in ("hip", "triton"):
-        ok, _ = dispatch.backend_status(name, info)
-        if ok and "route_rows" in dispatch._backend_module(name).OPS:
-            names.append(name)
-    return names
-
-
 def run(
     device,
     cfg: TimingConfig,
@@ -82,7 +72,7 @@ def run(
     env = environment(device)
     report = Report("route_rows", env)
     align = Report("moe_align_block_size", env)
-    backends = route_backends(device)
+    backends = backends_for("route_rows", device)
     g = torch.Generator().manual_seed(0)
     progress = Progress(len(tokens) * (len(dists) + 1), "route")
     for m in tokens:

@@ -13,7 +13,15 @@ import torch
 import amdqb
 from amdqb import dispatch, ref
 
-from .common import Progress, Report, TimingConfig, copy_bandwidth, environment, time_alternating
+from .common import (
+    Progress,
+    backends_for,
+    Report,
+    TimingConfig,
+    copy_bandwidth,
+    environment,
+    time_alternating,
+)
 
 # TransformerEngine's router on this H200 (SPEC §5, CUDA-graph replay, µs per call).
 TE_H200 = {
@@ -42,16 +50,6 @@ def te_style_torch_qb(logits, bias, topk, hist, bounds):
     # scatter_add rather than bincount: bincount sizes its output on the host (no graph capture)
     hist.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     return probs, rmap
-
-
-def kernel_backends(device) -> list[str]:
-    info = dispatch.device_info(device)
-    names = []
-    for name in ("hip", "triton"):
-        ok, _ = dispatch.backend_status(name, info)
-        if ok and "router_fwd" in dispatch._backend_module(name).OPS:
-            names.append(name)
-    return names
 
 
 def _check_router(backend, logits, bias, topk, num_bins, bounds):
@@ -102,7 +100,7 @@ def run(
     env = environment(device)
     bw, _ = copy_bandwidth(device, cfg=cfg) if device.type == "cuda" else (float("nan"), 0)
     env["copy_GBps"] = bw
-    backends = kernel_backends(device)
+    backends = backends_for("router_fwd", device)
     report = Report("router", env)
     serving = Report("biased_topk", env)
     g = torch.Generator(device="cpu").manual_seed(0)

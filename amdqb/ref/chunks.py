@@ -40,9 +40,9 @@ def chunk_row_map(
 
 def gather_rows(inp: torch.Tensor, row_map: torch.Tensor) -> torch.Tensor:
     """``out[p] = inp[row_map[p]]`` or zero where ``row_map[p] < 0`` (differentiable)."""
-    valid = (row_map >= 0).reshape(-1, *([1] * (inp.dim() - 1)))
-    src = inp[row_map.clamp(min=0).long()]
-    return torch.where(valid, src, torch.zeros_like(src))
+    # An appended zero row serves every -1 entry (and keeps an empty input indexable).
+    padded = torch.cat([inp, inp.new_zeros(1, *inp.shape[1:])])
+    return padded[torch.where(row_map >= 0, row_map, inp.shape[0]).long()]
 
 
 def moe_sort_chunks_and_pad(

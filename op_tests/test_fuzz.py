@@ -23,6 +23,12 @@ MAX_T = 70000 if LARGE else 24
 MAX_E = 4097 if LARGE else 40
 MAX_K = 36
 EXAMPLES = {"router": 3000, "qb": 2500, "route": 2000, "align": 1500, "chunks": 800, "recover": 500}
+# Kernel shapes (E, k, B) are compile-time constants: every new combination compiles (~1-2 s on a
+# GPU). The large profile therefore draws them from menus that keep the edges (1, powers of two and
+# one past them, 896, 4096, 4097; k = 1, 2, 8, 16, 36, E-1, E) while T and the values stay free.
+E_MENU = (1, 2, 3, 17, 64, 255, 256, 257, 896, 1024, 2049, 4096, 4097)
+K_MENU = (1, 2, 8, 16, 36)
+B_MENU = (2, 3, 64, 1000, 1024, 4096)
 SETTINGS = dict(
     max_examples=10 if not LARGE else None,
     deadline=None,
@@ -45,9 +51,14 @@ def _size(draw, max_value, small=64):
 
 @st.composite
 def router_case(draw, qb: bool):
-    e = max(2 if qb else 1, _size(draw, MAX_E))
+    if LARGE:
+        e = max(2 if qb else 1, draw(st.sampled_from(E_MENU)))
+        kmax = e - 1 if qb else e
+        k = min(draw(st.sampled_from(K_MENU + (kmax,))), kmax)
+    else:
+        e = max(2 if qb else 1, _size(draw, MAX_E))
+        k = draw(st.integers(1, min(e - 1 if qb else e, MAX_K)))
     t = _size(draw, MAX_T)
-    k = draw(st.integers(1, min(e - 1 if qb else e, MAX_K)))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     style = draw(st.sampled_from(["normal", "ties", "nan_inf", "one_hot", "saturated"]))
     seed = draw(st.integers(0, 2**31 - 1))
@@ -81,7 +92,7 @@ def _check_router(backend, t, e, k, dtype, style, seed, qb):
     kwargs = dict(expert_bias=bias)
     hist = hist_ref = None
     if qb:
-        b = int(torch.randint(2, 1200, (1,), generator=g))
+        b = B_MENU[seed % len(B_MENU)] if LARGE else int(torch.randint(2, 1200, (1,), generator=g))
         bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
         hist = torch.zeros(e, b, dtype=torch.int32, device=DEVICE)
         mode = ("two_kernel", "fused_atomic")[seed % 2]

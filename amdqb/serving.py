@@ -35,6 +35,14 @@ class MoEConfig:
     group_topk: Optional[int] = None
     scaling_factor: Optional[float] = None
 
+    def selection(self) -> dict:
+        """Keyword arguments of the router selection shared by the layer and its reference."""
+        return dict(
+            num_groups=self.num_groups,
+            group_topk=self.group_topk,
+            scaling_factor=self.scaling_factor,
+        )
+
 
 KIMI_K3_TP8 = MoEConfig(num_experts=896, topk=16, hidden=7168, intermediate=384, block_size=64)
 SMALL = MoEConfig(num_experts=16, topk=4, hidden=64, intermediate=32, block_size=16)
@@ -83,13 +91,7 @@ def moe_forward(x: torch.Tensor, weights: dict, cfg: MoEConfig, backend: Optiona
     m, h = x.shape
     logits = x @ weights["router"]
     topk_w, topk_ids = biased_topk(
-        logits,
-        cfg.topk,
-        weights["expert_bias"],
-        num_groups=cfg.num_groups,
-        group_topk=cfg.group_topk,
-        scaling_factor=cfg.scaling_factor,
-        backend=backend,
+        logits, cfg.topk, weights["expert_bias"], backend=backend, **cfg.selection()
     )
     sorted_ids, expert_ids, num_post_pad = moe_align_block_size(
         topk_ids, cfg.block_size, cfg.num_experts, pad_sorted_ids=True, backend=backend
@@ -125,14 +127,7 @@ def dense_reference(x: torch.Tensor, weights: dict, cfg: MoEConfig) -> torch.Ten
     from . import ref
 
     logits = (x @ weights["router"]).float()
-    w, ids = ref.biased_topk(
-        logits,
-        cfg.topk,
-        weights["expert_bias"],
-        num_groups=cfg.num_groups,
-        group_topk=cfg.group_topk,
-        scaling_factor=cfg.scaling_factor,
-    )
+    w, ids = ref.biased_topk(logits, cfg.topk, weights["expert_bias"], **cfg.selection())
     xf = x.float()
     out = torch.zeros_like(xf)
     for j in range(cfg.topk):

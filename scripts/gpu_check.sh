@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # The one project command for a GPU machine (the H200 lent through the device tool):
-#   bash scripts/gpu_check.sh [smoke|tests|tests-a|tests-b|sanitize|bench|full]   -> $OUT (<= 8 files)
+#   bash scripts/gpu_check.sh MODE...   -> $OUT (<= 8 files)
+#   MODE: smoke | tests | tests-a | tests-b | fuzz | sanitize | profile | bench [SUITE] | nccl | full
+# Several modes run in order in one call (a device call costs a machine start): e.g.
+#   bash scripts/gpu_check.sh tests fuzz
 # Runs from the source tree (PYTHONPATH), installs nothing.
-# Budget note (2026-11-29 session): the whole suite on the GPU takes > 7 minutes, dominated by
-# kernel compilation for many shapes; run `tests` with SMOKE_K / -k subsets inside one 10-minute
-# call, and keep `--report-api-errors no` for the sanitizer: cuda-bindings probes driver entry
+# Budget notes: serially the suite takes > 7 minutes on a fresh machine, dominated by Triton/NVRTC
+# compilation for many shapes, so it runs under pytest-xdist (in the device image) with JOBS
+# workers. Keep `--report-api-errors no` for the sanitizer: cuda-bindings probes driver entry
 # points with cuGetProcAddress, which the sanitizer otherwise counts as 34 API errors.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT=${OUT:-/tmp/amdqb_out}
 mkdir -p "$OUT"
-mode=${1:-full}
+JOBS=${JOBS:-12}
 status=0
+XDIST=()
+python -c "import xdist" 2>/dev/null && XDIST=(-n "$JOBS")
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
   python -m amdqb info; } > "$OUT/info.txt" 2>&1
@@ -25,13 +30,34 @@ PART_B="op_tests/test_layout_triton.py op_tests/test_fuzz.py op_tests/test_large
   op_tests/test_demo.py op_tests/test_hip_compile.py op_tests/test_hip_emu.py
   op_tests/test_amd_codegen.py"
 
-run_tests() {  # the suite (or FILES) on the GPU, every available backend
-  local sel=${1:-}
-  timeout "${TEST_TIMEOUT:-540}" python -m pytest ${FILES:-op_tests} -q -p no:cacheprovider \
-    --maxfail=40 -rfE --durations=15 ${sel:+-k "$sel"} 2>&1 | tail -n 400 > "$OUT/tests.log"
+run_tests() {  # the suite (or FILES) on the GPU, every available backend -> $OUT/LOG
+  local sel=${1:-} log=${LOG:-tests.log}
+  timeout "${TEST_TIMEOUT:-420}" python -m pytest ${FILES:-op_tests} -p no:cacheprovider \
+    $([ "${JOBS}" != 0 ] && echo "${XDIST[@]}") --maxfail=40 -rfEs --durations=15 ${sel:+-k "$sel"} 2>&1 | tail -n 600 \
+    > "$OUT/$log"
   local rc=${PIPESTATUS[0]}
-  tail -n 3 "$OUT/tests.log"
+  tail -n 3 "$OUT/$log"
   return "$rc"
+}
+
+run_fuzz() {  # the large differential-fuzzing profile (>= 10,000 cases) -> $OUT/fuzz.log
+  AMDQB_FUZZ_PROFILE=large FILES=op_tests/test_fuzz.py LOG=fuzz.log \
+    TEST_TIMEOUT=${FUZZ_TIMEOUT:-300} run_tests ""
+}
+
+run_profile() {  # ncu over the hot kernels at the SPEC §5 shapes -> $OUT/ncu.txt
+  timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off \
+    --section SpeedOfLight --section LaunchStats --section Occupancy \
+    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+    python -m bench.profile_kernels > "$OUT/ncu.txt" 2>&1
+  local rc=$?
+  grep -E "^  [a-z_]+.*\(|Duration|Throughput|Achieved Occupancy|Registers Per|Stall" \
+    "$OUT/ncu.txt" | head -n 80
+  return "$rc"
+}
+
+run_nccl() {  # the 2-GPU NCCL pooling test (nvidia-h200-x2)
+  LOG=nccl.log FILES=op_tests/test_training_loop.py JOBS=0 run_tests "nccl or gloo"
 }
 
 run_sanitize() {  # memcheck + racecheck over the kernel tests (small shapes)
@@ -48,22 +74,33 @@ run_sanitize() {  # memcheck + racecheck over the kernel tests (small shapes)
   cat "$OUT/sanitizer.log"
 }
 
-run_bench() {
-  timeout "${BENCH_TIMEOUT:-300}" python -m amdqb bench all --json "$OUT/h200.json" \
-    > "$OUT/bench.md" 2> "$OUT/bench.err"
+run_bench() {  # SUITE (default all) -> $OUT/h200.json, bench.md
+  timeout "${BENCH_TIMEOUT:-300}" python -m amdqb bench "${1:-all}" --json "$OUT/h200.json" \
+    >> "$OUT/bench.md" 2>> "$OUT/bench.err"
   local rc=$?
   tail -n 60 "$OUT/bench.md"; tail -n 5 "$OUT/bench.err"
   return "$rc"
 }
 
-case "$mode" in
-  smoke) run_tests "${SMOKE_K:-not slow}" || status=1 ;;
-  tests) run_tests || status=1 ;;
-  tests-a) FILES=$PART_A run_tests || status=1 ;;
-  tests-b) FILES=$PART_B run_tests || status=1 ;;
-  sanitize) run_sanitize || status=1 ;;
-  bench) run_bench || status=1 ;;
-  full) run_tests || status=1; run_bench || status=1; run_sanitize || status=1 ;;
-  *) echo "unknown mode $mode"; exit 2 ;;
-esac
+[ $# -eq 0 ] && set -- full
+while [ $# -gt 0 ]; do
+  mode=$1; shift
+  echo "== $mode ($(date +%T))"
+  case "$mode" in
+    smoke) run_tests "${SMOKE_K:-not slow}" || status=1 ;;
+    tests) run_tests || status=1 ;;
+    tests-a) FILES=$PART_A run_tests || status=1 ;;
+    tests-b) FILES=$PART_B run_tests || status=1 ;;
+    fuzz) run_fuzz || status=1 ;;
+    sanitize) run_sanitize || status=1 ;;
+    profile) run_profile || status=1 ;;
+    nccl) run_nccl || status=1 ;;
+    bench)  # an optional suite name follows
+      suite=all
+      case "${1:-}" in route|router|chunks|balance|serving) suite=$1; shift ;; esac
+      run_bench "$suite" || status=1 ;;
+    full) run_tests || status=1; run_bench || status=1; run_sanitize || status=1 ;;
+    *) echo "unknown mode $mode"; exit 2 ;;
+  esac
+done
 exit $status

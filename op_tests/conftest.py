@@ -6,8 +6,15 @@ Without a GPU the Triton kernels run on the CPU interpreter: ``TRITON_INTERPRET`
 
 import os
 
-import pytest
-import torch
+# pytest-xdist workers spread over the visible GPUs (AMDQB_SPREAD_GPUS=N, set by
+# scripts/gpu_check.sh on multi-GPU machines); must happen before torch initialises CUDA.
+_worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+_spread = int(os.environ.get("AMDQB_SPREAD_GPUS", "0") or 0)
+if _worker.startswith("gw") and _spread > 1:
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(int(_worker[2:]) % _spread)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
@@ -60,3 +67,18 @@ def pytest_runtest_call(item):
     excinfo = outcome.excinfo
     if excinfo and isinstance(excinfo[1], RuntimeError) and "no backend can run" in str(excinfo[1]):
         outcome.force_exception(pytest.skip.Exception(str(excinfo[1]), _use_item_location=True))
+
+
+_LIVE_LOG = os.environ.get("AMDQB_TEST_LOG")
+
+
+def pytest_runtest_logreport(report):
+    """With AMDQB_TEST_LOG set, append each test's outcome, duration and (on failure) its error as
+    it happens: a run cut off by a time limit still leaves every finished result behind."""
+    if not _LIVE_LOG or _worker or not (report.when == "call" or report.outcome != "passed"):
+        return  # under xdist the controller, which receives every report, writes the log
+    line = f"{report.outcome:7s} {report.duration:8.2f}s {report.when:8s} {report.nodeid}\n"
+    if report.failed:
+        line += "    " + str(report.longrepr)[-3000:].replace("\n", "\n    ") + "\n"
+    with open(_LIVE_LOG, "a") as f:
+        f.write(line)

@@ -14,10 +14,12 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT=${OUT:-/tmp/amdqb_out}
 mkdir -p "$OUT"
-JOBS=${JOBS:-12}
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+JOBS=${JOBS:-$(( $(nproc) * 3 / 4 ))}
+export AMDQB_SPREAD_GPUS=$NGPU  # xdist workers take the GPUs in turn (op_tests/conftest.py)
 status=0
 XDIST=()
-python -c "import xdist" 2>/dev/null && XDIST=(-n "$JOBS")
+python -c "import xdist" 2>/dev/null && XDIST=(--numprocesses "$JOBS")
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
   python -m amdqb info; } > "$OUT/info.txt" 2>&1
@@ -32,8 +34,10 @@ PART_B="op_tests/test_layout_triton.py op_tests/test_fuzz.py op_tests/test_large
 
 run_tests() {  # the suite (or FILES) on the GPU, every available backend -> $OUT/LOG
   local sel=${1:-} log=${LOG:-tests.log}
+  # every result as it happens (a run cut off by its time limit still reports what finished)
+  export AMDQB_TEST_LOG="$OUT/${log%.log}.live"
   timeout "${TEST_TIMEOUT:-420}" python -m pytest ${FILES:-op_tests} -p no:cacheprovider \
-    $([ "${JOBS}" != 0 ] && echo "${XDIST[@]}") --maxfail=40 -rfEs --durations=15 ${sel:+-k "$sel"} 2>&1 | tail -n 600 \
+    $([ "${JOBS}" != 0 ] && printf "%s " "${XDIST[@]}") --maxfail=40 -rfEs --durations=15 ${sel:+-k "$sel"} 2>&1 | tail -n 600 \
     > "$OUT/$log"
   local rc=${PIPESTATUS[0]}
   tail -n 3 "$OUT/$log"
@@ -57,7 +61,8 @@ run_profile() {  # ncu over the hot kernels at the SPEC §5 shapes -> $OUT/ncu.t
 }
 
 run_nccl() {  # the 2-GPU NCCL pooling test (nvidia-h200-x2)
-  LOG=nccl.log FILES=op_tests/test_training_loop.py JOBS=0 run_tests "nccl or gloo"
+  LOG=nccl.log FILES=op_tests/test_training_loop.py JOBS=0 TEST_TIMEOUT=${NCCL_TIMEOUT:-120} \
+    run_tests "nccl or gloo"
 }
 
 run_sanitize() {  # memcheck + racecheck over the kernel tests (small shapes)

@@ -51,7 +51,12 @@ def _group_limited_candidates(
     per_group = e // num_groups
     grouped = scores.reshape(t, num_groups, per_group)
     top_in_group = ranked_indices(grouped, topk // group_topk)
-    group_scores = grouped.gather(-1, top_in_group).sum(-1)
+    best = grouped.gather(-1, top_in_group)
+    # an explicit left-to-right sum: torch.sum's reduction order differs between devices (a CUDA
+    # tree sum of 4 values is not ((a + b) + c) + d), and the contract fixes selection order
+    group_scores = best[..., 0]
+    for i in range(1, best.shape[-1]):
+        group_scores = group_scores + best[..., i]
     best_groups = ranked_indices(group_scores, group_topk)
     group_mask = torch.zeros(t, num_groups, dtype=torch.bool, device=scores.device)
     group_mask.scatter_(1, best_groups, True)

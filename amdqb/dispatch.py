@@ -240,12 +240,34 @@ def report(device: torch.device | str | None = None) -> dict:
 
 
 def backend_name(
-    op: str, device: torch.device | str, backend: str | None = None, **features
+    op: str,
+    device: torch.device | str,
+    backend: str | None = None,
+    *,
+    prefer: str | None = None,
+    **features,
 ) -> str:
-    """Name of the backend :func:`select` picks; a trace-time constant under ``torch.compile``."""
-    return _backend_name(op, str(torch.device(device)), backend, tuple(sorted(features.items())))
+    """Name of the backend :func:`select` picks; a trace-time constant under ``torch.compile``.
+
+    ``prefer``: that backend if it can run ``op`` with ``features``, else the preference table
+    (``AMDQB_BACKEND`` aside) -- how a backward follows its forward's backend when that backend has
+    a backward kernel, and falls back to the dispatcher's choice when it has none (hip).
+    """
+    return _backend_name(
+        op, str(torch.device(device)), backend, tuple(sorted(features.items())), prefer
+    )
 
 
 @torch.compiler.assume_constant_result
-def _backend_name(op: str, device: str, backend: str | None, features: tuple) -> str:
+def _backend_name(
+    op: str, device: str, backend: str | None, features: tuple, prefer: str | None = None
+) -> str:
+    if prefer is not None:
+        try:
+            return select(op, device, prefer, **dict(features)).backend
+        except RuntimeError:
+            dev = torch.device(device)
+            if dev.type == "cuda" and dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            return _select_cached(op, str(dev), None, features).backend
     return select(op, device, backend, **dict(features)).backend

@@ -398,3 +398,20 @@ def test_router_compiles_without_graph_breaks():
 def test_env_is_not_leaking_interpreter_into_gpu_runs():
     if HAS_GPU:
         assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def test_backward_backend_follows_forward_or_falls_back(monkeypatch):
+    """The router's backward uses the forward's backend when it has a backward kernel; a backend
+    without one (or unavailable here) falls back to the table, also when AMDQB_BACKEND forces it."""
+    dev = DEVICE
+    assert (
+        dispatch.backend_name("router_bwd", dev, prefer="torch", num_experts=8, topk=2) == "torch"
+    )
+    table = dispatch.backend_name("router_bwd", dev, num_experts=8, topk=2)
+    monkeypatch.setenv("AMDQB_BACKEND", "hip")
+    got = dispatch.backend_name("router_bwd", dev, prefer="hip", num_experts=8, topk=2)
+    assert got == table and "router_bwd" in dispatch._backend_module(got).OPS
+    z = torch.randn(5, 8, device=dev, requires_grad=True)
+    probs, _ = amdqb.fused_topk_with_score_function(z, 2, backend="torch")
+    probs.sum().backward()
+    assert z.grad is not None and torch.isfinite(z.grad).all()

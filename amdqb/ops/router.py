@@ -181,7 +181,10 @@ def _routed_mask(map_out: torch.Tensor, map_kind: str, num_experts: int) -> torc
 class _RouterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits2d, cfg, user_indices, qb):
-        topk, score_function, use_pre_softmax, groups, scaling_factor, bias, map_kind, backend = cfg
+        topk, score_function, use_pre_softmax, groups, scaling_factor, bias, map_kind, backends = (
+            cfg
+        )
+        backend = backends[0]  # (forward, backward)
         probs, map_out = _alloc_outputs(logits2d, topk, map_kind, user_indices)
         _router_fwd(
             logits2d,
@@ -209,9 +212,10 @@ class _RouterFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_probs, _grad_map):
         logits2d, map_out = ctx.saved_tensors
-        topk, score_function, use_pre_softmax, _groups, scaling_factor, _b, map_kind, backend = (
+        topk, score_function, use_pre_softmax, _groups, scaling_factor, _b, map_kind, backends = (
             ctx.cfg
         )
+        backend = backends[1]
         routed = _routed_mask(map_out, map_kind, logits2d.shape[1])
         grad = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
         _router_bwd(
@@ -390,17 +394,21 @@ def fused_topk_with_score_function(
         tokens_bucket="small" if tokens < 1024 else "large",
     )
     qb = (qb_histogram, qb_bin_bounds, qb_histogram_mode) if use_qb else (None, None, None)
-    cfg = (
-        topk,
-        score_function,
-        bool(use_pre_softmax),
-        (num_groups, group_topk),
-        scaling_factor,
-        expert_bias,
-        map_kind,
-        chosen_backend,
-    )
     if torch.is_grad_enabled() and logits.requires_grad:
+        # the backward runs on the forward's backend when it has a backward kernel (hip has none)
+        bwd_backend = dispatch.backend_name(
+            "router_bwd", device, prefer=chosen_backend, num_experts=num_experts, topk=topk
+        )
+        cfg = (
+            topk,
+            score_function,
+            bool(use_pre_softmax),
+            (num_groups, group_topk),
+            scaling_factor,
+            expert_bias,
+            map_kind,
+            (chosen_backend, bwd_backend),
+        )
         probs, map_out = _RouterFunction.apply(logits2d, cfg, topk_indices, qb)
     else:
         probs, map_out = _alloc_outputs(logits2d, topk, map_kind, topk_indices)

@@ -49,18 +49,23 @@ SMALL = MoEConfig(num_experts=16, topk=4, hidden=64, intermediate=32, block_size
 
 
 def init_weights(cfg: MoEConfig, device, dtype=torch.bfloat16, seed: int = 0):
-    """Router, bias and expert weights: ``w13 [E, H, 2I]`` (gate | up) and ``w2 [E, I, H]``."""
-    g = torch.Generator().manual_seed(seed)
+    """Router, bias and expert weights: ``w13 [E, H, 2I]`` (gate | up) and ``w2 [E, I, H]``.
+
+    Drawn on ``device`` directly in ``dtype`` (the Kimi TP8 experts are 15 GB in bf16: drawing them
+    in fp32 on the host would take a minute); the values depend on the device's generator.
+    """
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
     e, h, i = cfg.num_experts, cfg.hidden, cfg.intermediate
-    router = torch.randn(h, e, generator=g) / h**0.5
-    bias = torch.randn(e, generator=g) * 0.05
-    w13 = torch.randn(e, h, 2 * i, generator=g) / h**0.5
-    w2 = torch.randn(e, i, h, generator=g) / i**0.5
+
+    def draw(*shape, scale, out_dtype=dtype):
+        return torch.randn(shape, generator=g, device=device, dtype=out_dtype).mul_(scale)
+
     return {
-        "router": router.to(device, dtype),
-        "expert_bias": bias.to(device, torch.float32),
-        "w13": w13.to(device, dtype),
-        "w2": w2.to(device, dtype),
+        "router": draw(h, e, scale=h**-0.5),
+        "expert_bias": draw(e, scale=0.05, out_dtype=torch.float32),
+        "w13": draw(e, h, 2 * i, scale=h**-0.5),
+        "w2": draw(e, i, h, scale=i**-0.5),
     }
 
 

@@ -9,6 +9,7 @@ import traceback
 import torch
 
 from . import balance, chunks, route, router, serving
+from . import common
 from .common import TimingConfig, quick_config, write_json
 
 SUITES = {
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         "balance": dict(num_experts=128, num_bins=200) if small else {},
         "serving": dict(buckets=(1, 8), config="small") if small else {},
     }
+    common.AUTOSAVE = args.json
     names = list(SUITES) if args.suite == "all" else [args.suite]
     failed = []
     for name in names:

@@ -162,6 +162,10 @@ def environment(device: torch.device) -> dict:
     }
 
 
+# JSON path that every Report rewrites after each row (set by the CLI's --json).
+AUTOSAVE: str | Path | None = None
+
+
 @dataclass
 class Report:
     """Rows of one benchmark run, printed as a markdown table and optionally written as JSON."""
@@ -172,6 +176,9 @@ class Report:
 
     def add(self, **row) -> None:
         self.rows.append(row)
+        if AUTOSAVE is not None:  # a run cut off by a time limit keeps every finished row
+            write_json(AUTOSAVE, [self])
+            print(f"[{self.title}] " + json.dumps(row, default=str), file=sys.stderr, flush=True)
 
     def markdown(self, columns: list[str] | None = None) -> str:
         if not self.rows:

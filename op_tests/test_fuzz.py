@@ -37,9 +37,25 @@ SETTINGS = dict(
 )
 
 
+# The large profile splits the compile-heavy tests into shards (pytest parameters, so pytest-xdist
+# runs them in parallel): each shard owns a disjoint set of expert counts, hence of kernel shapes,
+# and runs its share of the examples.
+SHARDED = ("router", "qb", "route", "align")
+SHARDS = 8 if LARGE else 1
+
+
 def _settings(op):
     n = EXAMPLES[op] if LARGE else SETTINGS["max_examples"]
+    if op in SHARDED:
+        n = -(-n // SHARDS)
     return settings(**{**SETTINGS, "max_examples": n})
+
+
+def _shard_e(draw, shard):
+    """An expert count of ``shard``: E in 1..MAX_E split by bit length (E_PAD) across shards."""
+    lengths = [b for b in range(1, MAX_E.bit_length() + 1) if b % SHARDS == shard % SHARDS]
+    b = draw(st.sampled_from(lengths))
+    return draw(st.integers(1 << (b - 1), min(MAX_E, (1 << b) - 1)))
 
 
 def _size(draw, max_value, small=64):
@@ -50,9 +66,9 @@ def _size(draw, max_value, small=64):
 
 
 @st.composite
-def router_case(draw, qb: bool):
+def router_case(draw, qb: bool, shard: int = 0):
     if LARGE:
-        e = max(2 if qb else 1, draw(st.sampled_from(E_MENU)))
+        e = max(2 if qb else 1, draw(st.sampled_from(E_MENU[shard::SHARDS])))
         kmax = e - 1 if qb else e
         k = min(draw(st.sampled_from(K_MENU + (kmax,))), kmax)
     else:
@@ -125,22 +141,24 @@ def _check_router(backend, t, e, k, dtype, style, seed, qb):
 
 
 @pytest.mark.parametrize("backend", kernel_backends("router_fwd"))
+@pytest.mark.parametrize("shard", range(SHARDS))
 @_settings("router")
-@given(case=router_case(qb=False))
-def test_fuzz_router(backend, case):
-    _check_router(backend, *case, qb=False)
+@given(data=st.data())
+def test_fuzz_router(backend, shard, data):
+    _check_router(backend, *data.draw(router_case(qb=False, shard=shard)), qb=False)
 
 
 @pytest.mark.parametrize("backend", kernel_backends("router_fwd"))
+@pytest.mark.parametrize("shard", range(SHARDS))
 @_settings("qb")
-@given(case=router_case(qb=True))
-def test_fuzz_qb_router(backend, case):
-    _check_router(backend, *case, qb=True)
+@given(data=st.data())
+def test_fuzz_qb_router(backend, shard, data):
+    _check_router(backend, *data.draw(router_case(qb=True, shard=shard)), qb=True)
 
 
 @st.composite
-def route_case(draw):
-    e = max(1, _size(draw, MAX_E))
+def route_case(draw, shard: int = 0):
+    e = _shard_e(draw, shard) if LARGE else max(1, _size(draw, MAX_E))
     m = _size(draw, MAX_T)
     k = draw(st.integers(1, MAX_K))
     dist = draw(st.sampled_from(["uniform", "one", "dropped", "negative"]))
@@ -163,10 +181,11 @@ def make_ids(m, k, e, dist, seed):
 
 
 @pytest.mark.parametrize("backend", kernel_backends("route_rows"))
+@pytest.mark.parametrize("shard", range(SHARDS))
 @_settings("route")
-@given(case=route_case())
-def test_fuzz_route_rows(backend, case):
-    m, k, e, dist, capacity, impl, deterministic, seed = case
+@given(data=st.data())
+def test_fuzz_route_rows(backend, shard, data):
+    m, k, e, dist, capacity, impl, deterministic, seed = data.draw(route_case(shard))
     if impl == "lds" and e > 4096:
         impl = "atomic"
     ids = make_ids(m, k, e, dist, seed)
@@ -196,18 +215,22 @@ def _expert_row_pairs(ids, rows):
     return torch.sort(flat[keep] * 2**32 + r[keep]).values
 
 
+@st.composite
+def align_case(draw, shard: int = 0):
+    m = draw(st.integers(0, MAX_T if LARGE else 20))
+    k = draw(st.integers(1, MAX_K))
+    e = min(_shard_e(draw, shard), 4096) if LARGE else draw(st.integers(1, MAX_E))
+    block = draw(st.sampled_from([16, 32, 64, 128, 256]))
+    dist = draw(st.sampled_from(["uniform", "one", "dropped", "negative"]))
+    return m, k, e, block, dist, draw(st.booleans()), draw(st.integers(0, 2**31 - 1))
+
+
 @pytest.mark.parametrize("backend", kernel_backends("align_block_size"))
+@pytest.mark.parametrize("shard", range(SHARDS))
 @_settings("align")
-@given(
-    m=st.integers(0, MAX_T if LARGE else 20),
-    k=st.integers(1, MAX_K),
-    e=st.integers(1, 4096 if LARGE else MAX_E),
-    block=st.sampled_from([16, 32, 64, 128, 256]),
-    dist=st.sampled_from(["uniform", "one", "dropped", "negative"]),
-    pad=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_fuzz_align(backend, m, k, e, block, dist, pad, seed):
+@given(data=st.data())
+def test_fuzz_align(backend, shard, data):
+    m, k, e, block, dist, pad, seed = data.draw(align_case(shard))
     if m * k > 2_000_000:
         m = 2_000_000 // k
     ids = make_ids(m, k, e, dist, seed)

@@ -93,7 +93,12 @@ def pytest_collection_modifyitems(config, items):
     if not path:
         return
     with open(path) as f:
-        done = {ln.split()[3] for ln in f if ln.startswith("passed ") and len(ln.split()) > 3}
+        # "outcome duration when nodeid": node ids may hold spaces (parametrize ids)
+        done = {
+            ln.split(None, 3)[3].rstrip("\n")
+            for ln in f
+            if ln.startswith("passed ") and len(ln.split(None, 3)) == 4
+        }
     keep = [it for it in items if it.nodeid not in done]
     config.hook.pytest_deselected(items=[it for it in items if it.nodeid in done])
     items[:] = keep

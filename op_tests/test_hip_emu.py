@@ -110,6 +110,19 @@ def test_route_rows_distributions(e, impl):
             check_routes(ids, e, capacity, c0, rows, counts, counters)
 
 
+def test_route_finalize_scan_with_a_1024_thread_block():
+    """E > 4096 (atomic path): the compact layout's offsets come from a 1024-thread block scan."""
+    rt, e = emu(), 5000
+    ids = make_ids(900, 4, e, "uniform", 7)
+    c0 = torch.randint(0, 2**20, (e,), dtype=torch.int32)  # large counters: the scan must wrap
+    for capacity in (None, 3):
+        counters = c0.clone()
+        rows = torch.full_like(ids, -7)
+        counts = torch.full((e,), -7, dtype=torch.int32)
+        _ops.route_rows(rt, ids, e, capacity, counters, rows, counts, False, "atomic")
+        check_routes(ids, e, capacity, c0, rows, counts, counters)
+
+
 @pytest.mark.parametrize("wave", [32, 64])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_route_rows_deterministic_matches_oracle_bitwise(wave, dtype):

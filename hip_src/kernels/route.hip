@@ -194,14 +194,59 @@ AMDQB_KERNEL void amdqb_route_det_scan(int num_tiles, int num_experts, int* tile
   counters[e] = running;
 }
 
-// counts[e] = routes of this call that received a row; for the compact layout also
-// offsets = exclusive cumsum of the updated counters (wrapping int32 arithmetic like the oracle's
-// int64 -> int32 cast). One block; each thread owns a contiguous chunk of experts.
-// Static shared memory: blockDim.x <= 1024 ints.
+// Routes of this call that received a row of expert e: the counter delta, clipped to the capacity.
+AMDQB_DEVICE int accepted_routes(int e, int capacity, const int* before, const int* counters) {
+  const int c0 = before[e];
+  const int raw = counters[e] - c0;
+  if (capacity < 0) return raw;
+  const i64 room = (i64)capacity - c0;
+  return room <= 0 ? 0 : (room < raw ? (int)room : raw);
+}
+
+// Exclusive prefix sum over the block of one u32 per thread (wrapping arithmetic), block total in
+// *total. Two levels of logical-warp shuffle scans: no serial loop over the block's threads.
+// `warp_sums` holds blockDim.x / 32 entries. Two barriers; every thread must call it.
+AMDQB_DEVICE u32 block_exclusive_sum_u32(u32 v, u32* warp_sums) {
+  const int lane = lane_id();
+  const int warp = warp_in_block();
+  const int warps = (int)(blockDim.x >> 5);
+  u32 incl = v;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const u32 o = (u32)shfl_i32((int)incl, lane - d);
+    if (lane >= d) incl += o;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  block_sync();
+  if (warp == 0) {
+    u32 w = lane < warps ? warp_sums[lane] : 0u;
+    u32 wincl = w;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const u32 o = (u32)shfl_i32((int)wincl, lane - d);
+      if (lane >= d) wincl += o;
+    }
+    if (lane < warps) warp_sums[lane] = wincl - w;  // exclusive warp offsets
+  }
+  block_sync();
+  return warp_sums[warp] + (incl - v);
+}
+
+// counts[e] = routes of this call that received a row (accepted_routes).
+// Masked layout (offsets == nullptr): elementwise, any grid.
+// Compact layout: also offsets = exclusive cumsum of the updated counters (wrapping int32
+// arithmetic like the oracle's int64 -> int32 cast); one block, each thread owns a contiguous chunk
+// of experts, chunk sums scanned with block_exclusive_sum_u32. Static shared memory: 32 u32.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
     amdqb_route_finalize(int num_experts, int capacity, const int* before, const int* counters,
                          int* counts, int* offsets) {
-  AMDQB_SHARED(u32, chunk_sum, 1024);
+  if (offsets == nullptr) {  // uniform across the grid
+    const int stride = (int)(gridDim.x * blockDim.x);
+    for (int e = (int)(blockIdx.x * blockDim.x + threadIdx.x); e < num_experts; e += stride)
+      counts[e] = accepted_routes(e, capacity, before, counters);
+    return;
+  }
+  AMDQB_SHARED(u32, warp_sums, 32);
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int per = (num_experts + nt - 1) / nt;
@@ -209,29 +254,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
   const int hi = lo + per < num_experts ? lo + per : num_experts;
   u32 sum = 0;
   for (int e = lo; e < hi; ++e) {
-    const int c0 = before[e];
-    const int raw = counters[e] - c0;
-    int accepted = raw;
-    if (capacity >= 0) {
-      const i64 room = (i64)capacity - c0;
-      accepted = room <= 0 ? 0 : (room < raw ? (int)room : raw);
-    }
-    counts[e] = accepted;
+    counts[e] = accepted_routes(e, capacity, before, counters);
     sum += (u32)counters[e];
   }
-  if (offsets == nullptr) return;  // uniform across the block
-  chunk_sum[tid] = sum;
-  block_sync();
-  if (tid == 0) {
-    u32 run = 0;
-    for (int k = 0; k < nt; ++k) {
-      const u32 s = chunk_sum[k];
-      chunk_sum[k] = run;
-      run += s;
-    }
-  }
-  block_sync();
-  u32 run = chunk_sum[tid];
+  u32 run = block_exclusive_sum_u32(sum, warp_sums);
   for (int e = lo; e < hi; ++e) {
     offsets[e] = (int)run;
     run += (u32)counters[e];

@@ -96,10 +96,13 @@ def route_rows(
     if capacity is None:
         offsets = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
     k = rt.kernel(dev, spec, "amdqb_route_finalize")
-    block = 1024 if num_experts > 4096 else 256
+    if offsets is None:  # masked layout: counts only, elementwise over a grid
+        grid, block = max(1, _cdiv(num_experts, 256)), 256
+    else:  # compact layout: one block scans the counters into offsets
+        grid, block = 1, 1024 if num_experts > 4096 else 256
     rt.launch(
         k,
-        1,
+        grid,
         block,
         0,
         [e_arg, arg_i32(cap), _ptr(before), _ptr(counters), _ptr(counts_out), _ptr(offsets)],

@@ -55,14 +55,17 @@ def _cases(dev):
             )
         )
         for impl in ("atomic", "lds"):
-            cases.append(
-                (
-                    f"route_rows {be} {impl} M=8192",
-                    be,
-                    "route_rows",
-                    lambda be=be, impl=impl: amdqb.moe_route_rows(ids, e, impl=impl, backend=be),
+            for cap in (None, 8192 * k):  # compact layout, and the masked one the bench times
+                cases.append(
+                    (
+                        f"route_rows {be} {impl} capacity={cap} M=8192",
+                        be,
+                        "route_rows",
+                        lambda be=be, impl=impl, cap=cap: amdqb.moe_route_rows(
+                            ids, e, capacity=cap, impl=impl, backend=be
+                        ),
+                    )
                 )
-            )
         cases.append(
             (
                 f"align {be} M=8192",

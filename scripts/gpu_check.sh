@@ -19,6 +19,9 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT=${OUT:-/tmp/amdqb_out}
 mkdir -p "$OUT"
+# A resume log applies to the suite modes only (tests, tests-a, tests-b), not to fuzz / sanitize.
+RESUME_FROM=${AMDQB_RESUME_FROM:-}
+unset AMDQB_RESUME_FROM
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 JOBS=${JOBS:-$(( $(nproc) * 3 / 4 ))}
 export AMDQB_SPREAD_GPUS=$NGPU  # xdist workers take the GPUs in turn (op_tests/conftest.py)
@@ -108,9 +111,9 @@ while [ $# -gt 0 ]; do
   echo "== $mode ($(date +%T))"
   case "$mode" in
     smoke) run_tests "${SMOKE_K:-not slow}" || status=1 ;;
-    tests) run_tests || status=1 ;;
-    tests-a) FILES=$PART_A run_tests || status=1 ;;
-    tests-b) FILES=$PART_B run_tests || status=1 ;;
+    tests) AMDQB_RESUME_FROM=$RESUME_FROM run_tests || status=1 ;;
+    tests-a) AMDQB_RESUME_FROM=$RESUME_FROM FILES=$PART_A run_tests || status=1 ;;
+    tests-b) AMDQB_RESUME_FROM=$RESUME_FROM FILES=$PART_B run_tests || status=1 ;;
     fuzz) run_fuzz || status=1 ;;
     sanitize) run_sanitize || status=1 ;;
     profile) run_profile || status=1 ;;

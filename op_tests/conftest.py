@@ -87,18 +87,21 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_collection_modifyitems(config, items):
-    """AMDQB_RESUME_FROM=<live log>: deselect the tests that log records as passed, so a suite cut
-    off by a device time limit can be finished in a second call (scripts/gpu_check.sh)."""
-    path = os.environ.get("AMDQB_RESUME_FROM")
-    if not path:
+    """AMDQB_RESUME_FROM=<live log>[:<live log>...]: deselect the tests these logs record as passed,
+    so a suite cut off by a device time limit can be finished in later calls (scripts/gpu_check.sh).
+    """
+    paths = [p for p in os.environ.get("AMDQB_RESUME_FROM", "").split(os.pathsep) if p]
+    done = set()
+    for path in paths:
+        with open(path) as f:
+            # "outcome duration when nodeid": node ids may hold spaces (parametrize ids)
+            done.update(
+                ln.split(None, 3)[3].rstrip("\n")
+                for ln in f
+                if ln.startswith("passed ") and len(ln.split(None, 3)) == 4
+            )
+    if not done:
         return
-    with open(path) as f:
-        # "outcome duration when nodeid": node ids may hold spaces (parametrize ids)
-        done = {
-            ln.split(None, 3)[3].rstrip("\n")
-            for ln in f
-            if ln.startswith("passed ") and len(ln.split(None, 3)) == 4
-        }
     keep = [it for it in items if it.nodeid not in done]
     config.hook.pytest_deselected(items=[it for it in items if it.nodeid in done])
     items[:] = keep

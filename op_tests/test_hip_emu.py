@@ -278,6 +278,21 @@ def test_qb_router_modes_formats(fmt, k):
     assert torch.equal(hists[0], hists[1]), "two_kernel and fused_atomic histograms differ"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qb_two_kernel_histogram_long_token_slices(dtype):
+    """Enough tokens per slice for amdqb_qb_hist's unrolled loop and its remainder; E = 33 leaves
+    a last expert block with one expert. Histograms equal the oracle's and the fused mode's."""
+    rt = emu()
+    e, t = 33, 700
+    logits = make_logits(t, e, "normal", 3, dtype)
+    bias = torch.linspace(-0.1, 0.1, e)
+    hists = [
+        check_router(rt, logits, 4, "idx32", bias=bias, qb_mode=m, num_bins=97)
+        for m in ("two_kernel", "fused_atomic")
+    ]
+    assert torch.equal(hists[0], hists[1])
+
+
 @pytest.mark.parametrize("wave", [32, 64])
 @pytest.mark.parametrize("style", ["normal", "ties", "nan_inf", "overflow", "zeros"])
 def test_router_styles_both_wave_sizes(wave, style):

@@ -401,8 +401,29 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
   const int rows_per_pass = nt / epb;
   const int tt = tid / epb;
   if (tt < rows_per_pass && sub < ne) {
-    for (i64 t = t0 + tt; t < t1; t += rows_per_pass) {
-      const float sj = act_elementwise(to_f32(logits[t * E + e0 + sub]));
+    // HIST_UNROLL tokens per step: their logit and cutoff loads are issued back to back before any
+    // LDS atomic, so each thread keeps that many global loads in flight (one at a time left the
+    // kernel latency-bound: ncu on the H200 showed 14% DRAM throughput, 67% of cycles with no
+    // eligible warp). The per-element arithmetic is unchanged, and counts do not depend on order.
+    constexpr int HIST_UNROLL = 8;
+    const int col = e0 + sub;
+    const i64 step = rows_per_pass;
+    i64 t = t0 + tt;
+    for (; t + (HIST_UNROLL - 1) * step < t1; t += HIST_UNROLL * step) {
+      float z[HIST_UNROLL], a[HIST_UNROLL];
+#pragma unroll
+      for (int u = 0; u < HIST_UNROLL; ++u) {
+        z[u] = to_f32(logits[(t + u * step) * E + col]);
+        a[u] = alpha[t + u * step];
+      }
+#pragma unroll
+      for (int u = 0; u < HIST_UNROLL; ++u) {
+        const int bin = qb_bin(a[u] - act_elementwise(z[u]), lower, scale, num_bins);
+        atomic_add_shared(&lh[sub * num_bins + bin], 1);
+      }
+    }
+    for (; t < t1; t += step) {
+      const float sj = act_elementwise(to_f32(logits[t * E + col]));
       atomic_add_shared(&lh[sub * num_bins + qb_bin(alpha[t] - sj, lower, scale, num_bins)], 1);
     }
   }

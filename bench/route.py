@@ -56,7 +56,15 @@ def check_rows(rows, counts, ids, e, capacity):
     valid = (flat >= 0) & (flat < e)
     if not torch.all(r[~valid] == -1) or r[valid].unique().numel() != int(valid.sum()):
         raise AssertionError("rows are not a bijection (duplicates or dropped ids with rows)")
-    if not torch.all(r[valid] // capacity == flat[valid]):
+    if capacity is None:  # compact layout: each expert's rows are its own contiguous range
+        want = want_rows.reshape(-1).long()
+        if not torch.equal(torch.sort(r[valid]).values, torch.sort(want[valid]).values):
+            raise AssertionError("compact rows are not the oracle's row set")
+        owner = torch.full((int(want.max()) + 1,), -1, dtype=torch.long, device=want.device)
+        owner[want[valid]] = flat[valid]
+        if not torch.equal(owner[r[valid]], flat[valid]):
+            raise AssertionError("a compact row lies outside its expert's range")
+    elif not torch.all(r[valid] // capacity == flat[valid]):
         raise AssertionError("a row lies outside its expert's capacity range")
 
 
@@ -66,7 +74,7 @@ def run(
     tokens=(512, 2517, 8192),
     num_experts=896,
     topk=16,
-    dists=("uniform", "shared", "one", "dropped"),
+    dists=("uniform", "shared", "one", "dropped", "uniform_compact"),
     block_size=64,
 ) -> list[Report]:
     env = environment(device)
@@ -76,9 +84,12 @@ def run(
     g = torch.Generator().manual_seed(0)
     progress = Progress(len(tokens) * (len(dists) + 1), "route")
     for m in tokens:
-        cap = m * topk  # never drops: all-one-expert routes fit too
         for dist in dists:
-            ids = make_ids(m, topk, num_experts, dist, g).to(device)
+            # masked layout with a capacity that never drops (all-one-expert routes fit too), and
+            # "<dist>_compact": no capacity, rows packed by expert (offsets from a counter scan)
+            base, compact = dist.removesuffix("_compact"), dist.endswith("_compact")
+            cap = None if compact else m * topk
+            ids = make_ids(m, topk, num_experts, base, g).to(device)
             impls = {}
             for name in backends:
                 for impl in ("atomic", "lds"):

@@ -32,7 +32,7 @@ python -c "import xdist" 2>/dev/null && XDIST=(--numprocesses "$JOBS")
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
   python -m amdqb info; } > "$OUT/info.txt" 2>&1
 
-# The suite does not fit one 10-minute call on a fresh GPU machine (compilation): two halves.
+# Fixed halves of the suite (tests-a / tests-b), an alternative to resuming from a live log.
 PART_A="op_tests/test_router_triton.py op_tests/test_hip_backend.py op_tests/test_api.py
   op_tests/test_balancer.py op_tests/test_training_loop.py op_tests/test_serving.py"
 PART_B="op_tests/test_layout_triton.py op_tests/test_fuzz.py op_tests/test_large_shapes.py
@@ -122,7 +122,9 @@ while [ $# -gt 0 ]; do
       suite=all
       case "${1:-}" in route|router|chunks|balance|serving) suite=$1; shift ;; esac
       run_bench "$suite" || status=1 ;;
-    full) run_tests || status=1; run_bench || status=1; run_sanitize || status=1 ;;
+    full)  # everything; needs more than one 10-minute call on a fresh machine
+      AMDQB_RESUME_FROM=$RESUME_FROM run_tests || status=1
+      run_fuzz || status=1; run_sanitize || status=1; run_bench || status=1 ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
 done

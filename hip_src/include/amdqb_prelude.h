@@ -271,6 +271,17 @@ AMDQB_DEVICE float warp_max_f32(float v) {
   return v;
 }
 
+// Inclusive prefix sum over the logical warp, wrapping (modulo 2^32) arithmetic.
+AMDQB_DEVICE u32 warp_inclusive_sum_u32(u32 v) {
+  const int lane = lane_id();
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const u32 o = (u32)shfl_i32((int)v, lane - d);
+    if (lane >= d) v += o;
+  }
+  return v;
+}
+
 // Inclusive prefix sum over the logical warp.
 AMDQB_DEVICE int warp_inclusive_sum_i32(int v) {
   const int lane = lane_id();

@@ -210,22 +210,12 @@ AMDQB_DEVICE u32 block_exclusive_sum_u32(u32 v, u32* warp_sums) {
   const int lane = lane_id();
   const int warp = warp_in_block();
   const int warps = (int)(blockDim.x >> 5);
-  u32 incl = v;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const u32 o = (u32)shfl_i32((int)incl, lane - d);
-    if (lane >= d) incl += o;
-  }
+  const u32 incl = warp_inclusive_sum_u32(v);
   if (lane == 31) warp_sums[warp] = incl;
   block_sync();
   if (warp == 0) {
-    u32 w = lane < warps ? warp_sums[lane] : 0u;
-    u32 wincl = w;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const u32 o = (u32)shfl_i32((int)wincl, lane - d);
-      if (lane >= d) wincl += o;
-    }
+    const u32 w = lane < warps ? warp_sums[lane] : 0u;
+    const u32 wincl = warp_inclusive_sum_u32(w);
     if (lane < warps) warp_sums[lane] = wincl - w;  // exclusive warp offsets
   }
   block_sync();

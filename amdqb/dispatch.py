@@ -214,10 +214,15 @@ def select(op: str, device: torch.device | str, backend: str | None = None, **fe
     forced = backend or _env_backend()
     if forced is not None and forced not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {forced!r}")
+    return _select_cached(op, _device_key(device), forced, tuple(sorted(features.items())))
+
+
+def _device_key(device: torch.device | str) -> str:
+    """Cache key of a device: ``cuda`` resolved to the current device index."""
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    return _select_cached(op, str(dev), forced, tuple(sorted(features.items())))
+    return str(dev)
 
 
 def report(device: torch.device | str | None = None) -> dict:
@@ -266,8 +271,5 @@ def _backend_name(
         try:
             return select(op, device, prefer, **dict(features)).backend
         except RuntimeError:
-            dev = torch.device(device)
-            if dev.type == "cuda" and dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            return _select_cached(op, str(dev), None, features).backend
+            return _select_cached(op, _device_key(device), None, features).backend
     return select(op, device, backend, **dict(features)).backend

@@ -102,6 +102,6 @@ def pytest_collection_modifyitems(config, items):
             )
     if not done:
         return
-    keep = [it for it in items if it.nodeid not in done]
-    config.hook.pytest_deselected(items=[it for it in items if it.nodeid in done])
-    items[:] = keep
+    deselected = [it for it in items if it.nodeid in done]
+    config.hook.pytest_deselected(items=deselected)
+    items[:] = [it for it in items if it.nodeid not in done]

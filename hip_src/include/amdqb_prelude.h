@@ -282,16 +282,8 @@ AMDQB_DEVICE u32 warp_inclusive_sum_u32(u32 v) {
   return v;
 }
 
-// Inclusive prefix sum over the logical warp.
-AMDQB_DEVICE int warp_inclusive_sum_i32(int v) {
-  const int lane = lane_id();
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int o = shfl_i32(v, lane - d);
-    if (lane >= d) v += o;
-  }
-  return v;
-}
+// Inclusive prefix sum over the logical warp (int view of the wrapping u32 scan).
+AMDQB_DEVICE int warp_inclusive_sum_i32(int v) { return (int)warp_inclusive_sum_u32((u32)v); }
 
 // ------------------------------------------------------------------------------------------------
 // Atomics (relaxed; device scope for global memory, workgroup scope for shared memory)

@@ -203,8 +203,8 @@ AMDQB_DEVICE int accepted_routes(int e, int capacity, const int* before, const i
   return room <= 0 ? 0 : (room < raw ? (int)room : raw);
 }
 
-// Exclusive prefix sum over the block of one u32 per thread (wrapping arithmetic), block total in
-// *total. Two levels of logical-warp shuffle scans: no serial loop over the block's threads.
+// Exclusive prefix sum over the block of one u32 per thread (wrapping arithmetic). Two levels of
+// logical-warp shuffle scans: no serial loop over the block's threads.
 // `warp_sums` holds blockDim.x / 32 entries. Two barriers; every thread must call it.
 AMDQB_DEVICE u32 block_exclusive_sum_u32(u32 v, u32* warp_sums) {
   const int lane = lane_id();

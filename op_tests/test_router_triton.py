@@ -511,6 +511,9 @@ def test_router_backward_low_precision(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_router_bwd_direct(backend):
+    if "router_bwd" not in dispatch._backend_module(backend).OPS:
+        # the op falls back to another backend's backward (test_router_backward covers that path)
+        pytest.skip(f"the {backend} backend has no router backward kernel")
     t, e, k = T_MAIN, E_MAIN, K_MAIN
     z = tie_free_logits(t, e, seed=8)
     routed = oracle(z, k)[2]

@@ -142,6 +142,32 @@ AMDQB_DEVICE int lowest_bit(u32 x) {
 #endif
 }
 
+// Pins a loaded value at this point of the program: every load feeding the values passed here is
+// issued before any code that follows. NVIDIA only, where ptxas never moves a load across the
+// CALL of an IEEE division's slow path (see load_row in router.hip); the AMD compiler batches loads
+// by itself (s_waitcnt), and the host emulator has nothing to schedule.
+AMDQB_DEVICE void keep_loaded(u32& v) {
+#if defined(AMDQB_CUDA)
+  asm volatile("" : "+r"(v));
+#else
+  (void)v;
+#endif
+}
+AMDQB_DEVICE void keep_loaded(u16& v) {
+#if defined(AMDQB_CUDA)
+  asm volatile("" : "+h"(v));
+#else
+  (void)v;
+#endif
+}
+AMDQB_DEVICE void keep_loaded(float& v) {
+#if defined(AMDQB_CUDA)
+  asm volatile("" : "+f"(v));
+#else
+  (void)v;
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------
 // Raw platform primitives
 // ------------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ AMDQB_DEVICE in_t from_f32(float x) { return float_to_bf16(x); }
 [[maybe_unused]] AMDQB_DEVICE float neg_inf() { return bits_float(0xff800000u); }
 
 // Element-wise activation (sigmoid / sqrtsoftplus); the identity for softmax, whose row
-// statistics are applied by load_scores. The same function feeds the router and amdqb_qb_hist.
+// statistics are applied by scores_from_raw. The same function feeds the router and amdqb_qb_hist.
 AMDQB_DEVICE float act_elementwise(float z) {
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
   return 1.0f / (1.0f + expf(-z));
@@ -99,14 +99,24 @@ AMDQB_DEVICE int qb_bin(float r, float lower, float scale, int num_bins) {
 
 AMDQB_DEVICE bool valid_slot(int j, int lane) { return j < VPL - 1 || j * 32 + lane < E; }
 
-// Scores of one token: s[j] of expert j*32 + lane (0 on padding). softmax: softmax over the E
-// experts when softmax_pre, else the raw logits.
-AMDQB_DEVICE void load_scores(const in_t* row, int lane, float (&s)[VPL], int softmax_pre) {
+// The token's logits of expert j*32 + lane, every load issued before any arithmetic uses them.
+// The order matters on NVIDIA: ptxas expands each IEEE division of the activation into a fast path
+// plus a CALL to a slow path and never moves a load across a call, so loads interleaved with the
+// activations wait a full DRAM round trip each (the H200 ncu profile of that form: 28 serial loads
+// per token, half of all stall cycles). keep_loaded pins the batch.
+AMDQB_DEVICE void load_row(const in_t* row, int lane, in_t (&raw)[VPL]) {
 #pragma unroll
-  for (int j = 0; j < VPL; ++j) {
-    const float z = valid_slot(j, lane) ? to_f32(row[j * 32 + lane]) : 0.0f;
-    s[j] = act_elementwise(z);
-  }
+  for (int j = 0; j < VPL; ++j) raw[j] = valid_slot(j, lane) ? row[j * 32 + lane] : in_t(0);
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) keep_loaded(raw[j]);
+}
+
+// Scores of one token from its loaded logits: s[j] of expert j*32 + lane (0 on padding). softmax:
+// softmax over the E experts when softmax_pre, else the raw logits.
+AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[VPL],
+                                  int softmax_pre) {
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) s[j] = act_elementwise(valid_slot(j, lane) ? to_f32(raw[j]) : 0.0f);
 #if AMDQB_SCORE == AMDQB_SCORE_SOFTMAX
   if (softmax_pre) {
     float m = neg_inf();
@@ -289,12 +299,15 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
   for (i64 t = (i64)blockIdx.x * WARPS + w; t < num_tokens; t += (i64)gridDim.x * WARPS) {
     float s[VPL];
     i32 key[VPL];
-    load_scores(logits + t * E, lane, s, softmax_pre);
+    {
+      in_t raw[VPL];
+      load_row(logits + t * E, lane, raw);
+      scores_from_raw(raw, lane, s, softmax_pre);
+    }
 #pragma unroll
     for (int j = 0; j < VPL; ++j) {
-      const int e = j * 32 + lane;
       if (valid_slot(j, lane)) {
-        const float u = bias != nullptr ? s[j] + bias[e] : s[j];
+        const float u = bias != nullptr ? s[j] + bias[j * 32 + lane] : s[j];
         key[j] = order_key(u);
       } else {
         key[j] = kInt32Min;  // padding: ids >= E rank below every expert
@@ -329,7 +342,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
         const int e = j * 32 + lane;
         const bool valid = valid_slot(j, lane);
         const bool member = valid && at_or_ahead(key[j], e, ck, cid);
-        if (valid && probs != nullptr) probs[t * E + e] = from_f32(member ? weight(s[j]) : 0.0f);
+        // members' probs are written below, once per rank: one division per route, not per expert
+        if (valid && !member && probs != nullptr) probs[t * E + e] = from_f32(0.0f);
         if (valid && map_kind == kByteMap) static_cast<u8*>(map)[t * E + e] = member ? 1 : 0;
         if (map_kind == kBitMap) {
           const u32 bits = ballot32(member);  // bit l = expert j*32 + l
@@ -345,11 +359,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
       if (r < topk) {
         const i64 o = t * topk + r;
         const i32 id = b.sid[r];
+        const float wr = weight(b.ss[r]);
+        if (probs != nullptr) probs[t * E + id] = from_f32(wr);
         if (map_kind == kIdx16) static_cast<i16*>(map)[o] = (i16)id;
         if (map_kind == kIdx32) static_cast<i32*>(map)[o] = id;
         if (map_kind == kIdx64) static_cast<i64*>(map)[o] = (i64)id;
         if (w_out != nullptr) {
-          w_out[o] = weight(b.ss[r]);
+          w_out[o] = wr;
           id_out[o] = id;
         }
       }
@@ -443,7 +459,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
   for (i64 t = (i64)blockIdx.x * WARPS + warp_in_block(); t < num_tokens;
        t += (i64)gridDim.x * WARPS) {
     float s[VPL];
-    load_scores(logits + t * E, lane, s, 1);
+    in_t raw[VPL];
+    load_row(logits + t * E, lane, raw);
+    scores_from_raw(raw, lane, s, 1);
 #pragma unroll
     for (int j = 0; j < VPL; ++j)
       if (valid_slot(j, lane)) out[t * E + j * 32 + lane] = s[j];

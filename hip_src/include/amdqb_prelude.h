@@ -62,10 +62,13 @@
 #define AMDQB_DEVICE static inline
 #define AMDQB_KERNEL extern "C"
 #define AMDQB_LAUNCH_BOUNDS(n)
+#define AMDQB_LAUNCH_BOUNDS_MIN(n, blocks)
 #elif defined(AMDQB_HIP)
 #define AMDQB_DEVICE static __device__ inline __attribute__((always_inline))
 #define AMDQB_KERNEL extern "C" __global__
 #define AMDQB_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+// HIP's second launch-bounds argument means waves per EU, not blocks per SM: left to the compiler.
+#define AMDQB_LAUNCH_BOUNDS_MIN(n, blocks) __launch_bounds__(n)
 // Contraction would change results between inlining contexts (the histogram kernel must reproduce
 // the router's sigmoid bit for bit); the compile flags say -ffp-contract=off as well.
 #pragma clang fp contract(off)
@@ -73,6 +76,8 @@
 #define AMDQB_DEVICE static __device__ __forceinline__
 #define AMDQB_KERNEL extern "C" __global__
 #define AMDQB_LAUNCH_BOUNDS(n) __launch_bounds__(n)
+// n threads per block and at least `blocks` resident blocks per SM (caps the registers per thread)
+#define AMDQB_LAUNCH_BOUNDS_MIN(n, blocks) __launch_bounds__(n, blocks)
 #endif
 
 // Shared memory. All shared memory is declared through these macros so that the emulator can

@@ -39,6 +39,15 @@ using namespace amdqb;
 #define AMDQB_SCORE 0
 #endif
 
+// Resident blocks per SM the NVIDIA compiler must allow (caps the registers per thread): the
+// router is latency-bound, so occupancy buys throughput until spills cost more than it gains.
+// ptxas (CUDA 13, sm_90) at 256 threads: E <= 256 fits 64 registers at 4 blocks with no spill;
+// E = 896 / 1024 take 80 registers at 3 blocks with a few spilled words; E >= 2048 spills even
+// at 2 blocks, so those keep the compiler's choice.
+#ifndef AMDQB_ROUTER_MIN_BLOCKS
+#define AMDQB_ROUTER_MIN_BLOCKS (AMDQB_NUM_EXPERTS <= 256 ? 4 : AMDQB_NUM_EXPERTS <= 1024 ? 3 : 1)
+#endif
+
 #ifndef AMDQB_TRACE_OVERFLOW
 #define AMDQB_TRACE_OVERFLOW()  // the host emulator counts candidate overflows (test coverage)
 #endif
@@ -111,10 +120,16 @@ AMDQB_DEVICE void load_row(const in_t* row, int lane, in_t (&raw)[VPL]) {
   for (int j = 0; j < VPL; ++j) keep_loaded(raw[j]);
 }
 
+// Row statistics of the pre-softmax (max and sum of exp over the E logits); unused otherwise.
+struct RowStats {
+  float m = 0.0f;
+  float sum = 1.0f;
+};
+
 // Scores of one token from its loaded logits: s[j] of expert j*32 + lane (0 on padding). softmax:
-// softmax over the E experts when softmax_pre, else the raw logits.
+// softmax over the E experts when softmax_pre (its statistics go to st), else the raw logits.
 AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[VPL],
-                                  int softmax_pre) {
+                                  int softmax_pre, RowStats& st) {
 #pragma unroll
   for (int j = 0; j < VPL; ++j) s[j] = act_elementwise(valid_slot(j, lane) ? to_f32(raw[j]) : 0.0f);
 #if AMDQB_SCORE == AMDQB_SCORE_SOFTMAX
@@ -131,10 +146,25 @@ AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[V
     sum = warp_sum_f32(sum);
 #pragma unroll
     for (int j = 0; j < VPL; ++j) s[j] = valid_slot(j, lane) ? expf(s[j] - m) / sum : 0.0f;
+    st.m = m;
+    st.sum = sum;
   }
 #else
   (void)softmax_pre;
+  (void)st;
 #endif
+}
+
+// The score of one expert from its logit: bit for bit the value scores_from_raw gives it.
+AMDQB_DEVICE float score_of(in_t raw, int softmax_pre, const RowStats& st) {
+  const float v = act_elementwise(to_f32(raw));
+#if AMDQB_SCORE == AMDQB_SCORE_SOFTMAX
+  if (softmax_pre) return expf(v - st.m) / st.sum;
+#else
+  (void)softmax_pre;
+  (void)st;
+#endif
+  return v;
 }
 
 AMDQB_DEVICE bool at_or_ahead(i32 k, i32 id, i32 bk, i32 bid) {
@@ -203,15 +233,13 @@ AMDQB_DEVICE int count_at_or_ahead(const i32 (&key)[VPL], int lane, i32 bk, i32 
 struct WarpBuffers {
   i32* ckey;
   i32* cid;
-  float* cs;
   i32* skey;
   i32* sid;
   float* ss;
 };
 
-// Top-n of the token into b.skey/sid/ss[0..n) in selection order (n <= CAP, n <= E).
-AMDQB_DEVICE void select_top(const i32 (&key)[VPL], const float (&s)[VPL], int n, int lane,
-                             const WarpBuffers& b) {
+// Top-n of the token into b.skey/sid[0..n) in selection order (n <= CAP, n <= E).
+AMDQB_DEVICE void select_top(const i32 (&key)[VPL], int n, int lane, const WarpBuffers& b) {
   i32 bk, bid;
   if (n <= 32) {
     i32 lk = key[0], lid = lane;
@@ -244,7 +272,6 @@ AMDQB_DEVICE void select_top(const i32 (&key)[VPL], const float (&s)[VPL], int n
     if (at_or_ahead(key[j], id, bk, bid)) {
       b.ckey[pos] = key[j];
       b.cid[pos] = id;
-      b.cs[pos] = s[j];
       ++pos;
     }
   }
@@ -259,7 +286,6 @@ AMDQB_DEVICE void select_top(const i32 (&key)[VPL], const float (&s)[VPL], int n
       if (rank < n) {
         b.skey[rank] = mk;
         b.sid[rank] = mid;
-        b.ss[rank] = b.cs[slot];
       }
     }
   }
@@ -273,21 +299,20 @@ AMDQB_DEVICE void select_top(const i32 (&key)[VPL], const float (&s)[VPL], int n
 //   the softmax over E (else, for AMDQB_SCORE softmax, the selected logits are softmax-ed);
 //   probs (nullable) [T, E] in the logits dtype; map (nullable) per map_kind; hist/bounds for
 //   qb_mode 1, alpha_out for qb_mode 2; w_out/id_out (nullable) [T, topk] fp32 / int32.
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
     amdqb_router(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
                  int normalize, int softmax_pre, float scale, in_t* probs, void* map, int map_kind,
                  int qb_mode, int* hist, const float* bounds, int num_bins, float* alpha_out,
                  float* w_out, int* id_out) {
   AMDQB_SHARED(i32, sh_ckey, WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, WARPS * CAP);
-  AMDQB_SHARED(float, sh_cs, WARPS * CAP);
   AMDQB_SHARED(i32, sh_skey, WARPS * CAP);
   AMDQB_SHARED(i32, sh_sid, WARPS * CAP);
   AMDQB_SHARED(float, sh_ss, WARPS * CAP);
   const int lane = lane_id();
   const int w = warp_in_block();
-  const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_cs + w * CAP,
-                      sh_skey + w * CAP, sh_sid + w * CAP, sh_ss + w * CAP};
+  const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
+                      sh_ss + w * CAP};
   const bool post_softmax = AMDQB_SCORE == AMDQB_SCORE_SOFTMAX && !softmax_pre;
 
   float qb_lower = 0.0f, qb_scale = 0.0f;
@@ -297,23 +322,35 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
   }
 
   for (i64 t = (i64)blockIdx.x * WARPS + w; t < num_tokens; t += (i64)gridDim.x * WARPS) {
-    float s[VPL];
+    const in_t* row = logits + t * E;
+    // Only the selection keys stay in registers through the selection (VPL registers rather than
+    // 2 * VPL with the scores: the H200 profile found this kernel latency-bound at 25% occupancy,
+    // limited by registers); the few selected experts' scores are recomputed below from their
+    // logits, which the L1/L2 still hold, bit for bit as here.
     i32 key[VPL];
+    RowStats st;
     {
       in_t raw[VPL];
-      load_row(logits + t * E, lane, raw);
-      scores_from_raw(raw, lane, s, softmax_pre);
-    }
+      float s[VPL];
+      load_row(row, lane, raw);
+      scores_from_raw(raw, lane, s, softmax_pre, st);
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) {
-      if (valid_slot(j, lane)) {
-        const float u = bias != nullptr ? s[j] + bias[j * 32 + lane] : s[j];
-        key[j] = order_key(u);
-      } else {
-        key[j] = kInt32Min;  // padding: ids >= E rank below every expert
+      for (int j = 0; j < VPL; ++j) {
+        if (valid_slot(j, lane)) {
+          const float u = bias != nullptr ? s[j] + bias[j * 32 + lane] : s[j];
+          key[j] = order_key(u);
+        } else {
+          key[j] = kInt32Min;  // padding: ids >= E rank below every expert
+        }
       }
     }
-    select_top(key, s, nsel, lane, b);
+    select_top(key, nsel, lane, b);
+#pragma unroll
+    for (int q = 0; q < CAP / 32; ++q) {
+      const int r = lane + 32 * q;
+      if (r < nsel) b.ss[r] = score_of(row[b.sid[r]], softmax_pre, st);
+    }
+    warp_sync();
 
     // Route cutoff (k-th element) and weights.
     const i32 ck = b.skey[topk - 1], cid = b.sid[topk - 1];
@@ -377,6 +414,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
       if (qb_mode == kQbAlpha) {
         if (lane == 0) alpha_out[t] = alpha;
       } else {
+        in_t raw[VPL];
+        float s[VPL];
+        load_row(row, lane, raw);
+        scores_from_raw(raw, lane, s, softmax_pre, st);
 #pragma unroll
         for (int j = 0; j < VPL; ++j) {
           const int e = j * 32 + lane;
@@ -460,8 +501,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
        t += (i64)gridDim.x * WARPS) {
     float s[VPL];
     in_t raw[VPL];
+    RowStats st;
     load_row(logits + t * E, lane, raw);
-    scores_from_raw(raw, lane, s, 1);
+    scores_from_raw(raw, lane, s, 1, st);
 #pragma unroll
     for (int j = 0; j < VPL; ++j)
       if (valid_slot(j, lane)) out[t * E + j * 32 + lane] = s[j];

@@ -122,9 +122,13 @@ def _router_spec(logits, score_function):
     return _spec.router_module(logits.shape[1], _DTYPE_NAMES[logits.dtype], score_function)
 
 
-def _router_grid(rt, dev, tokens):
-    # Persistent warps: enough blocks to fill the device twice over, each warp loops over tokens.
-    return max(1, min(_cdiv(tokens, _spec.ROUTER_WARPS), rt.num_cus(dev) * 4))
+def _router_grid(rt, kernel, dev, tokens):
+    # Persistent warps: one wave of resident blocks (as many per CU as registers and LDS allow, so
+    # no second, partial wave), each warp looping over tokens; runtimes without an occupancy query
+    # (the CPU emulator) assume two.
+    query = getattr(rt, "blocks_per_cu", None)
+    per_cu = query(kernel, _spec.ROUTER_BLOCK, 0) if query is not None else 2
+    return max(1, min(_cdiv(tokens, _spec.ROUTER_WARPS), rt.num_cus(dev) * per_cu))
 
 
 def auto_qb_mode(tokens: int, num_experts: int) -> str:
@@ -185,7 +189,7 @@ def _launch_router(
         _ptr(w_out),
         _ptr(id_out),
     ]
-    rt.launch(k, _router_grid(rt, dev, tokens), _spec.ROUTER_BLOCK, 0, args)
+    rt.launch(k, _router_grid(rt, k, dev, tokens), _spec.ROUTER_BLOCK, 0, args)
 
 
 def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: int, cus: int):
@@ -328,7 +332,7 @@ def score_values(rt, logits2d, score_function):
         k = rt.kernel(dev, _router_spec(logits2d, score_function), "amdqb_scores")
         rt.launch(
             k,
-            _router_grid(rt, dev, tokens),
+            _router_grid(rt, k, dev, tokens),
             _spec.ROUTER_BLOCK,
             0,
             [_ptr(logits2d), arg_i32(tokens), _ptr(out)],

@@ -177,6 +177,8 @@ class _Toolchain:
 
     def launch(self, fn, grid, block, smem: int, device_index: int, params_address: int): ...
 
+    def blocks_per_cu(self, fn, block: int, smem: int, device_index: int) -> int: ...
+
 
 class NvrtcCompiler:
     """NVRTC through cuda-python; needs no GPU (the CPU tests compile every kernel with it)."""
@@ -308,6 +310,15 @@ class NvrtcToolchain(_Toolchain):
             "cuLaunchKernel",
         )
 
+    def blocks_per_cu(self, fn, block, smem, device_index):
+        self.ensure_context(device_index)
+        return int(
+            _check(
+                self.driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, block, smem),
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+            )
+        )
+
 
 class HiprtcToolchain(_Toolchain):
     name = "hiprtc"
@@ -395,17 +406,26 @@ class HiprtcToolchain(_Toolchain):
         )
         _check(result, "hipModuleLaunchKernel")
 
+    def blocks_per_cu(self, fn, block, smem, device_index):
+        return int(
+            _check(
+                self.hip.hipModuleOccupancyMaxActiveBlocksPerMultiprocessor(fn, block, smem),
+                "hipModuleOccupancyMaxActiveBlocksPerMultiprocessor",
+            )
+        )
+
 
 # ------------------------------------------------------------------------------------------------
 # Runtime: modules per device, launches
 # ------------------------------------------------------------------------------------------------
 class Kernel:
-    __slots__ = ("fn", "name", "device_index")
+    __slots__ = ("fn", "name", "device_index", "occupancy")
 
     def __init__(self, fn, name, device_index):
         self.fn = fn
         self.name = name
         self.device_index = device_index
+        self.occupancy = {}  # (block, smem) -> resident blocks per CU/SM
 
 
 class GpuRuntime:
@@ -467,6 +487,14 @@ class GpuRuntime:
         self.toolchain.launch(
             kernel.fn, grid, int(block), int(smem), kernel.device_index, params.address
         )
+
+    def blocks_per_cu(self, kernel: Kernel, block: int, smem: int = 0) -> int:
+        """Resident blocks of ``kernel`` per CU/SM (registers, LDS, waves), asked once per shape."""
+        n = kernel.occupancy.get((block, smem))
+        if n is None:
+            n = max(1, self.toolchain.blocks_per_cu(kernel.fn, block, smem, kernel.device_index))
+            kernel.occupancy[(block, smem)] = n
+        return n
 
     def num_cus(self, device_index: int) -> int:
         return int(torch.cuda.get_device_properties(device_index).multi_processor_count)

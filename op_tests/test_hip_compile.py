@@ -235,10 +235,13 @@ def test_every_kernel_compiles_for_sm90_with_nvcc():
         results = list(pool.map(lambda s: compile_nvcc(s, out_dir), MODULES))
     for spec, rc, log in results:
         assert rc == 0, (spec.label(), log[-6000:])
-        # ptxas -v: the route kernels and the E=896 router keep everything in registers.
+        # ptxas -v: the route kernels keep everything in registers; the E=896 router, whose
+        # registers are capped for occupancy (AMDQB_ROUTER_MIN_BLOCKS), spills at most a few
+        # loop-invariant words (ptxas 13: 40 bytes).
         if spec.kernel_file == "route.hip" or "896" in spec.label():
-            spills = re.findall(r"(\d+) bytes spill stores", log)
-            assert spills and all(int(s) == 0 for s in spills), (spec.label(), log[-3000:])
+            spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", log)]
+            limit = 64 if spec.kernel_file == "router.hip" else 0
+            assert spills and all(s <= limit for s in spills), (spec.label(), log[-3000:])
 
 
 def _nvrtc():

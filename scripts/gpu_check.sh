@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one project command for a GPU machine (the H200 lent through the device tool):
 #   bash scripts/gpu_check.sh MODE...   -> $OUT (<= 8 files)
-#   MODE: smoke | tests | tests-a | tests-b | fuzz | sanitize | profile | bench [SUITE] | nccl | full
+#   MODE: smoke | tests | tests-a | tests-b | fuzz | sanitize | profile | bench [SUITE] | tune |
+#         example | nccl | full
 # Several modes run in order in one call (a device call costs a machine start): e.g.
 #   bash scripts/gpu_check.sh tests fuzz
 # Runs from the source tree (PYTHONPATH), installs nothing.
@@ -105,6 +106,23 @@ run_bench() {  # SUITE (default all) -> $OUT/h200.json, bench.md
   return "$rc"
 }
 
+run_tune() {  # the hip router register-cap and lds route tile sweeps -> $OUT/tune.md, tune.json
+  timeout "${TUNE_TIMEOUT:-200}" python -m bench.tune_router_occupancy --json "$OUT/tune.json" \
+    > "$OUT/tune.md" 2>&1
+  local rc=$?
+  cat "$OUT/tune.md" | tail -n 60
+  return "$rc"
+}
+
+run_example() {  # examples/serving_moe.py, small and Kimi configs -> $OUT/example.txt
+  for cfg in small kimi; do
+    echo "== examples/serving_moe.py --config $cfg" >> "$OUT/example.txt"
+    timeout "${EXAMPLE_TIMEOUT:-200}" python examples/serving_moe.py --config "$cfg" \
+      >> "$OUT/example.txt" 2>&1 || return 1
+  done
+  tail -n 40 "$OUT/example.txt"
+}
+
 [ $# -eq 0 ] && set -- full
 while [ $# -gt 0 ]; do
   mode=$1; shift
@@ -118,6 +136,8 @@ while [ $# -gt 0 ]; do
     sanitize) run_sanitize || status=1 ;;
     profile) run_profile || status=1 ;;
     nccl) run_nccl || status=1 ;;
+    tune) run_tune || status=1 ;;
+    example) run_example || status=1 ;;
     bench)  # an optional suite name follows
       suite=all
       case "${1:-}" in route|router|chunks|balance|serving) suite=$1; shift ;; esac

@@ -126,12 +126,11 @@ _DEFAULT_PREFERENCE = {
 # Per-op overrides: {op: {arch_family: order or callable(features) -> order}}, each from a
 # measurement in bench/results/ (the entry says which).
 def _sm90_router_order(features: dict) -> tuple[str, ...]:
-    # H200, 2026-11-29 (bench/results/h200.json, E=896 k=16): below ~1024 tokens the Triton router
-    # is faster (T=256: 8.5 vs 12.4 us no-QB, 14.7 vs 16.9 us QB); from 1024 tokens on the hip
-    # (NVRTC) router is (T=4096: 30.9 vs 47.1 us no-QB, 51.2 vs 69.2 us best QB; T=16384: 164.6 vs
-    # 171.6 us, 253.9 vs 240.4 us -- QB at 16384 the one exception, within 6%).
-    if features.get("tokens_bucket") == "small":
-        return ("triton", "hip", "torch")
+    # H200, 2026-11-29 (bench/results/h200.json, E=896 k=16, hip router after the load batching
+    # and register cap): hip is ahead at every size -- no-QB 8.3 vs 8.9 us (T=256), 20.1 vs 47.1
+    # (4096), 68.2 vs 173.5 (16384); best QB 14.9 vs 15.5, 38.4 vs 69.3, 114.4 vs 242.1.
+    # (Before those changes Triton led below ~1024 tokens; the feature is kept for that table.)
+    del features
     return ("hip", "triton", "torch")
 
 

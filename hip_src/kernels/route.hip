@@ -16,7 +16,7 @@
 using namespace amdqb;
 
 #ifndef AMDQB_ROUTE_ITEMS
-#define AMDQB_ROUTE_ITEMS 16  // routes per thread of the lds kernel (kept in registers)
+#define AMDQB_ROUTE_ITEMS 4  // routes per thread of the lds kernel (_spec.ROUTE_ITEMS says why)
 #endif
 #ifndef AMDQB_DET_ITEMS
 #define AMDQB_DET_ITEMS 64  // 32-route chunks per tile of the deterministic kernels

@@ -133,9 +133,10 @@ def _router_grid(rt, kernel, dev, tokens):
 
 def auto_qb_mode(tokens: int, num_experts: int) -> str:
     """``qb_histogram_mode="auto"``: fused atomics while T*E is small, LDS-privatised two-kernel
-    histograms beyond. Measured on an H200 (bench/results/h200.json, E=896 k=16): fused/two-kernel
-    = 16.9/21.6 us at T=256, 24.5/24.3 at 1024, 67.0/51.2 at 4096, 278/254 at 16384."""
-    return "fused_atomic" if tokens * num_experts <= (1 << 20) else "two_kernel"
+    histograms beyond. Measured on an H200 (bench/results/h200.json, 2026-11-29, E=896 k=16):
+    fused/two-kernel = 14.9/15.6 us at T=256, 23.1/19.0 at 1024, 65.6/38.4 at 4096, 238/114 at
+    16384; the switch sits between 256 and 1024 tokens of 896 experts."""
+    return "fused_atomic" if tokens * num_experts <= (1 << 18) else "two_kernel"
 
 
 def _launch_router(

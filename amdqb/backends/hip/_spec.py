@@ -31,7 +31,12 @@ SCORE_CODES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
 ROUTER_WARPS = 8  # logical warps (tokens in flight) per 256-thread router block
 ROUTER_BLOCK = 32 * ROUTER_WARPS
 ROUTER_CAP = 64  # largest Top-n the router selects (n = k, or k + 1 under QB)
-ROUTE_ITEMS = 16  # routes per thread of the lds route kernel (AMDQB_ROUTE_ITEMS)
+# Routes per thread of the lds route kernel (AMDQB_ROUTE_ITEMS; tile = ROUTE_BLOCK * ROUTE_ITEMS).
+# H200, 2026-11-29 (bench/tune_router_occupancy.py -> bench/results/h200_2026-11-29_s3/tune.md,
+# M=8192 k=16 E=896, masked layout, graph replay): items 2/4/8/16 = 8.95/7.75/8.27/9.49 us uniform,
+# 5.89/6.04/7.20/9.11 us all-one-expert (atomic: 17.2 / 100.5 us). Smaller tiles mean more blocks
+# for a latency-bound kernel and more interval reservations; 4 is the best uniform balance.
+ROUTE_ITEMS = 4
 ROUTE_BLOCK = 256
 DET_ITEMS = 64  # 32-route chunks per deterministic tile (AMDQB_DET_ITEMS)
 DET_TILE = 32 * DET_ITEMS

@@ -388,6 +388,29 @@ AMDQB_DEVICE u16 float_to_bf16(float f) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Approximate transcendentals, for fast paths that are followed by an exactness check
+// ------------------------------------------------------------------------------------------------
+// Hardware exp / reciprocal (sm_90: MUFU.EX2 / MUFU.RCP; AMD: v_exp_f32 / v_rcp_f32), each within
+// a few 2^-22 relative of the true value on normal inputs. Never used for a stored result: callers
+// bound the error and fall back to the exact formula where the bound leaves any doubt.
+AMDQB_DEVICE float approx_exp(float x) {
+#if defined(AMDQB_EMU)
+  return expf(x);  // the emulator perturbs the result it derives from this (router.hip)
+#else
+  return __expf(x);
+#endif
+}
+AMDQB_DEVICE float approx_rcp(float x) {
+#if defined(AMDQB_CUDA)
+  return __fdividef(1.0f, x);
+#elif defined(AMDQB_HIP)
+  return __builtin_amdgcn_rcpf(x);
+#else
+  return 1.0f / x;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
 // Selection order (amdqb.ref.ordering): value descending, id ascending, -0.0 == +0.0, NaN lowest
 // ------------------------------------------------------------------------------------------------
 // Monotone int32 key: a < b (as floats) iff key(a) < key(b); NaN -> INT32_MIN (below -inf).

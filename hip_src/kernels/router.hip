@@ -24,7 +24,10 @@
 // QB: Top-(k+1) of u = s + b, alpha = u of the (k+1)-th, the first k are routed; for every expert
 // r = alpha - s_j, scale = fp32(B) / (U - L), bin = clamp(floor((r - L) * scale), 0, B - 1) in fp32
 // (NaN -> 0); fused mode adds 1 to hist[j * B + bin] with a device atomic in the epilogue,
-// two-kernel mode writes alpha and amdqb_qb_hist recomputes s with the same device function.
+// two-kernel mode writes alpha and amdqb_qb_hist recomputes the bins from the logits. Both derive
+// a bin through qb_bin_of_logit: an approximate sigmoid where its error bound provably cannot
+// change the bin, the exact formula elsewhere, so every bin equals the exact one. (QB is
+// sigmoid-only at the op level.)
 #include "amdqb_prelude.h"
 
 using namespace amdqb;
@@ -104,6 +107,54 @@ AMDQB_DEVICE int qb_bin(float r, float lower, float scale, int num_bins) {
   x = x < 0.0f ? 0.0f : x;
   x = x > hi ? hi : x;
   return (int)x;
+}
+
+#if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
+// |sigmoid_approx(z) - act_elementwise(z)| <= kSigmoidApproxErr for every finite z: both lie within
+// a few 2^-22 (absolute) of the true sigmoid -- the hardware exp's relative error scaled by
+// s * (1 - s) <= 1/4, the reciprocal's by s <= 1 -- so 2^-19 leaves a wide margin. The emulator's
+// exp is nearly exact, so it simulates a larger error instead: a deterministic perturbation of up
+// to 0.95 of a 2^-14 bound, far beyond the rounding slack, so that the CPU tests fail if the
+// exactness check below ever trusts a bin it should not.
+#if defined(AMDQB_EMU)
+constexpr float kSigmoidApproxErr = 1.0f / 16384.0f;
+#else
+constexpr float kSigmoidApproxErr = 1.0f / 524288.0f;
+#endif
+
+AMDQB_DEVICE float sigmoid_approx(float z) {
+  float s = approx_rcp(1.0f + approx_exp(-z));
+#if defined(AMDQB_EMU)
+  const u32 h = float_bits(z) * 2654435761u;
+  s += ((float)(h >> 8) * (1.0f / 16777216.0f) - 0.5f) * 1.9f * kSigmoidApproxErr;
+#endif
+  return s;
+}
+#endif
+
+// QB bin of the expert with logit z for the token cutoff alpha: bit for bit
+// qb_bin(alpha - act_elementwise(z), lower, scale, num_bins). Sigmoid fast path: the bin from the
+// approximate sigmoid whenever no integer lies within the error bound m of the scaled position x
+// (then the exact position, within m of x, has the same floor); else, and for any non-finite value
+// (NaN compares unequal), the exact formula. m covers the sigmoid bound and the roundings of both
+// paths (three each, fp32) with 16-ulp slack, so the fp32 evaluation of x +- m cannot cross an
+// integer the exact position could reach. Near-edge elements (~2 m per bin, rare) take the exact
+// path; the histogram pass then spends most elements on two hardware approximations instead of
+// the IEEE exp and division.
+AMDQB_DEVICE int qb_bin_of_logit(float alpha, float z, float lower, float scale, int num_bins) {
+#if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
+  const float x = ((alpha - sigmoid_approx(z)) - lower) * scale;
+  constexpr float kSlack = 1.0f / 1048576.0f;  // 2^-20: 16 units of fp32 rounding
+  const float m = fabsf(scale) * (kSigmoidApproxErr + kSlack * (fabsf(alpha) + 1.0f + fabsf(lower))) +
+                  kSlack * fabsf(x);
+  const float lo = floorf(x - m);
+  if (lo == floorf(x + m)) {
+    const float hi = (float)(num_bins - 1);
+    const float b = lo < 0.0f ? 0.0f : (lo > hi ? hi : lo);
+    return (int)b;
+  }
+#endif
+  return qb_bin(alpha - act_elementwise(z), lower, scale, num_bins);
 }
 
 AMDQB_DEVICE bool valid_slot(int j, int lane) { return j < VPL - 1 || j * 32 + lane < E; }
@@ -414,15 +465,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
       if (qb_mode == kQbAlpha) {
         if (lane == 0) alpha_out[t] = alpha;
       } else {
-        in_t raw[VPL];
-        float s[VPL];
+        in_t raw[VPL];  // QB is sigmoid-only: the bin needs the logit alone
         load_row(row, lane, raw);
-        scores_from_raw(raw, lane, s, softmax_pre, st);
 #pragma unroll
         for (int j = 0; j < VPL; ++j) {
           const int e = j * 32 + lane;
           if (valid_slot(j, lane)) {
-            const int bin = qb_bin(alpha - s[j], qb_lower, qb_scale, num_bins);
+            const int bin = qb_bin_of_logit(alpha, to_f32(raw[j]), qb_lower, qb_scale, num_bins);
             atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
           }
         }
@@ -475,13 +524,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
       }
 #pragma unroll
       for (int u = 0; u < HIST_UNROLL; ++u) {
-        const int bin = qb_bin(a[u] - act_elementwise(z[u]), lower, scale, num_bins);
+        const int bin = qb_bin_of_logit(a[u], z[u], lower, scale, num_bins);
         atomic_add_shared(&lh[sub * num_bins + bin], 1);
       }
     }
     for (; t < t1; t += step) {
-      const float sj = act_elementwise(to_f32(logits[t * E + col]));
-      atomic_add_shared(&lh[sub * num_bins + qb_bin(alpha[t] - sj, lower, scale, num_bins)], 1);
+      const int bin = qb_bin_of_logit(alpha[t], to_f32(logits[t * E + col]), lower, scale, num_bins);
+      atomic_add_shared(&lh[sub * num_bins + bin], 1);
     }
   }
   block_sync();

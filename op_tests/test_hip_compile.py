@@ -244,6 +244,48 @@ def test_every_kernel_compiles_for_sm90_with_nvcc():
             assert spills and all(s <= limit for s in spills), (spec.label(), log[-3000:])
 
 
+def _cuobjdump():
+    """cuobjdump from the toolkit, else the copy Triton's NVIDIA backend ships."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+
+        path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        return str(path) if path.is_file() else None
+    except ImportError:
+        return None
+
+
+@needs_nvcc
+def test_router_issues_a_tokens_logit_loads_as_one_batch_on_sm90():
+    """The H200 profile that found 28 serial DRAM round trips per token: ptxas never moves a load
+    across the CALL of an IEEE division's slow path, so loads interleaved with the sigmoids wait
+    one by one. The router pins them as one batch (keep_loaded); this checks the SASS keeps it."""
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("needs cuobjdump (CUDA toolkit or Triton's NVIDIA backend)")
+    out_dir = tempfile.mkdtemp(prefix="amdqb_sass_")
+    spec = _spec.router_module(896, "float32", "sigmoid")
+    _, rc, log = compile_nvcc(spec, out_dir)
+    assert rc == 0, log[-3000:]
+    sass = subprocess.run(
+        [tool, "-sass", str(Path(out_dir) / f"{spec.label()}.cubin")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    body = sass[sass.index("Function : amdqb_router") :]
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
+    vpl = -(-896 // 32)
+    # every logit load of the first token is issued before its first sigmoid (MUFU.EX2); without
+    # the pin, ptxas issues one load per sigmoid
+    first_exp = next(i for i, op in enumerate(ops) if op.startswith("MUFU.EX2"))
+    loads = sum(op.startswith("LDG") for op in ops[:first_exp])
+    assert loads >= vpl, f"{loads} global loads before the first exp; want >= {vpl}"
+
+
 def _nvrtc():
     from amdqb.backends.hip._runtime import NvrtcCompiler
 

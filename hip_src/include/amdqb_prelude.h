@@ -166,11 +166,9 @@ AMDQB_DEVICE void keep_loaded(u16& v) {
 #endif
 }
 AMDQB_DEVICE void keep_loaded(float& v) {
-#if defined(AMDQB_CUDA)
-  asm volatile("" : "+f"(v));
-#else
-  (void)v;
-#endif
+  u32 b = float_bits(v);  // the same register
+  keep_loaded(b);
+  v = bits_float(b);
 }
 
 // ------------------------------------------------------------------------------------------------

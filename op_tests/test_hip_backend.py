@@ -348,6 +348,52 @@ def test_qb_hist_config_fits_the_budget():
         _ops.qb_hist_config(896, 13000, 16, 48 * 1024, 132)
 
 
+def test_router_grid_is_one_wave_of_resident_blocks():
+    class Rt:
+        queries = []
+
+        def num_cus(self, dev):
+            return 132
+
+        def blocks_per_cu(self, kernel, block, smem=0):
+            self.queries.append((kernel, block, smem))
+            return 3
+
+    rt = Rt()
+    assert _ops._router_grid(rt, "k", 0, 16384) == 132 * 3  # persistent warps loop over the rest
+    assert _ops._router_grid(rt, "k", 0, 100) == -(-100 // _spec.ROUTER_WARPS)  # one warp a token
+    assert _ops._router_grid(rt, "k", 0, 0) == 1
+    assert rt.queries[0] == ("k", _spec.ROUTER_BLOCK, 0)
+
+    class NoQuery:  # e.g. the CPU emulator: two blocks per CU assumed
+        def num_cus(self, dev):
+            return 4
+
+    assert _ops._router_grid(NoQuery(), "k", 0, 10**6) == 8
+
+
+def test_runtime_asks_occupancy_once_per_shape():
+    class Toolchain:
+        calls = 0
+
+        def blocks_per_cu(self, fn, block, smem, device_index):
+            Toolchain.calls += 1
+            return 0  # a driver answering 0 still gets one block
+
+    rt = _runtime.GpuRuntime(Toolchain(), disk=_runtime.DiskCache())
+    k = _runtime.Kernel("fn", "amdqb_router", 0)
+    assert rt.blocks_per_cu(k, 256) == 1 and rt.blocks_per_cu(k, 256) == 1
+    assert Toolchain.calls == 1
+    rt.blocks_per_cu(k, 256, 1024)
+    assert Toolchain.calls == 2
+
+
+def test_auto_qb_mode_switches_between_256_and_1024_tokens_at_896_experts():
+    assert _ops.auto_qb_mode(256, 896) == "fused_atomic"
+    assert _ops.auto_qb_mode(1024, 896) == "two_kernel"
+    assert _ops.auto_qb_mode(16384, 896) == "two_kernel"
+
+
 # ================================================================================================
 # GPU tests
 # ================================================================================================

@@ -387,6 +387,12 @@ def test_runtime_asks_occupancy_once_per_shape():
     rt.blocks_per_cu(k, 256, 1024)
     assert Toolchain.calls == 2
 
+    class Unbound:  # bindings without the occupancy query: a hint of 2, launches unaffected
+        pass
+
+    rt = _runtime.GpuRuntime(Unbound(), disk=_runtime.DiskCache())
+    assert rt.blocks_per_cu(_runtime.Kernel("fn", "amdqb_router", 0), 256) == 2
+
 
 def test_auto_qb_mode_switches_between_256_and_1024_tokens_at_896_experts():
     assert _ops.auto_qb_mode(256, 896) == "fused_atomic"

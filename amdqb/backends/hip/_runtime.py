@@ -489,10 +489,16 @@ class GpuRuntime:
         )
 
     def blocks_per_cu(self, kernel: Kernel, block: int, smem: int = 0) -> int:
-        """Resident blocks of ``kernel`` per CU/SM (registers, LDS, waves), asked once per shape."""
+        """Resident blocks of ``kernel`` per CU/SM (registers, LDS, waves), asked once per shape.
+
+        Only a launch-size hint: a runtime whose bindings lack the query (or fail it) gets 2."""
         n = kernel.occupancy.get((block, smem))
         if n is None:
-            n = max(1, self.toolchain.blocks_per_cu(kernel.fn, block, smem, kernel.device_index))
+            try:
+                n = self.toolchain.blocks_per_cu(kernel.fn, block, smem, kernel.device_index)
+            except (HipBackendError, AttributeError, TypeError):
+                n = 2
+            n = max(1, int(n))
             kernel.occupancy[(block, smem)] = n
         return n
 

@@ -12,7 +12,11 @@
 # emulator needs ~330 s + ~200 s (two calls with the resume file); test_hip_backend's E=2048/4096
 # route tests are the long poles. Serially it takes far longer (Triton/NVRTC compilation for many
 # shapes), hence pytest-xdist (present in the device image) with JOBS workers. `bench serving`
-# needs ~60 s after the weights are drawn. Keep `--report-api-errors no` for the sanitizer:
+# needs ~60 s after the weights are drawn. Measured 2026-11-29 on nvidia-h200-x2 (plus ~60 s of
+# machine start per call): fuzz (large) ~250 s; sanitize ~60 s per tool; smoke over the router tests
+# ~90 s, over the hip route-rows tests ~310 s (E=4096 cases are the long poles); tune ~25 s;
+# bench router ~20 s, route ~20 s, balance ~10 s, chunks ~5 s; example (both configs) ~50 s;
+# profile ~100 s. Keep `--report-api-errors no` for the sanitizer:
 # cuda-bindings probes driver entry points with cuGetProcAddress, which the sanitizer otherwise
 # counts as 34 API errors.
 set -uo pipefail

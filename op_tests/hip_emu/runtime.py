@@ -99,10 +99,7 @@ class EmuRuntime:
         return EmuKernel(fn, name)
 
     def launch(self, kernel, grid, block, smem, args):
-        if isinstance(grid, int):
-            grid = (grid, 1, 1)
-        elif len(grid) == 2:
-            grid = (grid[0], grid[1], 1)
+        grid = _spec.grid3(grid)
         if min(grid) <= 0:
             return
         assert block % 32 == 0 and block % self.wave_size == 0 or block == 32, block

@@ -477,10 +477,7 @@ class GpuRuntime:
             return k
 
     def launch(self, kernel: Kernel, grid, block: int, smem: int, args) -> None:
-        if isinstance(grid, int):
-            grid = (grid, 1, 1)
-        elif len(grid) == 2:
-            grid = (grid[0], grid[1], 1)
+        grid = _spec.grid3(grid)
         if min(grid) <= 0:
             return
         params = _spec.KernelParams(args)

@@ -169,6 +169,15 @@ _I32 = (-(2**31), 2**31 - 1)
 _I64 = (-(2**63), 2**63 - 1)
 
 
+def grid3(grid) -> tuple[int, int, int]:
+    """A launch grid given as ``n``, ``(x, y)`` or ``(x, y, z)`` as three extents."""
+    if isinstance(grid, int):
+        return (grid, 1, 1)
+    if len(grid) == 2:
+        return (grid[0], grid[1], 1)
+    return tuple(grid)
+
+
 def arg_i32(value: int) -> ctypes.c_int32:
     value = int(value)
     if not _I32[0] <= value <= _I32[1]:

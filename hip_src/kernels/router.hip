@@ -99,14 +99,18 @@ AMDQB_DEVICE float act_elementwise(float z) {
 #endif
 }
 
-// QB bin of a required bias r (TE's arithmetic: multiply by the fp32 scale, no reciprocal width).
-AMDQB_DEVICE int qb_bin(float r, float lower, float scale, int num_bins) {
-  float x = floorf((r - lower) * scale);
-  if (x != x) x = 0.0f;  // NaN r -> bin 0
+// A floored bin position clamped to [0, num_bins - 1]; NaN -> bin 0.
+AMDQB_DEVICE int clamp_bin(float x, int num_bins) {
+  if (x != x) x = 0.0f;
   const float hi = (float)(num_bins - 1);
   x = x < 0.0f ? 0.0f : x;
   x = x > hi ? hi : x;
   return (int)x;
+}
+
+// QB bin of a required bias r (TE's arithmetic: multiply by the fp32 scale, no reciprocal width).
+AMDQB_DEVICE int qb_bin(float r, float lower, float scale, int num_bins) {
+  return clamp_bin(floorf((r - lower) * scale), num_bins);
 }
 
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
@@ -148,11 +152,7 @@ AMDQB_DEVICE int qb_bin_of_logit(float alpha, float z, float lower, float scale,
   const float m = fabsf(scale) * (kSigmoidApproxErr + kSlack * (fabsf(alpha) + 1.0f + fabsf(lower))) +
                   kSlack * fabsf(x);
   const float lo = floorf(x - m);
-  if (lo == floorf(x + m)) {
-    const float hi = (float)(num_bins - 1);
-    const float b = lo < 0.0f ? 0.0f : (lo > hi ? hi : lo);
-    return (int)b;
-  }
+  if (lo == floorf(x + m)) return clamp_bin(lo, num_bins);
 #endif
   return qb_bin(alpha - act_elementwise(z), lower, scale, num_bins);
 }

@@ -127,7 +127,7 @@ def _router_grid(rt, kernel, dev, tokens):
     # no second, partial wave), each warp looping over tokens; runtimes without an occupancy query
     # (the CPU emulator) assume two.
     query = getattr(rt, "blocks_per_cu", None)
-    per_cu = query(kernel, _spec.ROUTER_BLOCK, 0) if query is not None else 2
+    per_cu = _spec.FALLBACK_BLOCKS_PER_CU if query is None else query(kernel, _spec.ROUTER_BLOCK, 0)
     return max(1, min(_cdiv(tokens, _spec.ROUTER_WARPS), rt.num_cus(dev) * per_cu))
 
 

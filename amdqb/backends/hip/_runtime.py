@@ -488,13 +488,13 @@ class GpuRuntime:
     def blocks_per_cu(self, kernel: Kernel, block: int, smem: int = 0) -> int:
         """Resident blocks of ``kernel`` per CU/SM (registers, LDS, waves), asked once per shape.
 
-        Only a launch-size hint: a runtime whose bindings lack the query (or fail it) gets 2."""
+        Only a launch-size hint: bindings that lack the query (or fail it) get the fallback."""
         n = kernel.occupancy.get((block, smem))
         if n is None:
             try:
                 n = self.toolchain.blocks_per_cu(kernel.fn, block, smem, kernel.device_index)
             except (HipBackendError, AttributeError, TypeError):
-                n = 2
+                n = _spec.FALLBACK_BLOCKS_PER_CU
             n = max(1, int(n))
             kernel.occupancy[(block, smem)] = n
         return n

@@ -31,6 +31,8 @@ SCORE_CODES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
 ROUTER_WARPS = 8  # logical warps (tokens in flight) per 256-thread router block
 ROUTER_BLOCK = 32 * ROUTER_WARPS
 ROUTER_CAP = 64  # largest Top-n the router selects (n = k, or k + 1 under QB)
+# Resident blocks per CU assumed where a runtime cannot answer the occupancy query.
+FALLBACK_BLOCKS_PER_CU = 2
 # Routes per thread of the lds route kernel (AMDQB_ROUTE_ITEMS; tile = ROUTE_BLOCK * ROUTE_ITEMS).
 # H200, 2026-11-29 (bench/tune_router_occupancy.py -> bench/results/h200_2026-11-29_s3/tune.md,
 # M=8192 k=16 E=896, masked layout, graph replay): items 2/4/8/16 = 8.95/7.75/8.27/9.49 us uniform,

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 import amdqb
 from amdqb import ref
 from conftest import DEVICE, HAS_GPU, kernel_backends
+from hip_emu.checks import make_logits
 
 PROFILE = os.environ.get("AMDQB_FUZZ_PROFILE", "fast")
 LARGE = PROFILE == "large"
@@ -81,28 +82,8 @@ def router_case(draw, qb: bool, shard: int = 0):
     return t, e, k, dtype, style, seed
 
 
-def make_logits(t, e, dtype, style, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, e, generator=g)
-    if style == "ties":
-        x = torch.randint(-2, 3, (t, e), generator=g).float()
-    elif style == "nan_inf":
-        mask = torch.rand(t, e, generator=g)
-        x[mask < 0.05] = float("nan")
-        x[(mask >= 0.05) & (mask < 0.1)] = float("inf")
-        x[(mask >= 0.1) & (mask < 0.15)] = -float("inf")
-        if t:
-            x[0] = float("nan")  # a row with nothing but NaN
-    elif style == "one_hot":
-        x = torch.full((t, e), -5.0)
-        x[:, 0] = 5.0
-    elif style == "saturated":
-        x = x * 30
-    return x.to(dtype).to(DEVICE)
-
-
 def _check_router(backend, t, e, k, dtype, style, seed, qb):
-    logits = make_logits(t, e, dtype, style, seed)
+    logits = make_logits(t, e, style, seed, dtype).to(DEVICE)
     g = torch.Generator().manual_seed(seed + 1)
     bias = (torch.randn(e, generator=g) * 0.1).to(DEVICE)
     kwargs = dict(expert_bias=bias)

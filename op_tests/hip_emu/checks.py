@@ -52,6 +52,8 @@ def check_routes(ids, e, capacity, c0, rows, counts, counters, deterministic=Fal
 
 
 def make_logits(t, e, style, seed, dtype=torch.float32):
+    """Seeded ``[t, e]`` router logits (CPU) of one adversarial style: normal, ties, nan_inf,
+    overflow, zeros, one_hot, saturated."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, e, generator=g)
     if style == "ties":
@@ -61,7 +63,13 @@ def make_logits(t, e, style, seed, dtype=torch.float32):
         x[mask < 0.05] = float("nan")
         x[(mask >= 0.05) & (mask < 0.1)] = float("inf")
         x[(mask >= 0.1) & (mask < 0.15)] = -float("inf")
-        x[0] = float("nan")
+        if t:
+            x[0] = float("nan")  # a row with nothing but NaN
+    elif style == "one_hot":
+        x = torch.full((t, e), -5.0)
+        x[:, 0] = 5.0
+    elif style == "saturated":
+        x = x * 30
     elif style == "overflow":
         # Experts 0..7 (mod 32) tie at the top: > 64 candidates above the lane-max bound, so the
         # exact path runs and must resolve the tie by id.

@@ -388,19 +388,28 @@ AMDQB_DEVICE u16 float_to_bf16(float f) {
 // ------------------------------------------------------------------------------------------------
 // Approximate transcendentals, for fast paths that are followed by an exactness check
 // ------------------------------------------------------------------------------------------------
-// Hardware exp / reciprocal (sm_90: MUFU.EX2 / MUFU.RCP; AMD: v_exp_f32 / v_rcp_f32), each within
-// a few 2^-22 relative of the true value on normal inputs. Never used for a stored result: callers
-// bound the error and fall back to the exact formula where the bound leaves any doubt.
-AMDQB_DEVICE float approx_exp(float x) {
-#if defined(AMDQB_EMU)
-  return expf(x);  // the emulator perturbs the result it derives from this (router.hip)
+// Hardware 2^x / reciprocal (sm_90: MUFU.EX2 / MUFU.RCP; AMD: v_exp_f32 / v_rcp_f32), each within
+// a few 2^-22 relative of the true value on normal inputs; denormal inputs and results flush to
+// zero (an absolute error below 2^-126). Issued as the bare instructions: the library forms
+// (__expf, __fdividef) add denormal range fix-ups that a bounded fast path does not need. Never
+// used for a stored result: callers bound the error and fall back to the exact formula where the
+// bound leaves any doubt.
+AMDQB_DEVICE float approx_exp2(float x) {
+#if defined(AMDQB_CUDA)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#elif defined(AMDQB_HIP)
+  return __builtin_amdgcn_exp2f(x);
 #else
-  return __expf(x);
+  return exp2f(x);  // the emulator perturbs the result it derives from this (router.hip)
 #endif
 }
 AMDQB_DEVICE float approx_rcp(float x) {
 #if defined(AMDQB_CUDA)
-  return __fdividef(1.0f, x);
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 #elif defined(AMDQB_HIP)
   return __builtin_amdgcn_rcpf(x);
 #else

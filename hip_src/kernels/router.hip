@@ -115,11 +115,12 @@ AMDQB_DEVICE int qb_bin(float r, float lower, float scale, int num_bins) {
 
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
 // |sigmoid_approx(z) - act_elementwise(z)| <= kSigmoidApproxErr for every finite z: both lie within
-// a few 2^-22 (absolute) of the true sigmoid -- the hardware exp's relative error scaled by
-// s * (1 - s) <= 1/4, the reciprocal's by s <= 1 -- so 2^-19 leaves a wide margin. The emulator's
-// exp is nearly exact, so it simulates a larger error instead: a deterministic perturbation of up
-// to 0.95 of a 2^-14 bound, far beyond the rounding slack, so that the CPU tests fail if the
-// exactness check below ever trusts a bin it should not.
+// a few 2^-22 (absolute) of the true sigmoid -- the hardware 2^x's relative error, and that of
+// rounding its argument z * log2(e) (|z| * 2^-24 relative, times s * (1 - s) <= e^-|z|), scaled by
+// s * (1 - s) <= 1/4; the reciprocal's by s <= 1; flushed denormals below 2^-126 -- so 2^-19
+// leaves a wide margin. The emulator's exp2 is nearly exact, so it simulates a larger error
+// instead: a deterministic perturbation of up to 0.95 of a 2^-14 bound, far beyond the rounding
+// slack, so that the CPU tests fail if the exactness check below ever trusts a bin it should not.
 #if defined(AMDQB_EMU)
 constexpr float kSigmoidApproxErr = 1.0f / 16384.0f;
 #else
@@ -127,7 +128,7 @@ constexpr float kSigmoidApproxErr = 1.0f / 524288.0f;
 #endif
 
 AMDQB_DEVICE float sigmoid_approx(float z) {
-  float s = approx_rcp(1.0f + approx_exp(-z));
+  float s = approx_rcp(1.0f + approx_exp2(z * -1.44269504088896341f));
 #if defined(AMDQB_EMU)
   const u32 h = float_bits(z) * 2654435761u;
   s += ((float)(h >> 8) * (1.0f / 16777216.0f) - 0.5f) * 1.9f * kSigmoidApproxErr;
@@ -136,25 +137,50 @@ AMDQB_DEVICE float sigmoid_approx(float z) {
 }
 #endif
 
-// QB bin of the expert with logit z for the token cutoff alpha: bit for bit
-// qb_bin(alpha - act_elementwise(z), lower, scale, num_bins). Sigmoid fast path: the bin from the
-// approximate sigmoid whenever no integer lies within the error bound m of the scaled position x
-// (then the exact position, within m of x, has the same floor); else, and for any non-finite value
-// (NaN compares unequal), the exact formula. m covers the sigmoid bound and the roundings of both
-// paths (three each, fp32) with 16-ulp slack, so the fp32 evaluation of x +- m cannot cross an
-// integer the exact position could reach. Near-edge elements (~2 m per bin, rare) take the exact
-// path; the histogram pass then spends most elements on two hardware approximations instead of
-// the IEEE exp and division.
-AMDQB_DEVICE int qb_bin_of_logit(float alpha, float z, float lower, float scale, int num_bins) {
+// A token's QB cutoff with the per-token constants of the histogram fast path (16 bytes: the
+// two-kernel pass loads it with one vector load per element).
+struct alignas(16) QbCut {
+  float alpha;   // the (k+1)-th biased score
+  float pos0;    // (alpha - lower) * scale: the bin position of a zero score
+  float margin;  // error bound of the fast bin position (NaN or inf: the fast path is off)
+  float unused;
+};
+
+// x = pos0 - s * scale (one FMA) differs from the exact position fl(fl(fl(alpha - s_exact) - lower)
+// * scale) by at most |scale| * kSigmoidApproxErr plus the roundings of both paths: 2^-24 times
+// |scale| (|alpha - lower| + |alpha| + 1 + |alpha| + 1 + |lower|) + |pos0| + |x| + |x_exact|, with
+// |x|, |x_exact| <= |pos0| + 2 |scale| (scores lie in [0, 1]). The margin takes 16 units of 2^-24
+// on each term where 3 suffice, which also covers the roundings of the margin and of x +- margin.
+AMDQB_DEVICE QbCut qb_cut(float alpha, float lower, float scale) {
+  QbCut c;
+  c.alpha = alpha;
+  c.pos0 = (alpha - lower) * scale;
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
-  const float x = ((alpha - sigmoid_approx(z)) - lower) * scale;
-  constexpr float kSlack = 1.0f / 1048576.0f;  // 2^-20: 16 units of fp32 rounding
-  const float m = fabsf(scale) * (kSigmoidApproxErr + kSlack * (fabsf(alpha) + 1.0f + fabsf(lower))) +
-                  kSlack * fabsf(x);
-  const float lo = floorf(x - m);
-  if (lo == floorf(x + m)) return clamp_bin(lo, num_bins);
+  constexpr float kSlack = 1.0f / 1048576.0f;  // 2^-20
+  const float as = fabsf(scale);
+  c.margin = as * (kSigmoidApproxErr + kSlack * (fabsf(alpha) + 1.0f + fabsf(lower))) +
+             kSlack * (fabsf(c.pos0) + 2.0f * as);
+#else
+  c.margin = 0.0f;
 #endif
-  return qb_bin(alpha - act_elementwise(z), lower, scale, num_bins);
+  c.unused = 0.0f;
+  return c;
+}
+
+// QB bin of the expert with logit z for the token cutoff c: bit for bit
+// qb_bin(c.alpha - act_elementwise(z), lower, scale, num_bins). Sigmoid fast path: the bin from the
+// approximate sigmoid whenever no integer lies within the margin of its position x (then the exact
+// position, within the margin of x, has the same floor); else, and for any non-finite value (NaN
+// compares unequal, so lo is a number where it is used; inf - inf is NaN), the exact formula. Near-edge elements (about 2 margins per
+// bin, rare) take the exact path; the histogram pass then spends most elements on one FMA and two
+// hardware approximations instead of the IEEE exp and division.
+AMDQB_DEVICE int qb_bin_of_logit(const QbCut& c, float z, float lower, float scale, int num_bins) {
+#if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
+  const float x = fmaf(-sigmoid_approx(z), scale, c.pos0);
+  const float lo = floorf(x - c.margin);
+  if (lo == floorf(x + c.margin)) return (int)fminf(fmaxf(lo, 0.0f), (float)(num_bins - 1));
+#endif
+  return qb_bin(c.alpha - act_elementwise(z), lower, scale, num_bins);
 }
 
 AMDQB_DEVICE bool valid_slot(int j, int lane) { return j < VPL - 1 || j * 32 + lane < E; }
@@ -349,11 +375,11 @@ AMDQB_DEVICE void select_top(const i32 (&key)[VPL], int n, int lane, const WarpB
 //   nsel = topk (+1 under QB); normalize: p = s / (sum_selected s + 1e-20); softmax_pre: scores are
 //   the softmax over E (else, for AMDQB_SCORE softmax, the selected logits are softmax-ed);
 //   probs (nullable) [T, E] in the logits dtype; map (nullable) per map_kind; hist/bounds for
-//   qb_mode 1, alpha_out for qb_mode 2; w_out/id_out (nullable) [T, topk] fp32 / int32.
+//   qb_mode 1, cut_out (the token's QbCut) for qb_mode 2; w_out/id_out (nullable) [T, topk] fp32 / int32.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
     amdqb_router(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
                  int normalize, int softmax_pre, float scale, in_t* probs, void* map, int map_kind,
-                 int qb_mode, int* hist, const float* bounds, int num_bins, float* alpha_out,
+                 int qb_mode, int* hist, const float* bounds, int num_bins, QbCut* cut_out,
                  float* w_out, int* id_out) {
   AMDQB_SHARED(i32, sh_ckey, WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, WARPS * CAP);
@@ -367,7 +393,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
   const bool post_softmax = AMDQB_SCORE == AMDQB_SCORE_SOFTMAX && !softmax_pre;
 
   float qb_lower = 0.0f, qb_scale = 0.0f;
-  if (qb_mode == kQbFused) {
+  if (qb_mode != kQbNone) {
     qb_lower = bounds[0];
     qb_scale = (float)num_bins / (bounds[1] - qb_lower);
   }
@@ -462,8 +488,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
     if (qb_mode != kQbNone) {
       const i32 aid = b.sid[topk];  // the (k+1)-th: the cutoff alpha
       const float alpha = bias != nullptr ? b.ss[topk] + bias[aid] : b.ss[topk];
+      const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
       if (qb_mode == kQbAlpha) {
-        if (lane == 0) alpha_out[t] = alpha;
+        if (lane == 0) cut_out[t] = cut;
       } else {
         in_t raw[VPL];  // QB is sigmoid-only: the bin needs the logit alone
         load_row(row, lane, raw);
@@ -471,7 +498,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
         for (int j = 0; j < VPL; ++j) {
           const int e = j * 32 + lane;
           if (valid_slot(j, lane)) {
-            const int bin = qb_bin_of_logit(alpha, to_f32(raw[j]), qb_lower, qb_scale, num_bins);
+            const int bin = qb_bin_of_logit(cut, to_f32(raw[j]), qb_lower, qb_scale, num_bins);
             atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
           }
         }
@@ -487,7 +514,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
 // (token, expert) with the expert fastest, so a warp reads runs of consecutive logits.
 // Dynamic shared memory: experts_per_block * num_bins ints.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
-    amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
+    amdqb_qb_hist(const in_t* logits, int num_tokens, const QbCut* cut, const float* bounds,
                   int num_bins, int experts_per_block, int tokens_per_slice, int* hist) {
   AMDQB_DYN_SHARED(lh);
   const int tid = (int)threadIdx.x;
@@ -516,20 +543,21 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
     const i64 step = rows_per_pass;
     i64 t = t0 + tt;
     for (; t + (HIST_UNROLL - 1) * step < t1; t += HIST_UNROLL * step) {
-      float z[HIST_UNROLL], a[HIST_UNROLL];
+      float z[HIST_UNROLL];
+      QbCut c[HIST_UNROLL];
 #pragma unroll
       for (int u = 0; u < HIST_UNROLL; ++u) {
         z[u] = to_f32(logits[(t + u * step) * E + col]);
-        a[u] = alpha[t + u * step];
+        c[u] = cut[t + u * step];
       }
 #pragma unroll
       for (int u = 0; u < HIST_UNROLL; ++u) {
-        const int bin = qb_bin_of_logit(a[u], z[u], lower, scale, num_bins);
+        const int bin = qb_bin_of_logit(c[u], z[u], lower, scale, num_bins);
         atomic_add_shared(&lh[sub * num_bins + bin], 1);
       }
     }
     for (; t < t1; t += step) {
-      const int bin = qb_bin_of_logit(alpha[t], to_f32(logits[t * E + col]), lower, scale, num_bins);
+      const int bin = qb_bin_of_logit(cut[t], to_f32(logits[t * E + col]), lower, scale, num_bins);
       atomic_add_shared(&lh[sub * num_bins + bin], 1);
     }
   }

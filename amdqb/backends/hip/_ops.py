@@ -156,7 +156,7 @@ def _launch_router(
     hist,
     bounds,
     num_bins,
-    alpha,
+    cuts,
     w_out,
     id_out,
 ):
@@ -186,7 +186,7 @@ def _launch_router(
         _ptr(hist),
         _ptr(bounds),
         arg_i32(num_bins),
-        _ptr(alpha),
+        _ptr(cuts),
         _ptr(w_out),
         _ptr(id_out),
     ]
@@ -236,9 +236,9 @@ def router_fwd(
     kind = _INDEX_KINDS[map_out.dtype] if map_kind == "indices" else _MAP_KINDS[map_kind]
     softmax = score_function == "softmax"
     num_bins = qb_histogram.shape[1] if qb else 0
-    alpha = None
-    if qb and qb_mode == "two_kernel":
-        alpha = torch.empty(tokens, dtype=torch.float32, device=logits.device)
+    cuts = None
+    if qb and qb_mode == "two_kernel":  # one 16-byte QbCut per token (router.hip)
+        cuts = torch.empty(tokens, 4, dtype=torch.float32, device=logits.device)
     _launch_router(
         rt,
         logits,
@@ -256,11 +256,11 @@ def router_fwd(
         hist=qb_histogram,
         bounds=qb_bin_bounds,
         num_bins=num_bins,
-        alpha=alpha,
+        cuts=cuts,
         w_out=None,
         id_out=None,
     )
-    if alpha is not None:
+    if cuts is not None:
         dev = _dev(logits)
         epb, slices, per = qb_hist_config(
             num_experts, num_bins, tokens, rt.smem_budget(dev), rt.num_cus(dev)
@@ -274,7 +274,7 @@ def router_fwd(
             [
                 _ptr(logits),
                 arg_i32(tokens),
-                _ptr(alpha),
+                _ptr(cuts),
                 _ptr(qb_bin_bounds),
                 arg_i32(num_bins),
                 arg_i32(epb),
@@ -318,7 +318,7 @@ def biased_topk(
         hist=None,
         bounds=None,
         num_bins=0,
-        alpha=None,
+        cuts=None,
         w_out=weights_out,
         id_out=ids_out,
     )

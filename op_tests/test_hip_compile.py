@@ -169,23 +169,25 @@ def test_wave_size_metadata(amd_builds):
 @needs_clang
 @pytest.mark.parametrize("arch", sorted(AMD_TARGETS))
 @pytest.mark.parametrize("ids", ["i32", "i64"])
-def test_lds_route_kernel_uses_lds_atomics_and_one_flush_site(amd_builds, arch, ids):
+def test_lds_route_kernel_uses_lds_atomics_and_one_reservation_per_expert(amd_builds, arch, ids):
     funcs = amd_builds[(_spec.ROUTE_MODULE, arch)]["funcs"]
     new = funcs[f"amdqb_route_lds_{ids}"]["lines"]
     old = funcs[f"amdqb_route_atomic_{ids}"]["lines"]
     # old: one global atomic site, executed once per route; no LDS, no barrier.
     assert count(old, GLOBAL_ATOMIC) == 1
     assert count(old, LDS_ATOMIC) == 0 and count(old, BARRIER) == 0
-    # new: LDS histogram (ds_add) + LDS ranks (ds_add_rtn), three barriers, one global site.
+    # new: LDS histogram (ds_add) + LDS ranks (ds_add_rtn), three barriers, two global sites: the
+    # interval reservation (returns the base) and the accepted-count reduction after it.
     assert count(new, r"^\s+ds_add_u32") >= 1
     assert count(new, r"^\s+ds_add_rtn_u32") >= 1
     assert count(new, LDS_ATOMIC) >= 2 * _spec.ROUTE_ITEMS
     assert count(new, BARRIER) == 3
     sites = [i for i, line in enumerate(new) if GLOBAL_ATOMIC.search(line)]
-    assert len(sites) == 1, sites
-    # The site sits in the per-expert loop: its loop body reads the LDS histogram (the count to
+    assert len(sites) == 2, sites
+    # The sites sit in the per-expert loop: its loop body reads the LDS histogram (the count to
     # reserve) and writes the interval base back; it never loads route ids from global memory.
     site = sites[0]
+    assert re.search(r"_rtn|\b(glc|sc0)\b|ATOMIC_RETURN", new[site]), new[site]  # returns the base
     header = max(i for i in range(site) if "Loop Header" in new[i])
     body = new[header : site + 8]
     assert any(re.search(r"^\s+ds_(load|read)", line) for line in body), body

@@ -105,7 +105,7 @@ def test_route_rows_distributions(e, impl):
             c0 = torch.randint(0, 3, (e,), dtype=torch.int32)
             counters = c0.clone()
             rows = torch.full_like(ids, -7)
-            counts = torch.full((e,), -7, dtype=torch.int32)
+            counts = torch.zeros(e, dtype=torch.int32)  # the op's contract: zero-filled
             _ops.route_rows(rt, ids, e, capacity, counters, rows, counts, False, impl)
             check_routes(ids, e, capacity, c0, rows, counts, counters)
 
@@ -118,7 +118,7 @@ def test_route_finalize_scan_with_a_1024_thread_block():
     for capacity in (None, 3):
         counters = c0.clone()
         rows = torch.full_like(ids, -7)
-        counts = torch.full((e,), -7, dtype=torch.int32)
+        counts = torch.zeros(e, dtype=torch.int32)
         _ops.route_rows(rt, ids, e, capacity, counters, rows, counts, False, "atomic")
         check_routes(ids, e, capacity, c0, rows, counts, counters)
 
@@ -133,7 +133,7 @@ def test_route_rows_deterministic_matches_oracle_bitwise(wave, dtype):
             c0 = torch.randint(0, 5, (e,), dtype=torch.int32)
             counters = c0.clone()
             rows = torch.empty(ids.shape, dtype=torch.int32)
-            counts = torch.empty(e, dtype=torch.int32)
+            counts = torch.zeros(e, dtype=torch.int32)
             _ops.route_rows(rt, ids, e, capacity, counters, rows, counts, True, "lds")
             check_routes(ids, e, capacity, c0, rows, counts, counters, deterministic=True)
 
@@ -146,12 +146,12 @@ def test_route_rows_int64_ids_and_empty():
         c0 = torch.zeros(e, dtype=torch.int32)
         counters = c0.clone()
         rows = torch.empty(ids.shape, dtype=torch.int32)
-        counts = torch.empty(e, dtype=torch.int32)
+        counts = torch.zeros(e, dtype=torch.int32)
         _ops.route_rows(rt, ids, e, None, counters, rows, counts, False, impl)
         check_routes(ids, e, None, c0, rows, counts, counters)
     empty = torch.empty(0, 4, dtype=torch.int32)
     counters = torch.full((e,), 3, dtype=torch.int32)
-    counts = torch.full((e,), -1, dtype=torch.int32)
+    counts = torch.zeros(e, dtype=torch.int32)
     _ops.route_rows(
         rt, empty, e, None, counters, torch.empty(0, 4, dtype=torch.int32), counts, False, "lds"
     )
@@ -164,8 +164,9 @@ def test_route_lds_launch_shape():
     ids = make_ids(1025, 16, 896, "uniform", 0)
     counters = torch.zeros(896, dtype=torch.int32)
     _ops.route_rows(
-        rt, ids, 896, 64, counters, torch.empty_like(ids), torch.empty_like(counters), False, "lds"
+        rt, ids, 896, 64, counters, torch.empty_like(ids), torch.zeros_like(counters), False, "lds"
     )
+    assert [launch[0] for launch in rt.launches] == ["amdqb_route_lds_i32"]  # masked: one kernel
     name, grid, block, smem = rt.launches[0]
     assert name == "amdqb_route_lds_i32"
     assert grid[0] == -(-ids.numel() // (_spec.ROUTE_BLOCK * _spec.ROUTE_ITEMS))

@@ -26,8 +26,8 @@ never allocate output buffers the caller sees. Signatures:
 ``qb_step(bias fp32 [E], histogram int32 [E,B], bin_bounds fp32 [2], topk, ema) -> None``
     (in place: bias, bounds; the histogram is left for the caller to zero)
 ``route_rows(topk_ids [M,k] int32, num_experts, capacity|None, counters int32 [E] (zeroed by the
-    op when the caller passed none), rows_out int32 [M,k], counts_out int32 [E], deterministic,
-    impl "atomic"|"lds") -> None``
+    op when the caller passed none), rows_out int32 [M,k], counts_out int32 [E] (zero-filled by
+    the op), deterministic, impl "atomic"|"lds") -> None``
 ``align_block_size(topk_ids [M,k] int32, block_size, num_experts, sorted_ids_out, expert_ids_out,
     num_post_pad_out) -> None`` (``expert_map`` is applied by the op)
 ``chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out int32) -> None``

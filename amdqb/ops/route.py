@@ -165,10 +165,13 @@ def moe_route_rows(
     chosen_backend = dispatch.backend_name(
         "route_rows", device, backend, num_experts=num_experts, impl=chosen
     )
+    # counts arrive zero-filled at the backend (the lds kernels accumulate into them); with the
+    # op's own counters both come from one fill
     if counters is None:
-        counters = torch.zeros(num_experts, dtype=torch.int32, device=device)
+        counters, counts = torch.zeros(2, num_experts, dtype=torch.int32, device=device).unbind(0)
+    else:
+        counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
     rows = torch.empty(ids.shape, dtype=torch.int32, device=device)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=device)
     _route_rows(
         ids,
         num_experts,

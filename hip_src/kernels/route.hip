@@ -6,8 +6,9 @@
 // compact layout (capacity < 0 here): the route kernels store the slot and
 // amdqb_route_compact_* adds offset[e] (the exclusive cumsum of the updated counters) afterwards.
 // Order inside an expert is unspecified for the atomic and lds kernels (any interleaving of the
-// atomics), ascending flat route index for the det_* kernels. counts are written by
-// amdqb_route_finalize from a snapshot of the counters taken before the call.
+// atomics), ascending flat route index for the det_* kernels. counts: the lds kernels add each
+// block's accepted routes to counts (zero-filled by the op); the atomic and det_* paths have
+// amdqb_route_finalize derive them from a snapshot of the counters taken before the call.
 //
 // Offsets are 64-bit (route count up to 2^31 - 1, the op checks it); rows are int32 (the op checks
 // E * capacity <= INT32_MAX).
@@ -51,11 +52,13 @@ AMDQB_DEVICE void route_atomic(const IdT* ids, i64 n, int num_experts, int capac
 
 // "new": one tile of blockDim.x * AMDQB_ROUTE_ITEMS routes per block. LDS histogram of the tile,
 // one global atomicAdd per non-empty (block, expert) reserving an interval of the expert's slots,
-// then LDS-atomic ranks inside the interval. Three unconditional barriers, no grid-wide sync.
-// Dynamic shared memory: num_experts ints.
+// then LDS-atomic ranks inside the interval. The interval also tells the block how many of its
+// routes the capacity accepts, which it adds to counts (a reduction whose result is unused: no
+// round trip), so no counter snapshot or finalize pass is needed. Three unconditional barriers,
+// no grid-wide sync. Dynamic shared memory: num_experts ints.
 template <typename IdT>
 AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity, int* counters,
-                            int* rows) {
+                            int* counts, int* rows) {
   AMDQB_DYN_SHARED(hist);
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
@@ -77,7 +80,13 @@ AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity
 
   for (int e = tid; e < num_experts; e += nt) {
     const int c = hist[e];
-    if (c > 0) hist[e] = atomic_add_global(&counters[e], c);  // interval [base_e, base_e + c)
+    if (c > 0) {
+      const int base = atomic_add_global(&counters[e], c);  // interval [base, base + c)
+      hist[e] = base;
+      const i64 room = capacity < 0 ? (i64)c : (i64)capacity - base;
+      const int accepted = room <= 0 ? 0 : (room < c ? (int)room : c);
+      if (accepted > 0) atomic_add_global(&counts[e], accepted);
+    }
   }
   block_sync();  // 3: interval bases visible
 
@@ -155,8 +164,8 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
   }                                                                                                \
   AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)                                                       \
       amdqb_route_lds_##SUFFIX(const IdT* ids, i64 n, int num_experts, int capacity,               \
-                               int* counters, int* rows) {                                         \
-    route_lds<IdT>(ids, n, num_experts, capacity, counters, rows);                                 \
+                               int* counters, int* counts, int* rows) {                            \
+    route_lds<IdT>(ids, n, num_experts, capacity, counters, counts, rows);                         \
   }                                                                                                \
   AMDQB_KERNEL void amdqb_route_det_hist_##SUFFIX(const IdT* ids, i64 n, int num_experts,         \
                                                   int* tile_counts) {                              \
@@ -222,7 +231,8 @@ AMDQB_DEVICE u32 block_exclusive_sum_u32(u32 v, u32* warp_sums) {
   return warp_sums[warp] + (incl - v);
 }
 
-// counts[e] = routes of this call that received a row (accepted_routes).
+// counts[e] = routes of this call that received a row (accepted_routes); before == nullptr: counts
+// are already written (the lds kernels), only the offsets are computed.
 // Masked layout (offsets == nullptr): elementwise, any grid.
 // Compact layout: also offsets = exclusive cumsum of the updated counters (wrapping int32
 // arithmetic like the oracle's int64 -> int32 cast); one block, each thread owns a contiguous chunk
@@ -244,7 +254,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
   const int hi = lo + per < num_experts ? lo + per : num_experts;
   u32 sum = 0;
   for (int e = lo; e < hi; ++e) {
-    counts[e] = accepted_routes(e, capacity, before, counters);
+    if (before != nullptr) counts[e] = accepted_routes(e, capacity, before, counters);
     sum += (u32)counters[e];
   }
   u32 run = block_exclusive_sum_u32(sum, warp_sums);

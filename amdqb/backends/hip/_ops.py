@@ -44,54 +44,57 @@ def route_rows(
     rt, topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
 ):
     n = topk_ids.numel()
+    if n == 0:
+        return  # counts_out arrives zero-filled; counters and rows are unchanged / empty
     dev = _dev(topk_ids)
     spec = _spec.ROUTE_MODULE
     suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
     cap = -1 if capacity is None else int(capacity)
-    before = counters.clone()  # counts = accepted slots of this call, from the counter delta
     e_arg = arg_i32(num_experts)
-    if n > 0:
-        ids, n_arg = _ptr(topk_ids), arg_i64(n)
-        if deterministic:
-            tiles = _cdiv(n, _spec.DET_TILE)
-            tile_counts = torch.empty(
-                tiles * num_experts, dtype=torch.int32, device=topk_ids.device
-            )
-            smem = 4 * num_experts
-            k = rt.kernel(dev, spec, f"amdqb_route_det_hist_{suffix}")
-            rt.launch(k, tiles, 256, smem, [ids, n_arg, e_arg, _ptr(tile_counts)])
-            k = rt.kernel(dev, spec, "amdqb_route_det_scan")
-            rt.launch(
-                k,
-                _cdiv(num_experts, 256),
-                256,
-                0,
-                [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(counters)],
-            )
-            k = rt.kernel(dev, spec, f"amdqb_route_det_rank_{suffix}")
-            rt.launch(
-                k,
-                tiles,
-                32,
-                smem,
-                [ids, n_arg, e_arg, arg_i32(cap), _ptr(tile_counts), _ptr(rows_out)],
-            )
-        elif impl == "lds":
-            tile = _spec.ROUTE_BLOCK * _spec.ROUTE_ITEMS
-            k = rt.kernel(dev, spec, f"amdqb_route_lds_{suffix}")
-            rt.launch(
-                k,
-                _cdiv(n, tile),
-                _spec.ROUTE_BLOCK,
-                4 * num_experts,
-                [ids, n_arg, e_arg, arg_i32(cap), _ptr(counters), _ptr(rows_out)],
-            )
-        else:
-            grid = min(_cdiv(n, 256), rt.num_cus(dev) * 16)
-            k = rt.kernel(dev, spec, f"amdqb_route_atomic_{suffix}")
-            rt.launch(
-                k, grid, 256, 0, [ids, n_arg, e_arg, arg_i32(cap), _ptr(counters), _ptr(rows_out)]
-            )
+    ids, n_arg = _ptr(topk_ids), arg_i64(n)
+    lds = impl == "lds" and not deterministic
+    # counts: the lds kernel adds them up itself; the others derive them from the counter delta
+    before = None if lds else counters.clone()
+    if deterministic:
+        tiles = _cdiv(n, _spec.DET_TILE)
+        tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
+        smem = 4 * num_experts
+        k = rt.kernel(dev, spec, f"amdqb_route_det_hist_{suffix}")
+        rt.launch(k, tiles, 256, smem, [ids, n_arg, e_arg, _ptr(tile_counts)])
+        k = rt.kernel(dev, spec, "amdqb_route_det_scan")
+        rt.launch(
+            k,
+            _cdiv(num_experts, 256),
+            256,
+            0,
+            [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(counters)],
+        )
+        k = rt.kernel(dev, spec, f"amdqb_route_det_rank_{suffix}")
+        rt.launch(
+            k,
+            tiles,
+            32,
+            smem,
+            [ids, n_arg, e_arg, arg_i32(cap), _ptr(tile_counts), _ptr(rows_out)],
+        )
+    elif lds:
+        tile = _spec.ROUTE_BLOCK * _spec.ROUTE_ITEMS
+        k = rt.kernel(dev, spec, f"amdqb_route_lds_{suffix}")
+        rt.launch(
+            k,
+            _cdiv(n, tile),
+            _spec.ROUTE_BLOCK,
+            4 * num_experts,
+            [ids, n_arg, e_arg, arg_i32(cap), _ptr(counters), _ptr(counts_out), _ptr(rows_out)],
+        )
+    else:
+        grid = min(_cdiv(n, 256), rt.num_cus(dev) * 16)
+        k = rt.kernel(dev, spec, f"amdqb_route_atomic_{suffix}")
+        rt.launch(
+            k, grid, 256, 0, [ids, n_arg, e_arg, arg_i32(cap), _ptr(counters), _ptr(rows_out)]
+        )
+    if capacity is not None and lds:
+        return  # masked lds: rows and counts are complete
     offsets = None
     if capacity is None:
         offsets = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
@@ -107,7 +110,7 @@ def route_rows(
         0,
         [e_arg, arg_i32(cap), _ptr(before), _ptr(counters), _ptr(counts_out), _ptr(offsets)],
     )
-    if capacity is None and n > 0:
+    if capacity is None:
         grid = min(_cdiv(n, 256), rt.num_cus(dev) * 16)
         k = rt.kernel(dev, spec, f"amdqb_route_compact_{suffix}")
         rt.launch(

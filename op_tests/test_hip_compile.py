@@ -155,6 +155,7 @@ def test_every_kernel_compiles_for_gfx942_gfx1100_gfx1201(amd_builds):
                 for t in ("i32", "i64")
             }
             | {"amdqb_route_det_scan", "amdqb_route_finalize"}
+            | {f"amdqb_align_rank_{t}" for t in ("i32", "i64")}
         )
         assert expected <= set(build["funcs"]), (spec, arch, sorted(build["funcs"]))
 
@@ -329,6 +330,15 @@ def _record_launches():
             _ops.route_rows(
                 rt, ids.to(dtype), 16, cap, c, torch.empty_like(ids), c.clone(), det, impl
             )
+        _ops.align_block_size(
+            rt,
+            ids.to(dtype),
+            4,
+            16,
+            torch.empty(32 + 16 * 3, dtype=torch.int32),
+            torch.empty(20, dtype=torch.int32),
+            torch.empty(1, dtype=torch.int32),
+        )
     logits = torch.zeros(4, 16)
     hist = torch.zeros(16, 10, dtype=torch.int32)
     bounds = torch.tensor([-1.0, 1.0])

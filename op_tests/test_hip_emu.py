@@ -158,6 +158,40 @@ def test_route_rows_int64_ids_and_empty():
     assert torch.all(counts == 0) and torch.all(counters == 3)
 
 
+@pytest.mark.parametrize("wave", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_align_block_size_matches_oracle_bitwise(wave, dtype):
+    """moe_align_block_size: sorted ids, expert ids and the padded total equal the oracle's bitwise
+    (ascending flat order inside each expert), over tiles that split experts' routes, partial last
+    tiles, dropped ids, empty experts, 1..8 warps per tile (E up to 4096) and pad_sorted_ids."""
+    from amdqb.ref.route import align_buffer_sizes
+
+    rt = emu(wave)
+    cases = [
+        (7, 900, 3, "dropped", 4, False),  # 2 tiles, partial last
+        (896, 300, 16, "uniform", 64, False),  # 3 tiles, 8 warps, many empty blocks of rows
+        (896, 260, 8, "shared", 16, True),
+        (129, 64, 5, "one", 1, False),  # block_size 1: no padding
+        (2048, 600, 8, "uniform", 32, True),  # 3 tiles of 4 warps
+        (4096, 70, 4, "dropped", 128, False),  # 1 warp per tile, most experts empty
+        (33, 1, 1, "uniform", 8, False),  # a single route
+    ]
+    for e, m, k, dist, bs, pad in cases:
+        ids = make_ids(m, k, e, dist, e + m, dtype)
+        want = ref.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad)
+        max_padded, max_blocks = align_buffer_sizes(ids.numel(), e, bs, pad)
+        got = (
+            torch.full((max_padded,), -7, dtype=torch.int32),
+            torch.full((max_blocks,), -7, dtype=torch.int32),
+            torch.full((1,), -7, dtype=torch.int32),
+        )
+        _ops.align_block_size(rt, ids, bs, e, *got)
+        for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
+            assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist}, bs={bs})"
+    assert _ops.align_warps(896) == 8 and _ops.align_warps(2048) == 4
+    assert _ops.align_warps(4096) == 1
+
+
 def test_route_lds_launch_shape():
     rt = emu()
     rt.launches.clear()

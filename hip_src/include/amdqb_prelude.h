@@ -252,6 +252,19 @@ AMDQB_DEVICE u32 ballot32(bool p) {
 #endif
 }
 
+// Bit l = (v of logical lane l == the caller's v). CUDA: one match instruction; elsewhere 32
+// shuffles (independent of each other, so they pipeline).
+AMDQB_DEVICE u32 match_any_i32(int v) {
+#if defined(AMDQB_CUDA)
+  return __match_any_sync(0xffffffffu, v);
+#else
+  u32 peers = 0;
+#pragma unroll
+  for (int src = 0; src < 32; ++src) peers |= (u32)(shfl_i32(v, src) == v) << src;
+  return peers;
+#endif
+}
+
 // Number of lanes below the caller whose predicate is true.
 AMDQB_DEVICE int warp_prefix_count(bool p) { return popc32(ballot32(p) & lanemask_lt()); }
 

@@ -102,12 +102,19 @@ AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity
 }
 
 // Deterministic 1/3: per-tile histograms (tile = 32 * AMDQB_DET_ITEMS routes) into
-// tile_counts[tile * E + e], every entry written. Dynamic shared memory: num_experts ints.
+// tile_counts[tile * E + e], every entry written. fill (nullable): the grid also writes fill_val
+// over fill[0, fill_len) (the align sentinel, at no extra launch). Dynamic shared memory:
+// num_experts ints.
 template <typename IdT>
-AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* tile_counts) {
+AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* tile_counts,
+                                int* fill, i64 fill_len, int fill_val) {
   AMDQB_DYN_SHARED(hist);
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
+  if (fill != nullptr) {
+    const i64 stride = (i64)gridDim.x * nt;
+    for (i64 i = (i64)blockIdx.x * nt + tid; i < fill_len; i += stride) fill[i] = fill_val;
+  }
   const i64 tile = 32LL * AMDQB_DET_ITEMS;
   const i64 base = (i64)blockIdx.x * tile;
   for (int e = tid; e < num_experts; e += nt) hist[e] = 0;
@@ -125,7 +132,7 @@ AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* til
 }
 
 // Deterministic 3/3: one logical warp (block of 32 threads) per tile walks its routes in flat
-// order, 32 at a time. Peers with the same expert are found with 32 shuffles; the lowest peer
+// order, 32 at a time. Peers with the same expert are found with match_any_i32; the lowest peer
 // advances the expert's running slot in LDS; each route's slot = running + rank among its peers.
 // Dynamic shared memory: num_experts ints.
 template <typename IdT>
@@ -140,8 +147,7 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
   for (int c = 0; c < AMDQB_DET_ITEMS; ++c) {
     const i64 i = base + (i64)c * 32 + lane;
     const int e = i < n ? expert_of(ids, i, num_experts) : -1;
-    u32 peers = 0;
-    for (int src = 0; src < 32; ++src) peers |= (u32)(shfl_i32(e, src) == e) << src;
+    const u32 peers = match_any_i32(e);
     const int leader = lowest_bit(peers);
     int start = 0;
     if (e >= 0 && lane == leader) {
@@ -168,8 +174,9 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
     route_lds<IdT>(ids, n, num_experts, capacity, counters, counts, rows);                         \
   }                                                                                                \
   AMDQB_KERNEL void amdqb_route_det_hist_##SUFFIX(const IdT* ids, i64 n, int num_experts,         \
-                                                  int* tile_counts) {                              \
-    det_tile_hist<IdT>(ids, n, num_experts, tile_counts);                                          \
+                                                  int* tile_counts, int* fill, i64 fill_len,       \
+                                                  int fill_val) {                                  \
+    det_tile_hist<IdT>(ids, n, num_experts, tile_counts, fill, fill_len, fill_val);                \
   }                                                                                                \
   AMDQB_KERNEL void amdqb_route_det_rank_##SUFFIX(const IdT* ids, i64 n, int num_experts,         \
                                                   int capacity, const int* tile_base, int* rows) { \
@@ -187,20 +194,30 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
 AMDQB_ROUTE_KERNELS(i32, i32)
 AMDQB_ROUTE_KERNELS(i64, i64)
 
-// Deterministic 2/3: per expert, exclusive scan over the tiles (in tile order) starting at the
-// caller's counter; tile_counts becomes the tiles' first slots and counters the updated values.
+// Deterministic 2/3: per expert, exclusive scan over the tiles (in tile order) starting at
+// start[e] (nullptr: 0); tile_counts becomes the tiles' first slots and totals[e] the end (route
+// rows: start = totals = the counters). Loads go out in batches of SCAN_BATCH tiles: one at a time,
+// every tile would cost the thread a full L2 round trip.
 AMDQB_KERNEL void amdqb_route_det_scan(int num_tiles, int num_experts, int* tile_counts,
-                                       int* counters) {
+                                       const int* start, int* totals) {
+  constexpr int SCAN_BATCH = 8;
   const int e = (int)(blockIdx.x * blockDim.x + threadIdx.x);
   if (e >= num_experts) return;
-  int running = counters[e];
-  for (int t = 0; t < num_tiles; ++t) {
-    int* p = tile_counts + (i64)t * num_experts + e;
-    const int c = *p;
-    *p = running;
-    running += c;
+  int running = start != nullptr ? start[e] : 0;
+  for (int t0 = 0; t0 < num_tiles; t0 += SCAN_BATCH) {
+    int c[SCAN_BATCH];
+#pragma unroll
+    for (int u = 0; u < SCAN_BATCH; ++u)
+      c[u] = t0 + u < num_tiles ? tile_counts[(i64)(t0 + u) * num_experts + e] : 0;
+#pragma unroll
+    for (int u = 0; u < SCAN_BATCH; ++u) {
+      if (t0 + u < num_tiles) {
+        tile_counts[(i64)(t0 + u) * num_experts + e] = running;
+        running += c[u];
+      }
+    }
   }
-  counters[e] = running;
+  totals[e] = running;
 }
 
 // Routes of this call that received a row of expert e: the counter delta, clipped to the capacity.
@@ -263,3 +280,121 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
     run += (u32)counters[e];
   }
 }
+
+// ---- moe_align_block_size -------------------------------------------------------------------------
+// vLLM's layout with a deterministic order (amdqb.ref.route.moe_align_block_size): each expert's
+// routes, ascending flat index, start at the exclusive cumsum of the padded counts
+// ceil(count / block_size) * block_size; sorted_ids holds flat route indices and the sentinel n
+// elsewhere; expert_ids[j] is the expert owning rows [j * block_size, (j + 1) * block_size), 0 past
+// the padded total; post_pad[0] is the padded total. Pass 1 = amdqb_route_det_hist_* (with the
+// sentinel fill), pass 2 = amdqb_route_det_scan (start 0, totals), pass 3 = amdqb_align_rank_*:
+// one block of W = blockDim.x / 32 logical warps per 32 * AMDQB_DET_ITEMS-route tile, warp w taking
+// the w-th run of AMDQB_DET_ITEMS / W chunks, so the tile's routes are ranked W runs at a time
+// instead of one 32-route chunk at a time. Dynamic shared memory: (W + 1) * num_experts ints.
+AMDQB_DEVICE i64 padded_count(int count, int block_size) {
+  return ((i64)count + block_size - 1) / block_size * block_size;
+}
+
+template <typename IdT>
+AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_size,
+                             const int* tile_base, const int* totals, int* sorted_ids,
+                             int* expert_ids, int num_blocks_out, int* post_pad) {
+  AMDQB_DYN_SHARED(lds);
+  AMDQB_SHARED(u32, warp_sums, 32);
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  const int lane = lane_id();
+  const int w = warp_in_block();
+  const int warps = nt >> 5;
+  int* start = lds;                // [E]: padded start of each expert
+  int* next = lds + num_experts;  // [W][E]: per-warp counts, then per-warp running slots
+
+  // Padded starts (the op checked that the padded total fits int32): each thread owns a
+  // contiguous run of experts, run sums scanned across the block.
+  const int per = (num_experts + nt - 1) / nt;
+  const int lo = tid * per < num_experts ? tid * per : num_experts;
+  const int hi = lo + per < num_experts ? lo + per : num_experts;
+  u32 sum = 0;
+  for (int e = lo; e < hi; ++e) sum += (u32)padded_count(totals[e], block_size);
+  u32 run = block_exclusive_sum_u32(sum, warp_sums);
+  for (int e = lo; e < hi; ++e) {
+    start[e] = (int)run;
+    run += (u32)padded_count(totals[e], block_size);
+  }
+  for (int i = tid; i < warps * num_experts; i += nt) next[i] = 0;
+  block_sync();
+  const i64 total = (i64)start[num_experts - 1] + padded_count(totals[num_experts - 1], block_size);
+
+  // Per-warp counts of the warp's run of the tile.
+  const int chunks = AMDQB_DET_ITEMS / warps;
+  const i64 base = (i64)blockIdx.x * 32 * AMDQB_DET_ITEMS + (i64)w * chunks * 32;
+  int* mine = next + w * num_experts;
+  for (int c = 0; c < chunks; ++c) {
+    const i64 i = base + (i64)c * 32 + lane;
+    const int e = i < n ? expert_of(ids, i, num_experts) : -1;
+    if (e >= 0) atomic_add_shared(&mine[e], 1);
+  }
+  block_sync();
+
+  // First slot of every (warp, expert): padded start + earlier tiles + earlier warps of the tile.
+  for (int e = tid; e < num_experts; e += nt) {
+    int r = start[e] + tile_base[(i64)blockIdx.x * num_experts + e];
+    for (int v = 0; v < warps; ++v) {
+      const int c = next[v * num_experts + e];
+      next[v * num_experts + e] = r;
+      r += c;
+    }
+  }
+  block_sync();
+
+  // Ranks in flat order, 32 routes at a time: the lowest peer advances the expert's slot.
+  for (int c = 0; c < chunks; ++c) {
+    const i64 i = base + (i64)c * 32 + lane;
+    const int e = i < n ? expert_of(ids, i, num_experts) : -1;
+    const u32 peers = match_any_i32(e);
+    const int leader = lowest_bit(peers);
+    int s0 = 0;
+    if (e >= 0 && lane == leader) {
+      s0 = mine[e];
+      mine[e] = s0 + popc32(peers);
+    }
+    s0 = shfl_i32(s0, leader);
+    if (e >= 0) sorted_ids[s0 + popc32(peers & lanemask_lt())] = (int)i;
+    warp_sync();  // mine[] updates visible to the next chunk's leaders
+  }
+
+  // This block's slice of expert_ids: the last expert whose padded start is at or before the
+  // block's first row (empty experts share the next one's start, so the last is the owner).
+  const int jper = (num_blocks_out + (int)gridDim.x - 1) / (int)gridDim.x;
+  const int j0 = (int)blockIdx.x * jper;
+  const int j1 = j0 + jper < num_blocks_out ? j0 + jper : num_blocks_out;
+  for (int j = j0 + tid; j < j1; j += nt) {
+    const i64 row = (i64)j * block_size;
+    int owner = 0;
+    if (row < total) {
+      int a = 0, b = num_experts - 1;  // start[0] == 0 <= row: the answer lies in [a, b]
+      while (a < b) {
+        const int mid = (a + b + 1) >> 1;
+        if (start[mid] <= row)
+          a = mid;
+        else
+          b = mid - 1;
+      }
+      owner = a;
+    }
+    expert_ids[j] = owner;
+  }
+  if (blockIdx.x == 0 && tid == 0) post_pad[0] = (int)total;
+}
+
+#define AMDQB_ALIGN_KERNEL(SUFFIX, IdT)                                                            \
+  AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)                                                       \
+      amdqb_align_rank_##SUFFIX(const IdT* ids, i64 n, int num_experts, int block_size,            \
+                                const int* tile_base, const int* totals, int* sorted_ids,          \
+                                int* expert_ids, int num_blocks_out, int* post_pad) {              \
+    align_rank<IdT>(ids, n, num_experts, block_size, tile_base, totals, sorted_ids, expert_ids,    \
+                    num_blocks_out, post_pad);                                                     \
+  }
+
+AMDQB_ALIGN_KERNEL(i32, i32)
+AMDQB_ALIGN_KERNEL(i64, i64)

@@ -1,10 +1,10 @@
 """The ``hip`` backend: ``hip_src`` kernels compiled at run time (hiprtc via hip-python on ROCm,
 NVRTC via cuda-python on NVIDIA), cached on disk, launched on torch's current stream.
 
-Ops: ``router_fwd``, ``biased_topk``, ``route_rows``. Declined through :func:`unsupported` (the
-dispatcher falls back to triton/torch): grouped Top-k, more than 4096 experts in a router, Top-n
-above 64 (n = k, or k + 1 under QB), QB with more than 12288 bins. ``router_bwd``, the QB updates,
-``align_block_size`` and the chunk ops are left to the other backends.
+Ops: ``router_fwd``, ``biased_topk``, ``route_rows``, ``align_block_size``. Declined through
+:func:`unsupported` (the dispatcher falls back to triton/torch): grouped Top-k, more than 4096
+experts in a router or an align, Top-n above 64 (n = k, or k + 1 under QB), QB with more than 12288
+bins. ``router_bwd``, the QB updates and the chunk ops are left to the other backends.
 
 Precision and tie-break contract (same as ``amdqb.ref``): logits are converted to fp32 on load;
 activations, biased scores, selection, normalisation, the QB cutoff and histogram arithmetic are
@@ -61,6 +61,13 @@ def availability(info) -> tuple[bool, str]:
 
 def unsupported(op: str, info, features: dict):
     """Reason this backend declines a configuration, or None."""
+    if op == "align_block_size":
+        num_experts = int(features.get("num_experts", 0))
+        if num_experts > _ops.MAX_ALIGN_EXPERTS:
+            return (
+                f"hip: align with num_experts={num_experts} > {_ops.MAX_ALIGN_EXPERTS} (LDS rows)"
+            )
+        return None
     if op not in ("router_fwd", "biased_topk"):
         return None
     if features.get("grouped"):
@@ -91,6 +98,7 @@ def _on_runtime(op):
 
 router_fwd = _on_runtime(_ops.router_fwd)
 biased_topk = _on_runtime(_ops.biased_topk)
+align_block_size = _on_runtime(_ops.align_block_size)
 
 
 def route_rows(
@@ -118,4 +126,5 @@ OPS = {
     "router_fwd": router_fwd,
     "biased_topk": biased_topk,
     "route_rows": route_rows,
+    "align_block_size": align_block_size,
 }

@@ -18,6 +18,8 @@ MAX_ROUTER_EXPERTS = 4096  # experts per lane live in registers (spills beyond ~
 MAX_SELECT = _spec.ROUTER_CAP  # Top-n with n = k (k + 1 under QB)
 MAX_QB_BINS = 12288  # one LDS histogram row of the two-kernel mode within 48 KiB
 MAX_DET_EXPERTS = 12288  # deterministic route kernels keep E ints in LDS
+MAX_ALIGN_EXPERTS = 4096  # the align rank kernel keeps (warps + 1) * E ints in LDS
+_STATIC_LDS_LIMIT = 48 * 1024  # dynamic + static LDS of a launch without an opt-in
 
 _MAP_KINDS = {"bytemap": 1, "bitmap": 2}
 _INDEX_KINDS = {torch.int16: 3, torch.int32: 4, torch.int64: 5}
@@ -60,14 +62,20 @@ def route_rows(
         tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
         smem = 4 * num_experts
         k = rt.kernel(dev, spec, f"amdqb_route_det_hist_{suffix}")
-        rt.launch(k, tiles, 256, smem, [ids, n_arg, e_arg, _ptr(tile_counts)])
+        rt.launch(
+            k,
+            tiles,
+            256,
+            smem,
+            [ids, n_arg, e_arg, _ptr(tile_counts), _ptr(None), arg_i64(0), arg_i32(0)],
+        )
         k = rt.kernel(dev, spec, "amdqb_route_det_scan")
         rt.launch(
             k,
             _cdiv(num_experts, 256),
             256,
             0,
-            [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(counters)],
+            [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(counters), _ptr(counters)],
         )
         k = rt.kernel(dev, spec, f"amdqb_route_det_rank_{suffix}")
         rt.launch(
@@ -116,6 +124,68 @@ def route_rows(
         rt.launch(
             k, grid, 256, 0, [_ptr(topk_ids), arg_i64(n), e_arg, _ptr(offsets), _ptr(rows_out)]
         )
+
+
+def align_warps(num_experts: int) -> int:
+    """Logical warps per tile of the align rank kernel: the most (<= 8, a power of two) whose
+    per-warp slot rows fit the LDS of a launch without an opt-in."""
+    warps = 8
+    while warps > 1 and 4 * (warps + 1) * num_experts + 128 > _STATIC_LDS_LIMIT:
+        warps //= 2
+    return warps
+
+
+def align_block_size(
+    rt, topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
+):
+    n = topk_ids.numel()
+    if n == 0:
+        sorted_ids_out.fill_(0)  # the sentinel is numel = 0
+        expert_ids_out.zero_()
+        num_post_pad_out.zero_()
+        return
+    if num_experts > MAX_ALIGN_EXPERTS:
+        raise ValueError(
+            f"hip align supports num_experts <= {MAX_ALIGN_EXPERTS}, got {num_experts}"
+        )
+    dev = _dev(topk_ids)
+    spec = _spec.ROUTE_MODULE
+    suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
+    ids, n_arg, e_arg = _ptr(topk_ids), arg_i64(n), arg_i32(num_experts)
+    tiles = _cdiv(n, _spec.DET_TILE)
+    tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
+    totals = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
+    k = rt.kernel(dev, spec, f"amdqb_route_det_hist_{suffix}")
+    fill = [_ptr(sorted_ids_out), arg_i64(sorted_ids_out.numel()), arg_i32(n)]
+    rt.launch(k, tiles, 256, 4 * num_experts, [ids, n_arg, e_arg, _ptr(tile_counts), *fill])
+    k = rt.kernel(dev, spec, "amdqb_route_det_scan")
+    rt.launch(
+        k,
+        _cdiv(num_experts, 256),
+        256,
+        0,
+        [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(None), _ptr(totals)],
+    )
+    warps = align_warps(num_experts)
+    k = rt.kernel(dev, spec, f"amdqb_align_rank_{suffix}")
+    rt.launch(
+        k,
+        tiles,
+        32 * warps,
+        4 * (warps + 1) * num_experts,
+        [
+            ids,
+            n_arg,
+            e_arg,
+            arg_i32(block_size),
+            _ptr(tile_counts),
+            _ptr(totals),
+            _ptr(sorted_ids_out),
+            _ptr(expert_ids_out),
+            arg_i32(expert_ids_out.numel()),
+            _ptr(num_post_pad_out),
+        ],
+    )
 
 
 # ------------------------------------------------------------------------------------------------

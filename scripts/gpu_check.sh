@@ -30,6 +30,9 @@ unset AMDQB_RESUME_FROM
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 JOBS=${JOBS:-$(( $(nproc) * 3 / 4 ))}
 export AMDQB_SPREAD_GPUS=$NGPU  # xdist workers take the GPUs in turn (op_tests/conftest.py)
+# The tests' CPU side (oracles, checks) runs in JOBS processes at once: one intra-op thread each
+# instead of one per core in every worker (oversubscribed, the large route cases took minutes).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 status=0
 XDIST=()
 python -c "import xdist" 2>/dev/null && XDIST=(--numprocesses "$JOBS")
@@ -61,8 +64,9 @@ run_tests() {  # the suite (or FILES) on the GPU, every available backend -> $OU
 }
 
 run_fuzz() {  # the large differential-fuzzing profile (>= 10,000 cases) -> $OUT/fuzz.log
+  # FUZZ_K: a pytest -k selection (e.g. "align or route") to re-run part of it
   AMDQB_FUZZ_PROFILE=large FILES=op_tests/test_fuzz.py LOG=fuzz.log LOGDIR=/tmp \
-    TEST_TIMEOUT=${FUZZ_TIMEOUT:-300} run_tests ""
+    TEST_TIMEOUT=${FUZZ_TIMEOUT:-300} run_tests "${FUZZ_K:-}"
 }
 
 run_profile() {  # ncu over the hot kernels at the SPEC §5 shapes -> $OUT/ncu.txt

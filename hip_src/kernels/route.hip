@@ -119,12 +119,19 @@ AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* til
   const i64 base = (i64)blockIdx.x * tile;
   for (int e = tid; e < num_experts; e += nt) hist[e] = 0;
   block_sync();
-  for (i64 k = tid; k < tile; k += nt) {
-    const i64 i = base + k;
-    if (i < n) {
-      const int e = expert_of(ids, i, num_experts);
-      if (e >= 0) atomic_add_shared(&hist[e], 1);
+  // DET_HIST_BATCH ids per thread loaded before any is counted (a load per LDS atomic would leave
+  // each thread one L2 round trip at a time).
+  constexpr int DET_HIST_BATCH = 8;
+  for (i64 k0 = tid; k0 < tile; k0 += (i64)DET_HIST_BATCH * nt) {
+    int ex[DET_HIST_BATCH];
+#pragma unroll
+    for (int u = 0; u < DET_HIST_BATCH; ++u) {
+      const i64 k = k0 + (i64)u * nt;
+      ex[u] = k < tile && base + k < n ? expert_of(ids, base + k, num_experts) : -1;
     }
+#pragma unroll
+    for (int u = 0; u < DET_HIST_BATCH; ++u)
+      if (ex[u] >= 0) atomic_add_shared(&hist[ex[u]], 1);
   }
   block_sync();
   int* out = tile_counts + (i64)blockIdx.x * num_experts;
@@ -144,9 +151,14 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
   const int* tb = tile_base + (i64)blockIdx.x * num_experts;
   for (int e = lane; e < num_experts; e += 32) next[e] = tb[e];
   warp_sync();
+  // The next chunk's id is loaded before this chunk is ranked: the walk is sequential, and a
+  // load per step would leave it one global round trip per chunk.
+  int e_next = base + lane < n ? expert_of(ids, base + lane, num_experts) : -1;
   for (int c = 0; c < AMDQB_DET_ITEMS; ++c) {
     const i64 i = base + (i64)c * 32 + lane;
-    const int e = i < n ? expert_of(ids, i, num_experts) : -1;
+    const int e = e_next;
+    if (c + 1 < AMDQB_DET_ITEMS)
+      e_next = i + 32 < n ? expert_of(ids, i + 32, num_experts) : -1;
     const u32 peers = match_any_i32(e);
     const int leader = lowest_bit(peers);
     int start = 0;
@@ -290,7 +302,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
 // sentinel fill), pass 2 = amdqb_route_det_scan (start 0, totals), pass 3 = amdqb_align_rank_*:
 // one block of W = blockDim.x / 32 logical warps per 32 * AMDQB_DET_ITEMS-route tile, warp w taking
 // the w-th run of AMDQB_DET_ITEMS / W chunks, so the tile's routes are ranked W runs at a time
-// instead of one 32-route chunk at a time. Dynamic shared memory: (W + 1) * num_experts ints.
+// instead of one 32-route chunk at a time. The tile's experts are staged in LDS first (every load
+// in flight at once: the ranking walk is sequential per warp and would otherwise wait for one
+// global load per chunk). Dynamic shared memory: (W + 1) * num_experts + 32 * AMDQB_DET_ITEMS ints.
 AMDQB_DEVICE i64 padded_count(int count, int block_size) {
   return ((i64)count + block_size - 1) / block_size * block_size;
 }
@@ -306,8 +320,13 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   const int lane = lane_id();
   const int w = warp_in_block();
   const int warps = nt >> 5;
-  int* start = lds;                // [E]: padded start of each expert
-  int* next = lds + num_experts;  // [W][E]: per-warp counts, then per-warp running slots
+  constexpr int TILE = 32 * AMDQB_DET_ITEMS;
+  int* start = lds;                           // [E]: padded start of each expert
+  int* next = lds + num_experts;              // [W][E]: per-warp counts, then running slots
+  int* tile_ex = next + warps * num_experts;  // [TILE]: expert of each route (-1: dropped)
+  const i64 tile0 = (i64)blockIdx.x * TILE;
+  for (int k = tid; k < TILE; k += nt)
+    tile_ex[k] = tile0 + k < n ? expert_of(ids, tile0 + k, num_experts) : -1;
 
   // Padded starts (the op checked that the padded total fits int32): each thread owns a
   // contiguous run of experts, run sums scanned across the block.
@@ -327,11 +346,10 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
 
   // Per-warp counts of the warp's run of the tile.
   const int chunks = AMDQB_DET_ITEMS / warps;
-  const i64 base = (i64)blockIdx.x * 32 * AMDQB_DET_ITEMS + (i64)w * chunks * 32;
+  const int run0 = w * chunks * 32;  // the warp's run inside the tile
   int* mine = next + w * num_experts;
   for (int c = 0; c < chunks; ++c) {
-    const i64 i = base + (i64)c * 32 + lane;
-    const int e = i < n ? expert_of(ids, i, num_experts) : -1;
+    const int e = tile_ex[run0 + c * 32 + lane];
     if (e >= 0) atomic_add_shared(&mine[e], 1);
   }
   block_sync();
@@ -349,8 +367,8 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
 
   // Ranks in flat order, 32 routes at a time: the lowest peer advances the expert's slot.
   for (int c = 0; c < chunks; ++c) {
-    const i64 i = base + (i64)c * 32 + lane;
-    const int e = i < n ? expert_of(ids, i, num_experts) : -1;
+    const int k = run0 + c * 32 + lane;
+    const int e = tile_ex[k];
     const u32 peers = match_any_i32(e);
     const int leader = lowest_bit(peers);
     int s0 = 0;
@@ -359,7 +377,7 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
       mine[e] = s0 + popc32(peers);
     }
     s0 = shfl_i32(s0, leader);
-    if (e >= 0) sorted_ids[s0 + popc32(peers & lanemask_lt())] = (int)i;
+    if (e >= 0) sorted_ids[s0 + popc32(peers & lanemask_lt())] = (int)(tile0 + k);
     warp_sync();  // mine[] updates visible to the next chunk's leaders
   }
 

@@ -18,7 +18,7 @@ MAX_ROUTER_EXPERTS = 4096  # experts per lane live in registers (spills beyond ~
 MAX_SELECT = _spec.ROUTER_CAP  # Top-n with n = k (k + 1 under QB)
 MAX_QB_BINS = 12288  # one LDS histogram row of the two-kernel mode within 48 KiB
 MAX_DET_EXPERTS = 12288  # deterministic route kernels keep E ints in LDS
-MAX_ALIGN_EXPERTS = 4096  # the align rank kernel keeps (warps + 1) * E ints in LDS
+MAX_ALIGN_EXPERTS = 4096  # the align rank kernel keeps (warps + 1) * E + 2048 ints in LDS
 _STATIC_LDS_LIMIT = 48 * 1024  # dynamic + static LDS of a launch without an opt-in
 
 _MAP_KINDS = {"bytemap": 1, "bitmap": 2}
@@ -130,9 +130,14 @@ def align_warps(num_experts: int) -> int:
     """Logical warps per tile of the align rank kernel: the most (<= 8, a power of two) whose
     per-warp slot rows fit the LDS of a launch without an opt-in."""
     warps = 8
-    while warps > 1 and 4 * (warps + 1) * num_experts + 128 > _STATIC_LDS_LIMIT:
+    while warps > 1 and align_smem(num_experts, warps) + 128 > _STATIC_LDS_LIMIT:
         warps //= 2
     return warps
+
+
+def align_smem(num_experts: int, warps: int) -> int:
+    """Dynamic LDS bytes of the align rank kernel: starts, per-warp slots, the tile's experts."""
+    return 4 * ((warps + 1) * num_experts + _spec.DET_TILE)
 
 
 def align_block_size(
@@ -172,7 +177,7 @@ def align_block_size(
         k,
         tiles,
         32 * warps,
-        4 * (warps + 1) * num_experts,
+        align_smem(num_experts, warps),
         [
             ids,
             n_arg,

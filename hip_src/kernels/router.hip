@@ -86,11 +86,39 @@ AMDQB_DEVICE in_t from_f32(float x) { return float_to_bf16(x); }
 
 [[maybe_unused]] AMDQB_DEVICE float neg_inf() { return bits_float(0xff800000u); }
 
+// Sigmoid 1 / (1 + expf(-z)) with an IEEE division, in two steps so that callers can keep the
+// common case free of branches. On NVIDIA, ptxas expands the division into a fast path -- the
+// hardware reciprocal and one Newton step, used when the divisor's exponent is in range -- and a
+// CALL to a slow path; with one call per expert the scheduler cannot interleave the experts'
+// arithmetic (28 call sites per token at E = 896). sigmoid_fast writes that fast path out: the
+// same instructions, so the same bits, for every divisor d = 1 + expf(-z) in [1, 2^126) (the
+// exponent range ptxas sends to its fast path includes it). sigmoid_fast_ok(d) says when it
+// applies: false for d >= 2^126 (z below about -87.3) and NaN, where the division is used.
+AMDQB_DEVICE float sigmoid_divisor(float z) { return 1.0f + expf(-z); }
+AMDQB_DEVICE bool sigmoid_fast_ok(float d) {
+#if defined(AMDQB_CUDA)
+  return d < 8.50705917e37f;  // 2^126
+#else
+  (void)d;
+  return false;  // AMD and the emulator: the compiler's own division (no call to avoid)
+#endif
+}
+AMDQB_DEVICE float sigmoid_fast(float d) {
+#if defined(AMDQB_CUDA)
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return fmaf(r, -fmaf(d, r, -1.0f), r);
+#else
+  return 1.0f / d;
+#endif
+}
+
 // Element-wise activation (sigmoid / sqrtsoftplus); the identity for softmax, whose row
 // statistics are applied by scores_from_raw. The same function feeds the router and amdqb_qb_hist.
 AMDQB_DEVICE float act_elementwise(float z) {
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
-  return 1.0f / (1.0f + expf(-z));
+  const float d = sigmoid_divisor(z);
+  return sigmoid_fast_ok(d) ? sigmoid_fast(d) : 1.0f / d;
 #elif AMDQB_SCORE == AMDQB_SCORE_SQRTSOFTPLUS
   const float sp = z > 20.0f ? z : log1pf(expf(z));  // torch softplus, threshold 20
   return sqrtf(sp);
@@ -207,8 +235,27 @@ struct RowStats {
 // softmax over the E experts when softmax_pre (its statistics go to st), else the raw logits.
 AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[VPL],
                                   int softmax_pre, RowStats& st) {
+#if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
+  // Every expert through the branch-free fast path first, the rare divisors outside its range
+  // (z below about -87.3, NaN) redone with the division afterwards: bit for bit act_elementwise.
+  bool redo = false;
+#pragma unroll
+  for (int j = 0; j < VPL; ++j) {
+    const float d = sigmoid_divisor(valid_slot(j, lane) ? to_f32(raw[j]) : 0.0f);
+    s[j] = sigmoid_fast(d);
+    redo |= !sigmoid_fast_ok(d);
+  }
+  if (redo) {
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+      const float d = sigmoid_divisor(valid_slot(j, lane) ? to_f32(raw[j]) : 0.0f);
+      if (!sigmoid_fast_ok(d)) s[j] = 1.0f / d;
+    }
+  }
+#else
 #pragma unroll
   for (int j = 0; j < VPL; ++j) s[j] = act_elementwise(valid_slot(j, lane) ? to_f32(raw[j]) : 0.0f);
+#endif
 #if AMDQB_SCORE == AMDQB_SCORE_SOFTMAX
   if (softmax_pre) {
     float m = neg_inf();

@@ -265,6 +265,15 @@ AMDQB_DEVICE u32 match_any_i32(int v) {
 #endif
 }
 
+// Starts fetching the line of p into the L1 (NVIDIA); a no-op elsewhere.
+AMDQB_DEVICE void prefetch_l1(const void* p) {
+#if defined(AMDQB_CUDA)
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+
 // Number of lanes below the caller whose predicate is true.
 AMDQB_DEVICE int warp_prefix_count(bool p) { return popc32(ballot32(p) & lanemask_lt()); }
 

@@ -445,7 +445,20 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
     qb_scale = (float)num_bins / (bounds[1] - qb_lower);
   }
 
-  for (i64 t = (i64)blockIdx.x * WARPS + w; t < num_tokens; t += (i64)gridDim.x * WARPS) {
+  // The warp's first token is prefetched before the bias is staged in LDS, so that at decode
+  // sizes (one token per warp) the two fetches overlap instead of costing two round trips; the
+  // bias is then read from LDS by every token. (A prefetch, not a load into registers: a row
+  // held across the loop would cost VPL registers.)
+  AMDQB_SHARED(float, sh_bias, E);
+  const i64 t_first = (i64)blockIdx.x * WARPS + w;
+  if (t_first < num_tokens)
+    for (int j = 0; j < VPL; ++j)
+      if (valid_slot(j, lane)) prefetch_l1(logits + t_first * E + j * 32 + lane);
+  if (bias != nullptr)
+    for (int e = (int)threadIdx.x; e < E; e += (int)blockDim.x) sh_bias[e] = bias[e];
+  block_sync();
+
+  for (i64 t = t_first; t < num_tokens; t += (i64)gridDim.x * WARPS) {
     const in_t* row = logits + t * E;
     // Only the selection keys stay in registers through the selection (VPL registers rather than
     // 2 * VPL with the scores: the H200 profile found this kernel latency-bound at 25% occupancy,
@@ -461,7 +474,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
         if (valid_slot(j, lane)) {
-          const float u = bias != nullptr ? s[j] + bias[j * 32 + lane] : s[j];
+          const float u = bias != nullptr ? s[j] + sh_bias[j * 32 + lane] : s[j];
           key[j] = order_key(u);
         } else {
           key[j] = kInt32Min;  // padding: ids >= E rank below every expert
@@ -534,7 +547,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
 
     if (qb_mode != kQbNone) {
       const i32 aid = b.sid[topk];  // the (k+1)-th: the cutoff alpha
-      const float alpha = bias != nullptr ? b.ss[topk] + bias[aid] : b.ss[topk];
+      const float alpha = bias != nullptr ? b.ss[topk] + sh_bias[aid] : b.ss[topk];
       const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
       if (qb_mode == kQbAlpha) {
         if (lane == 0) cut_out[t] = cut;

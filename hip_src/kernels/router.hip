@@ -165,12 +165,16 @@ AMDQB_DEVICE float sigmoid_approx(float z) {
 }
 #endif
 
-// A token's QB cutoff with the per-token constants of the histogram fast path (16 bytes: the
-// two-kernel pass loads it with one vector load per element).
-struct alignas(16) QbCut {
-  float alpha;   // the (k+1)-th biased score
+// A token's QB cutoff with the per-token constants of the histogram fast path. The two-kernel
+// pass loads the 8-byte fast part with one vector load per element and alpha only for the rare
+// elements the fast path leaves to the exact formula.
+struct alignas(8) QbFast {
   float pos0;    // (alpha - lower) * scale: the bin position of a zero score
   float margin;  // error bound of the fast bin position (NaN or inf: the fast path is off)
+};
+struct alignas(16) QbCut {
+  QbFast fast;
+  float alpha;  // the (k+1)-th biased score
   float unused;
 };
 
@@ -182,32 +186,44 @@ struct alignas(16) QbCut {
 AMDQB_DEVICE QbCut qb_cut(float alpha, float lower, float scale) {
   QbCut c;
   c.alpha = alpha;
-  c.pos0 = (alpha - lower) * scale;
+  c.fast.pos0 = (alpha - lower) * scale;
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
   constexpr float kSlack = 1.0f / 1048576.0f;  // 2^-20
   const float as = fabsf(scale);
-  c.margin = as * (kSigmoidApproxErr + kSlack * (fabsf(alpha) + 1.0f + fabsf(lower))) +
-             kSlack * (fabsf(c.pos0) + 2.0f * as);
+  c.fast.margin = as * (kSigmoidApproxErr + kSlack * (fabsf(alpha) + 1.0f + fabsf(lower))) +
+                  kSlack * (fabsf(c.fast.pos0) + 2.0f * as);
 #else
-  c.margin = 0.0f;
+  c.fast.margin = 0.0f;
 #endif
   c.unused = 0.0f;
   return c;
 }
 
-// QB bin of the expert with logit z for the token cutoff c: bit for bit
-// qb_bin(c.alpha - act_elementwise(z), lower, scale, num_bins). Sigmoid fast path: the bin from the
-// approximate sigmoid whenever no integer lies within the margin of its position x (then the exact
-// position, within the margin of x, has the same floor); else, and for any non-finite value (NaN
-// compares unequal, so lo is a number where it is used; inf - inf is NaN), the exact formula. Near-edge elements (about 2 margins per
-// bin, rare) take the exact path; the histogram pass then spends most elements on one FMA and two
-// hardware approximations instead of the IEEE exp and division.
-AMDQB_DEVICE int qb_bin_of_logit(const QbCut& c, float z, float lower, float scale, int num_bins) {
+// Sigmoid fast path of the QB bin of the expert with logit z: true (and bin set) when no integer
+// lies within the margin of the approximate position x, so that the exact position, within the
+// margin of x, has the same floor; false -- the exact formula decides -- near a bin edge (about 2
+// margins per bin, rare) and for any non-finite value (NaN compares unequal, so lo is a number
+// where it is used; inf - inf is NaN). It spends one FMA and two hardware approximations per
+// element instead of the IEEE exp and division.
+AMDQB_DEVICE bool qb_bin_fast(QbFast f, float z, float scale, int num_bins, int& bin) {
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
-  const float x = fmaf(-sigmoid_approx(z), scale, c.pos0);
-  const float lo = floorf(x - c.margin);
-  if (lo == floorf(x + c.margin)) return (int)fminf(fmaxf(lo, 0.0f), (float)(num_bins - 1));
+  const float x = fmaf(-sigmoid_approx(z), scale, f.pos0);
+  const float lo = floorf(x - f.margin);
+  if (lo == floorf(x + f.margin)) {
+    bin = (int)fminf(fmaxf(lo, 0.0f), (float)(num_bins - 1));
+    return true;
+  }
+#else
+  (void)f, (void)z, (void)scale, (void)num_bins, (void)bin;
 #endif
+  return false;
+}
+
+// QB bin of the expert with logit z for the token cutoff c: bit for bit
+// qb_bin(c.alpha - act_elementwise(z), lower, scale, num_bins).
+AMDQB_DEVICE int qb_bin_of_logit(const QbCut& c, float z, float lower, float scale, int num_bins) {
+  int bin;
+  if (qb_bin_fast(c.fast, z, scale, num_bins, bin)) return bin;
   return qb_bin(c.alpha - act_elementwise(z), lower, scale, num_bins);
 }
 
@@ -604,15 +620,17 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
     i64 t = t0 + tt;
     for (; t + (HIST_UNROLL - 1) * step < t1; t += HIST_UNROLL * step) {
       float z[HIST_UNROLL];
-      QbCut c[HIST_UNROLL];
+      QbFast f[HIST_UNROLL];
 #pragma unroll
       for (int u = 0; u < HIST_UNROLL; ++u) {
         z[u] = to_f32(logits[(t + u * step) * E + col]);
-        c[u] = cut[t + u * step];
+        f[u] = cut[t + u * step].fast;
       }
 #pragma unroll
       for (int u = 0; u < HIST_UNROLL; ++u) {
-        const int bin = qb_bin_of_logit(c[u], z[u], lower, scale, num_bins);
+        int bin;
+        if (!qb_bin_fast(f[u], z[u], scale, num_bins, bin))
+          bin = qb_bin(cut[t + u * step].alpha - act_elementwise(z[u]), lower, scale, num_bins);
         atomic_add_shared(&lh[sub * num_bins + bin], 1);
       }
     }

@@ -94,9 +94,10 @@ AMDQB_DEVICE in_t from_f32(float x) { return float_to_bf16(x); }
 // same instructions, so the same bits, for every divisor d = 1 + expf(-z) in [1, 2^126) (the
 // exponent range ptxas sends to its fast path includes it). sigmoid_fast_ok(d) says when it
 // applies: false for d >= 2^126 (z below about -87.3) and NaN, where the division is used.
+// -DAMDQB_SIGMOID_DIVISION_ONLY=1 turns the fast path off (the test that compares the two).
 AMDQB_DEVICE float sigmoid_divisor(float z) { return 1.0f + expf(-z); }
 AMDQB_DEVICE bool sigmoid_fast_ok(float d) {
-#if defined(AMDQB_CUDA)
+#if defined(AMDQB_CUDA) && !defined(AMDQB_SIGMOID_DIVISION_ONLY)
   return d < 8.50705917e37f;  // 2^126
 #else
   (void)d;

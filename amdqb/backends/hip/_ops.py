@@ -402,13 +402,17 @@ def biased_topk(
     )
 
 
-def score_values(rt, logits2d, score_function):
-    """fp32 ``[T, E]`` scores exactly as the router kernel computes them (softmax: over E)."""
+def score_values(rt, logits2d, score_function, extra_defines=()):
+    """fp32 ``[T, E]`` scores exactly as the router kernel computes them (softmax: over E).
+    ``extra_defines``: more ``(name, value)`` compile-time constants (tests build variants)."""
     tokens = logits2d.shape[0]
     out = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
     if tokens:
         dev = _dev(logits2d)
-        k = rt.kernel(dev, _router_spec(logits2d, score_function), "amdqb_scores")
+        spec = _router_spec(logits2d, score_function)
+        if extra_defines:
+            spec = _spec.ModuleSpec(spec.kernel_file, spec.defines + tuple(extra_defines))
+        k = rt.kernel(dev, spec, "amdqb_scores")
         rt.launch(
             k,
             _router_grid(rt, k, dev, tokens),

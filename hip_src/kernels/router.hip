@@ -166,17 +166,12 @@ AMDQB_DEVICE float sigmoid_approx(float z) {
 }
 #endif
 
-// A token's QB cutoff with the per-token constants of the histogram fast path. The two-kernel
-// pass loads the 8-byte fast part with one vector load per element and alpha only for the rare
-// elements the fast path leaves to the exact formula.
-struct alignas(8) QbFast {
+// A token's QB cutoff with the per-token constants of the fused epilogue's bin fast path
+// (computed once per token, used for its E experts).
+struct QbCut {
+  float alpha;   // the (k+1)-th biased score
   float pos0;    // (alpha - lower) * scale: the bin position of a zero score
   float margin;  // error bound of the fast bin position (NaN or inf: the fast path is off)
-};
-struct alignas(16) QbCut {
-  QbFast fast;
-  float alpha;  // the (k+1)-th biased score
-  float unused;
 };
 
 // x = pos0 - s * scale (one FMA) differs from the exact position fl(fl(fl(alpha - s_exact) - lower)
@@ -187,16 +182,15 @@ struct alignas(16) QbCut {
 AMDQB_DEVICE QbCut qb_cut(float alpha, float lower, float scale) {
   QbCut c;
   c.alpha = alpha;
-  c.fast.pos0 = (alpha - lower) * scale;
+  c.pos0 = (alpha - lower) * scale;
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
   constexpr float kSlack = 1.0f / 1048576.0f;  // 2^-20
   const float as = fabsf(scale);
-  c.fast.margin = as * (kSigmoidApproxErr + kSlack * (fabsf(alpha) + 1.0f + fabsf(lower))) +
-                  kSlack * (fabsf(c.fast.pos0) + 2.0f * as);
+  c.margin = as * (kSigmoidApproxErr + kSlack * (fabsf(alpha) + 1.0f + fabsf(lower))) +
+             kSlack * (fabsf(c.pos0) + 2.0f * as);
 #else
-  c.fast.margin = 0.0f;
+  c.margin = 0.0f;
 #endif
-  c.unused = 0.0f;
   return c;
 }
 
@@ -206,16 +200,16 @@ AMDQB_DEVICE QbCut qb_cut(float alpha, float lower, float scale) {
 // margins per bin, rare) and for any non-finite value (NaN compares unequal, so lo is a number
 // where it is used; inf - inf is NaN). It spends one FMA and two hardware approximations per
 // element instead of the IEEE exp and division.
-AMDQB_DEVICE bool qb_bin_fast(QbFast f, float z, float scale, int num_bins, int& bin) {
+AMDQB_DEVICE bool qb_bin_fast(const QbCut& c, float z, float scale, int num_bins, int& bin) {
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
-  const float x = fmaf(-sigmoid_approx(z), scale, f.pos0);
-  const float lo = floorf(x - f.margin);
-  if (lo == floorf(x + f.margin)) {
+  const float x = fmaf(-sigmoid_approx(z), scale, c.pos0);
+  const float lo = floorf(x - c.margin);
+  if (lo == floorf(x + c.margin)) {
     bin = (int)fminf(fmaxf(lo, 0.0f), (float)(num_bins - 1));
     return true;
   }
 #else
-  (void)f, (void)z, (void)scale, (void)num_bins, (void)bin;
+  (void)c, (void)z, (void)scale, (void)num_bins, (void)bin;
 #endif
   return false;
 }
@@ -224,7 +218,7 @@ AMDQB_DEVICE bool qb_bin_fast(QbFast f, float z, float scale, int num_bins, int&
 // qb_bin(c.alpha - act_elementwise(z), lower, scale, num_bins).
 AMDQB_DEVICE int qb_bin_of_logit(const QbCut& c, float z, float lower, float scale, int num_bins) {
   int bin;
-  if (qb_bin_fast(c.fast, z, scale, num_bins, bin)) return bin;
+  if (qb_bin_fast(c, z, scale, num_bins, bin)) return bin;
   return qb_bin(c.alpha - act_elementwise(z), lower, scale, num_bins);
 }
 
@@ -439,11 +433,11 @@ AMDQB_DEVICE void select_top(const i32 (&key)[VPL], int n, int lane, const WarpB
 //   nsel = topk (+1 under QB); normalize: p = s / (sum_selected s + 1e-20); softmax_pre: scores are
 //   the softmax over E (else, for AMDQB_SCORE softmax, the selected logits are softmax-ed);
 //   probs (nullable) [T, E] in the logits dtype; map (nullable) per map_kind; hist/bounds for
-//   qb_mode 1, cut_out (the token's QbCut) for qb_mode 2; w_out/id_out (nullable) [T, topk] fp32 / int32.
+//   qb_mode 1, alpha_out for qb_mode 2; w_out/id_out (nullable) [T, topk] fp32 / int32.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
     amdqb_router(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
                  int normalize, int softmax_pre, float scale, in_t* probs, void* map, int map_kind,
-                 int qb_mode, int* hist, const float* bounds, int num_bins, QbCut* cut_out,
+                 int qb_mode, int* hist, const float* bounds, int num_bins, float* alpha_out,
                  float* w_out, int* id_out) {
   AMDQB_SHARED(i32, sh_ckey, WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, WARPS * CAP);
@@ -565,10 +559,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
     if (qb_mode != kQbNone) {
       const i32 aid = b.sid[topk];  // the (k+1)-th: the cutoff alpha
       const float alpha = bias != nullptr ? b.ss[topk] + sh_bias[aid] : b.ss[topk];
-      const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
       if (qb_mode == kQbAlpha) {
-        if (lane == 0) cut_out[t] = cut;
+        if (lane == 0) alpha_out[t] = alpha;
       } else {
+        const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
         in_t raw[VPL];  // QB is sigmoid-only: the bin needs the logit alone
         load_row(row, lane, raw);
 #pragma unroll
@@ -589,9 +583,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
 // LDS histogram [experts_per_block, B] of its (expert, token) slice from the recomputed scores and
 // the router's cutoffs, then flushes the non-zero bins with global atomics. Threads map to
 // (token, expert) with the expert fastest, so a warp reads runs of consecutive logits.
+// Bins here come from the exact formula: the approximate-sigmoid fast path of the fused epilogue
+// (qb_bin_fast) needs per-token constants, and loading them (8 or 16 bytes per element instead of
+// the 4-byte cutoff) made this pass slower on the H200 (ncu at T=16384, E=896: 47 us with the
+// cutoff alone, 58 us with the 16-byte cut), while the sigmoid is branch-free here either way.
 // Dynamic shared memory: experts_per_block * num_bins ints.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
-    amdqb_qb_hist(const in_t* logits, int num_tokens, const QbCut* cut, const float* bounds,
+    amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
                   int num_bins, int experts_per_block, int tokens_per_slice, int* hist) {
   AMDQB_DYN_SHARED(lh);
   const int tid = (int)threadIdx.x;
@@ -620,23 +618,21 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
     const i64 step = rows_per_pass;
     i64 t = t0 + tt;
     for (; t + (HIST_UNROLL - 1) * step < t1; t += HIST_UNROLL * step) {
-      float z[HIST_UNROLL];
-      QbFast f[HIST_UNROLL];
+      float z[HIST_UNROLL], a[HIST_UNROLL];
 #pragma unroll
       for (int u = 0; u < HIST_UNROLL; ++u) {
         z[u] = to_f32(logits[(t + u * step) * E + col]);
-        f[u] = cut[t + u * step].fast;
+        a[u] = alpha[t + u * step];
       }
 #pragma unroll
       for (int u = 0; u < HIST_UNROLL; ++u) {
-        int bin;
-        if (!qb_bin_fast(f[u], z[u], scale, num_bins, bin))
-          bin = qb_bin(cut[t + u * step].alpha - act_elementwise(z[u]), lower, scale, num_bins);
+        const int bin = qb_bin(a[u] - act_elementwise(z[u]), lower, scale, num_bins);
         atomic_add_shared(&lh[sub * num_bins + bin], 1);
       }
     }
     for (; t < t1; t += step) {
-      const int bin = qb_bin_of_logit(cut[t], to_f32(logits[t * E + col]), lower, scale, num_bins);
+      const int bin = qb_bin(alpha[t] - act_elementwise(to_f32(logits[t * E + col])), lower, scale,
+                             num_bins);
       atomic_add_shared(&lh[sub * num_bins + bin], 1);
     }
   }

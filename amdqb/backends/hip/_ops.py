@@ -234,7 +234,7 @@ def _launch_router(
     hist,
     bounds,
     num_bins,
-    cuts,
+    alpha,
     w_out,
     id_out,
 ):
@@ -264,7 +264,7 @@ def _launch_router(
         _ptr(hist),
         _ptr(bounds),
         arg_i32(num_bins),
-        _ptr(cuts),
+        _ptr(alpha),
         _ptr(w_out),
         _ptr(id_out),
     ]
@@ -314,9 +314,9 @@ def router_fwd(
     kind = _INDEX_KINDS[map_out.dtype] if map_kind == "indices" else _MAP_KINDS[map_kind]
     softmax = score_function == "softmax"
     num_bins = qb_histogram.shape[1] if qb else 0
-    cuts = None
-    if qb and qb_mode == "two_kernel":  # one 16-byte QbCut per token (router.hip)
-        cuts = torch.empty(tokens, 4, dtype=torch.float32, device=logits.device)
+    alpha = None
+    if qb and qb_mode == "two_kernel":  # the router's cutoff alpha of every token
+        alpha = torch.empty(tokens, dtype=torch.float32, device=logits.device)
     _launch_router(
         rt,
         logits,
@@ -334,11 +334,11 @@ def router_fwd(
         hist=qb_histogram,
         bounds=qb_bin_bounds,
         num_bins=num_bins,
-        cuts=cuts,
+        alpha=alpha,
         w_out=None,
         id_out=None,
     )
-    if cuts is not None:
+    if alpha is not None:
         dev = _dev(logits)
         epb, slices, per = qb_hist_config(
             num_experts, num_bins, tokens, rt.smem_budget(dev), rt.num_cus(dev)
@@ -352,7 +352,7 @@ def router_fwd(
             [
                 _ptr(logits),
                 arg_i32(tokens),
-                _ptr(cuts),
+                _ptr(alpha),
                 _ptr(qb_bin_bounds),
                 arg_i32(num_bins),
                 arg_i32(epb),
@@ -396,7 +396,7 @@ def biased_topk(
         hist=None,
         bounds=None,
         num_bins=0,
-        cuts=None,
+        alpha=None,
         w_out=weights_out,
         id_out=ids_out,
     )

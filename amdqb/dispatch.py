@@ -136,9 +136,12 @@ def _sm90_router_order(features: dict) -> tuple[str, ...]:
 
 OP_PREFERENCE: dict[str, dict[str, object]] = {
     "router_fwd": {"sm_90": _sm90_router_order},
-    # H200, 2026-11-29: the hip route kernels beat Triton's (M=8192 uniform: lds 9.3 vs 21.5 us,
-    # atomic 17.7 vs 17.5 us; all-one-expert lds 9.1 vs 13.4 us).
+    # H200, 2026-11-29: the hip route kernels beat Triton's (session 4, M=8192 E=896 k=16 masked:
+    # uniform lds 5.9 vs 19.5 us, atomic 17.4 vs 17.6 us; all-one-expert lds 4.0 vs 13.4 us).
     "route_rows": {"sm_90": ("hip", "triton", "torch")},
+    # H200, 2026-11-29 (session 4, E=896 k=16 block 64): hip align 13.4 / 13.7 / 15.6 us vs
+    # Triton 22.4 / 23.1 / 25.0 us at M = 512 / 2517 / 8192.
+    "align_block_size": {"sm_90": ("hip", "triton", "torch")},
 }
 
 

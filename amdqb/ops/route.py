@@ -63,6 +63,12 @@ def route_impl(info: DeviceInfo, num_routes: int, num_experts: int) -> tuple[str
     return "atomic", f"M*k={num_routes} < {threshold} ({source})"
 
 
+@torch.compiler.assume_constant_result
+def _auto_route_impl(device: str, num_routes: int, num_experts: int) -> str:
+    # a constant for torch.compile: the device query behind it cannot be traced
+    return route_impl(dispatch.device_info(device), num_routes, num_experts)[0]
+
+
 @kernel_op("route_rows", mutates_args=("counters", "rows_out", "counts_out"))
 def _route_rows(
     topk_ids: torch.Tensor,
@@ -158,8 +164,7 @@ def moe_route_rows(
         check_choice("impl", impl, ROUTE_IMPLS)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     num_routes = ids.numel()
-    info = dispatch.device_info(device)
-    chosen = impl or route_impl(info, num_routes, num_experts)[0]
+    chosen = impl or _auto_route_impl(str(device), num_routes, num_experts)
     if chosen == "lds" and num_experts > LDS_MAX_EXPERTS:
         raise ValueError(f"impl='lds' supports num_experts <= {LDS_MAX_EXPERTS}, got {num_experts}")
     chosen_backend = dispatch.backend_name(

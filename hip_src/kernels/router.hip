@@ -24,10 +24,11 @@
 // QB: Top-(k+1) of u = s + b, alpha = u of the (k+1)-th, the first k are routed; for every expert
 // r = alpha - s_j, scale = fp32(B) / (U - L), bin = clamp(floor((r - L) * scale), 0, B - 1) in fp32
 // (NaN -> 0); fused mode adds 1 to hist[j * B + bin] with a device atomic in the epilogue,
-// two-kernel mode writes alpha and amdqb_qb_hist recomputes the bins from the logits. Both derive
-// a bin through qb_bin_of_logit: an approximate sigmoid where its error bound provably cannot
-// change the bin, the exact formula elsewhere, so every bin equals the exact one. (QB is
-// sigmoid-only at the op level.)
+// two-kernel mode writes alpha and amdqb_qb_hist recomputes the bins from the logits with the
+// exact formula. The fused epilogue derives its bins through qb_bin_of_logit: an approximate
+// sigmoid where its error bound provably cannot change the bin, the exact formula elsewhere, so
+// every bin equals the exact one and both modes give identical histograms. (QB is sigmoid-only at
+// the op level.)
 #include "amdqb_prelude.h"
 
 using namespace amdqb;
@@ -451,7 +452,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
   const bool post_softmax = AMDQB_SCORE == AMDQB_SCORE_SOFTMAX && !softmax_pre;
 
   float qb_lower = 0.0f, qb_scale = 0.0f;
-  if (qb_mode != kQbNone) {
+  if (qb_mode == kQbFused) {
     qb_lower = bounds[0];
     qb_scale = (float)num_bins / (bounds[1] - qb_lower);
   }

@@ -72,7 +72,7 @@ def route_rows(
         k = rt.kernel(dev, spec, "amdqb_route_det_scan")
         rt.launch(
             k,
-            _cdiv(num_experts, _spec.SCAN_EXPERTS),
+            _cdiv(num_experts, 256),
             256,
             0,
             [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(counters), _ptr(counters)],
@@ -166,7 +166,7 @@ def align_block_size(
     k = rt.kernel(dev, spec, "amdqb_route_det_scan")
     rt.launch(
         k,
-        _cdiv(num_experts, _spec.SCAN_EXPERTS),
+        _cdiv(num_experts, 256),
         256,
         0,
         [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(None), _ptr(totals)],

@@ -261,16 +261,13 @@ def _cuobjdump():
         return None
 
 
-@needs_nvcc
-def test_router_issues_a_tokens_logit_loads_as_one_batch_on_sm90():
-    """The H200 profile that found 28 serial DRAM round trips per token: ptxas never moves a load
-    across the CALL of an IEEE division's slow path, so loads interleaved with the sigmoids wait
-    one by one. The router pins them as one batch (keep_loaded); this checks the SASS keeps it."""
+def _router_sass_ops(num_experts: int = 896) -> list[str]:
+    """Opcodes of the sm_90 SASS of amdqb_router (nvcc, the runtime's flags), in program order."""
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("needs cuobjdump (CUDA toolkit or Triton's NVIDIA backend)")
     out_dir = tempfile.mkdtemp(prefix="amdqb_sass_")
-    spec = _spec.router_module(896, "float32", "sigmoid")
+    spec = _spec.router_module(num_experts, "float32", "sigmoid")
     _, rc, log = compile_nvcc(spec, out_dir)
     assert rc == 0, log[-3000:]
     sass = subprocess.run(
@@ -280,13 +277,38 @@ def test_router_issues_a_tokens_logit_loads_as_one_batch_on_sm90():
         check=True,
     ).stdout
     body = sass[sass.index("Function : amdqb_router") :]
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", body)
+
+
+@needs_nvcc
+def test_router_issues_a_tokens_logit_loads_as_one_batch_on_sm90():
+    """The H200 profile that found 28 serial DRAM round trips per token: ptxas never moves a load
+    across the CALL of an IEEE division's slow path, so loads interleaved with the sigmoids wait
+    one by one. The router pins them as one batch (keep_loaded); this checks the SASS keeps it."""
+    ops = _router_sass_ops()
     vpl = -(-896 // 32)
     # every logit load of the first token is issued before its first sigmoid (MUFU.EX2); without
     # the pin, ptxas issues one load per sigmoid
     first_exp = next(i for i, op in enumerate(ops) if op.startswith("MUFU.EX2"))
     loads = sum(op.startswith("LDG") for op in ops[:first_exp])
     assert loads >= vpl, f"{loads} global loads before the first exp; want >= {vpl}"
+
+
+@needs_nvcc
+def test_router_sigmoids_have_no_call_between_them_on_sm90():
+    """The compiler's IEEE division puts a CALL to its slow path after every reciprocal, one per
+    expert, and the experts' arithmetic cannot interleave across them; the router writes the fast
+    path out (sigmoid_fast), so one token's VPL reciprocals form a run with no CALL inside."""
+    ops = _router_sass_ops()
+    vpl = -(-896 // 32)
+    best = run = 0
+    for op in ops:
+        if op.startswith("CALL"):
+            best, run = max(best, run), 0
+        elif op.startswith("MUFU.RCP"):
+            run += 1
+    best = max(best, run)
+    assert best >= vpl, f"at most {best} reciprocals between calls; want a run of >= {vpl}"
 
 
 def _nvrtc():

@@ -14,9 +14,10 @@
 # shapes), hence pytest-xdist (present in the device image) with JOBS workers. `bench serving`
 # needs ~60 s after the weights are drawn. Measured 2026-11-29 on nvidia-h200-x2 (plus ~60 s of
 # machine start per call): fuzz (large) ~250 s; sanitize ~60 s per tool; smoke over the router tests
-# ~90 s, over the hip route-rows tests ~310 s (E=4096 cases are the long poles); tune ~25 s;
-# bench router ~20 s, route ~20 s, balance ~10 s, chunks ~5 s; example (both configs) ~50 s;
-# profile ~100 s. Keep `--report-api-errors no` for the sanitizer:
+# ~90 s; smoke over router + route + align + QB tests of three files ~50 s since OMP_NUM_THREADS is
+# set below (the route-rows smoke took ~310 s before); tune ~25 s; bench router ~20 s, route
+# ~20 s, balance ~10 s, chunks ~5 s; example (both configs) ~50 s; profile ~100 s. A single-GPU
+# nvidia-h200 call starts in ~30-60 s; a 10-s command costs about a minute of device time. Keep `--report-api-errors no` for the sanitizer:
 # cuda-bindings probes driver entry points with cuGetProcAddress, which the sanitizer otherwise
 # counts as 34 API errors.
 set -uo pipefail

@@ -1,5 +1,6 @@
 """Route-rows benchmark: ``atomic`` (one global atomic per route) vs ``lds`` (workgroup histogram +
-one reservation per non-empty expert) per backend, torch ``bincount + argsort``, and
+one reservation per non-empty expert) vs ``deterministic`` (ascending flat order, bitwise the
+oracle's rows) per backend, torch ``bincount + argsort``, and
 ``moe_align_block_size``. Seed 004 shapes: E=896, k=16, M in {512, 2517, 8192}; distributions
 uniform / shared-expert / all-one-expert / dropped. Counter zeroing is included in every timing
 (the op zeroes its counters when the caller passes none), as in the seed.
@@ -92,13 +93,20 @@ def run(
             ids = make_ids(m, topk, num_experts, base, g).to(device)
             impls = {}
             for name in backends:
-                for impl in ("atomic", "lds"):
+                for impl in ("atomic", "lds", "deterministic"):
+                    kw = {"deterministic": True} if impl == "deterministic" else {"impl": impl}
                     rows, counts = amdqb.moe_route_rows(
-                        ids, num_experts, capacity=cap, impl=impl, backend=name
+                        ids, num_experts, capacity=cap, backend=name, **kw
                     )
                     check_rows(rows, counts, ids, num_experts, cap)
-                    impls[f"{name}:{impl}"] = lambda n=name, i=impl: amdqb.moe_route_rows(
-                        ids, num_experts, capacity=cap, impl=i, backend=n
+                    if impl == "deterministic":  # ascending flat order: the oracle's rows exactly
+                        want_rows, _ = ref.moe_route_rows(ids, num_experts, cap)
+                        if not torch.equal(rows, want_rows):
+                            raise AssertionError(
+                                f"{name}: deterministic rows differ from the oracle"
+                            )
+                    impls[f"{name}:{impl}"] = lambda n=name, k=kw: amdqb.moe_route_rows(
+                        ids, num_experts, capacity=cap, backend=n, **k
                     )
             times = time_alternating(impls, device, cfg)
             # bincount sizes its output on the host, so the plain-PyTorch way cannot be captured:

@@ -32,6 +32,14 @@ AMDQB_DEVICE int expert_of(const IdT* ids, i64 i, int num_experts) {
   return (v >= 0 && v < (i64)num_experts) ? (int)v : -1;
 }
 
+// How many of `count` slots starting at slot `first` lie below the capacity (all of them in the
+// compact layout, capacity < 0).
+AMDQB_DEVICE int slots_within(i64 first, int count, int capacity) {
+  if (capacity < 0) return count;
+  const i64 room = (i64)capacity - first;
+  return room <= 0 ? 0 : (room < count ? (int)room : count);
+}
+
 AMDQB_DEVICE int place(int e, int slot, int capacity) {
   if (capacity < 0) return slot;  // compact: offset added by amdqb_route_compact_*
   return slot < capacity ? e * capacity + slot : -1;
@@ -83,8 +91,7 @@ AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity
     if (c > 0) {
       const int base = atomic_add_global(&counters[e], c);  // interval [base, base + c)
       hist[e] = base;
-      const i64 room = capacity < 0 ? (i64)c : (i64)capacity - base;
-      const int accepted = room <= 0 ? 0 : (room < c ? (int)room : c);
+      const int accepted = slots_within(base, c, capacity);
       if (accepted > 0) atomic_add_global(&counts[e], accepted);
     }
   }
@@ -234,11 +241,7 @@ AMDQB_KERNEL void amdqb_route_det_scan(int num_tiles, int num_experts, int* tile
 
 // Routes of this call that received a row of expert e: the counter delta, clipped to the capacity.
 AMDQB_DEVICE int accepted_routes(int e, int capacity, const int* before, const int* counters) {
-  const int c0 = before[e];
-  const int raw = counters[e] - c0;
-  if (capacity < 0) return raw;
-  const i64 room = (i64)capacity - c0;
-  return room <= 0 ? 0 : (room < raw ? (int)room : raw);
+  return slots_within(before[e], counters[e] - before[e], capacity);
 }
 
 // Exclusive prefix sum over the block of one u32 per thread (wrapping arithmetic). Two levels of
@@ -260,12 +263,29 @@ AMDQB_DEVICE u32 block_exclusive_sum_u32(u32 v, u32* warp_sums) {
   return warp_sums[warp] + (incl - v);
 }
 
+// out[e] = the sum of value(e') over e' < e, for e in [0, n) (wrapping u32 arithmetic): each thread
+// owns a contiguous run of experts, whose sums are scanned across the block. Every thread calls it.
+template <typename F>
+AMDQB_DEVICE void block_exclusive_cumsum(int n, F value, int* out, u32* warp_sums) {
+  const int nt = (int)blockDim.x;
+  const int per = (n + nt - 1) / nt;
+  const int lo = (int)threadIdx.x * per < n ? (int)threadIdx.x * per : n;
+  const int hi = lo + per < n ? lo + per : n;
+  u32 sum = 0;
+  for (int e = lo; e < hi; ++e) sum += value(e);
+  u32 run = block_exclusive_sum_u32(sum, warp_sums);
+  for (int e = lo; e < hi; ++e) {
+    out[e] = (int)run;
+    run += value(e);
+  }
+}
+
 // counts[e] = routes of this call that received a row (accepted_routes); before == nullptr: counts
 // are already written (the lds kernels), only the offsets are computed.
 // Masked layout (offsets == nullptr): elementwise, any grid.
 // Compact layout: also offsets = exclusive cumsum of the updated counters (wrapping int32
-// arithmetic like the oracle's int64 -> int32 cast); one block, each thread owns a contiguous chunk
-// of experts, chunk sums scanned with block_exclusive_sum_u32. Static shared memory: 32 u32.
+// arithmetic like the oracle's int64 -> int32 cast); one block (block_exclusive_cumsum). Static
+// shared memory: 32 u32.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
     amdqb_route_finalize(int num_experts, int capacity, const int* before, const int* counters,
                          int* counts, int* offsets) {
@@ -276,21 +296,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
     return;
   }
   AMDQB_SHARED(u32, warp_sums, 32);
-  const int tid = (int)threadIdx.x;
-  const int nt = (int)blockDim.x;
-  const int per = (num_experts + nt - 1) / nt;
-  const int lo = tid * per;
-  const int hi = lo + per < num_experts ? lo + per : num_experts;
-  u32 sum = 0;
-  for (int e = lo; e < hi; ++e) {
-    if (before != nullptr) counts[e] = accepted_routes(e, capacity, before, counters);
-    sum += (u32)counters[e];
-  }
-  u32 run = block_exclusive_sum_u32(sum, warp_sums);
-  for (int e = lo; e < hi; ++e) {
-    offsets[e] = (int)run;
-    run += (u32)counters[e];
-  }
+  if (before != nullptr)
+    for (int e = (int)threadIdx.x; e < num_experts; e += (int)blockDim.x)
+      counts[e] = accepted_routes(e, capacity, before, counters);
+  block_exclusive_cumsum(num_experts, [=](int e) { return (u32)counters[e]; }, offsets, warp_sums);
 }
 
 // ---- moe_align_block_size -------------------------------------------------------------------------
@@ -328,18 +337,10 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   for (int k = tid; k < TILE; k += nt)
     tile_ex[k] = tile0 + k < n ? expert_of(ids, tile0 + k, num_experts) : -1;
 
-  // Padded starts (the op checked that the padded total fits int32): each thread owns a
-  // contiguous run of experts, run sums scanned across the block.
-  const int per = (num_experts + nt - 1) / nt;
-  const int lo = tid * per < num_experts ? tid * per : num_experts;
-  const int hi = lo + per < num_experts ? lo + per : num_experts;
-  u32 sum = 0;
-  for (int e = lo; e < hi; ++e) sum += (u32)padded_count(totals[e], block_size);
-  u32 run = block_exclusive_sum_u32(sum, warp_sums);
-  for (int e = lo; e < hi; ++e) {
-    start[e] = (int)run;
-    run += (u32)padded_count(totals[e], block_size);
-  }
+  // Padded starts (the op checked that the padded total fits int32).
+  block_exclusive_cumsum(
+      num_experts, [=](int e) { return (u32)padded_count(totals[e], block_size); }, start,
+      warp_sums);
   for (int i = tid; i < warps * num_experts; i += nt) next[i] = 0;
   block_sync();
   const i64 total = (i64)start[num_experts - 1] + padded_count(totals[num_experts - 1], block_size);

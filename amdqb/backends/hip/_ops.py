@@ -42,6 +42,41 @@ def _cdiv(a: int, b: int) -> int:
 # ------------------------------------------------------------------------------------------------
 # Route rows
 # ------------------------------------------------------------------------------------------------
+def _tile_slot_bases(rt, topk_ids, num_experts, start, totals, fill=None):
+    """Passes 1-2 of the deterministic kernels: per-tile histograms, then each tile's first slot
+    per expert (exclusive scan over the tiles from ``start``, or 0; ``totals`` gets the ends).
+    ``fill=(buffer, value)``: pass 1 also writes ``value`` over ``buffer``. Returns
+    ``(tiles, tile_slots int32 [tiles * E])``."""
+    n = topk_ids.numel()
+    dev = _dev(topk_ids)
+    suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
+    e_arg = arg_i32(num_experts)
+    tiles = _cdiv(n, _spec.DET_TILE)
+    tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
+    fill_args = (
+        [_ptr(None), arg_i64(0), arg_i32(0)]
+        if fill is None
+        else [_ptr(fill[0]), arg_i64(fill[0].numel()), arg_i32(fill[1])]
+    )
+    k = rt.kernel(dev, _spec.ROUTE_MODULE, f"amdqb_route_det_hist_{suffix}")
+    rt.launch(
+        k,
+        tiles,
+        256,
+        4 * num_experts,
+        [_ptr(topk_ids), arg_i64(n), e_arg, _ptr(tile_counts), *fill_args],
+    )
+    k = rt.kernel(dev, _spec.ROUTE_MODULE, "amdqb_route_det_scan")
+    rt.launch(
+        k,
+        _cdiv(num_experts, 256),
+        256,
+        0,
+        [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(start), _ptr(totals)],
+    )
+    return tiles, tile_counts
+
+
 def route_rows(
     rt, topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
 ):
@@ -58,31 +93,13 @@ def route_rows(
     # counts: the lds kernel adds them up itself; the others derive them from the counter delta
     before = None if lds else counters.clone()
     if deterministic:
-        tiles = _cdiv(n, _spec.DET_TILE)
-        tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
-        smem = 4 * num_experts
-        k = rt.kernel(dev, spec, f"amdqb_route_det_hist_{suffix}")
-        rt.launch(
-            k,
-            tiles,
-            256,
-            smem,
-            [ids, n_arg, e_arg, _ptr(tile_counts), _ptr(None), arg_i64(0), arg_i32(0)],
-        )
-        k = rt.kernel(dev, spec, "amdqb_route_det_scan")
-        rt.launch(
-            k,
-            _cdiv(num_experts, 256),
-            256,
-            0,
-            [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(counters), _ptr(counters)],
-        )
+        tiles, tile_counts = _tile_slot_bases(rt, topk_ids, num_experts, counters, counters)
         k = rt.kernel(dev, spec, f"amdqb_route_det_rank_{suffix}")
         rt.launch(
             k,
             tiles,
             32,
-            smem,
+            4 * num_experts,
             [ids, n_arg, e_arg, arg_i32(cap), _ptr(tile_counts), _ptr(rows_out)],
         )
     elif lds:
@@ -157,19 +174,9 @@ def align_block_size(
     spec = _spec.ROUTE_MODULE
     suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
     ids, n_arg, e_arg = _ptr(topk_ids), arg_i64(n), arg_i32(num_experts)
-    tiles = _cdiv(n, _spec.DET_TILE)
-    tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
     totals = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
-    k = rt.kernel(dev, spec, f"amdqb_route_det_hist_{suffix}")
-    fill = [_ptr(sorted_ids_out), arg_i64(sorted_ids_out.numel()), arg_i32(n)]
-    rt.launch(k, tiles, 256, 4 * num_experts, [ids, n_arg, e_arg, _ptr(tile_counts), *fill])
-    k = rt.kernel(dev, spec, "amdqb_route_det_scan")
-    rt.launch(
-        k,
-        _cdiv(num_experts, 256),
-        256,
-        0,
-        [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(None), _ptr(totals)],
+    tiles, tile_counts = _tile_slot_bases(
+        rt, topk_ids, num_experts, None, totals, fill=(sorted_ids_out, n)
     )
     warps = align_warps(num_experts)
     k = rt.kernel(dev, spec, f"amdqb_align_rank_{suffix}")

@@ -193,10 +193,10 @@ def test_align_block_size_matches_oracle_bitwise(wave, dtype):
 
 
 @pytest.mark.parametrize("num_tiles", [1, 7, 64, 65, 150])
-def test_det_scan_over_tiles(num_tiles):
+def test_det_scan_over_tile_groups(num_tiles):
     """amdqb_route_det_scan: per-expert exclusive scan over the tiles from start (or 0), totals =
-    the end, across batch boundaries of its loads."""
-    rt, e = emu(), 45
+    the end; groups of at most 8 tiles stay in registers (<= 64 tiles), longer groups reload."""
+    rt, e = emu(), 45  # two blocks of 32 experts, the second partly empty
     g = torch.Generator().manual_seed(num_tiles)
     counts = torch.randint(0, 50, (num_tiles, e), generator=g, dtype=torch.int32)
     for start in (None, torch.randint(0, 1000, (e,), generator=g, dtype=torch.int32)):
@@ -204,7 +204,7 @@ def test_det_scan_over_tiles(num_tiles):
         totals = torch.full((e,), -7, dtype=torch.int32)
         k = rt.kernel(-1, _spec.ROUTE_MODULE, "amdqb_route_det_scan")
         args = [_spec.arg_i32(num_tiles), _spec.arg_i32(e), _ops._ptr(tile), _ops._ptr(start)]
-        rt.launch(k, 1, 256, 0, args + [_ops._ptr(totals)])
+        rt.launch(k, -(-e // _spec.SCAN_EXPERTS), 256, 0, args + [_ops._ptr(totals)])
         base = torch.zeros(e, dtype=torch.int64) if start is None else start.long()
         incl = counts.long().cumsum(0) + base
         assert torch.equal(tile.reshape(num_tiles, e).long(), incl - counts.long())

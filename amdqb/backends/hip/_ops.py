@@ -69,7 +69,7 @@ def _tile_slot_bases(rt, topk_ids, num_experts, start, totals, fill=None):
     k = rt.kernel(dev, _spec.ROUTE_MODULE, "amdqb_route_det_scan")
     rt.launch(
         k,
-        _cdiv(num_experts, 256),
+        _cdiv(num_experts, _spec.SCAN_EXPERTS),
         256,
         0,
         [arg_i32(tiles), e_arg, _ptr(tile_counts), _ptr(start), _ptr(totals)],

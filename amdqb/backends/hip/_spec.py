@@ -42,6 +42,7 @@ ROUTE_ITEMS = 4
 ROUTE_BLOCK = 256
 DET_ITEMS = 64  # 32-route chunks per deterministic tile (AMDQB_DET_ITEMS)
 DET_TILE = 32 * DET_ITEMS
+SCAN_EXPERTS = 32  # experts per block of amdqb_route_det_scan (route.hip; 8 tile groups each)
 
 
 def source_root() -> Path:

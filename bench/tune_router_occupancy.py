@@ -10,7 +10,12 @@ the router with that define, checks routes/probs/histograms against the oracle, 
 QB two_kernel and biased_topk at the SPEC shapes (E=896, k=16, B=1000) in graph replay. The
 default in router.hip records the winner; this script is how it was chosen. The route sweep
 checks every variant's rows against the oracle, then times lds (per tile size) against atomic at
-M=8192, k=16, E=896, uniform and all-one-expert ids, masked layout.
+M=8192, k=16, E=896, uniform and all-one-expert ids, masked layout. The align sweep does the same
+for the deterministic tile (``AMDQB_DET_ITEMS``: 32-route chunks per tile of the align passes) at
+M in {2517, 8192}; the decode sweep times biased_topk's one-block-per-token kernel against the
+router's one-warp-per-token form over T, which sets ``_ops.DECODE_MAX_TOKENS``.
+
+    python -m bench.tune_router_occupancy --parts route,align,decode
 """
 
 from __future__ import annotations
@@ -59,8 +64,27 @@ def _capped(cap, fn):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--parts", default="router,route,align,decode", help="comma-separated sweeps to run"
+    )
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
     dev = torch.device("cuda")
+    cfg = TimingConfig()
+    reports = []
+    if "router" in parts:
+        reports.append(router_caps(dev, cfg))
+    for name, sweep in (("route", route_tiles), ("align", align_tiles), ("decode", decode_sweep)):
+        if name in parts:
+            reports.append(sweep(dev, cfg))
+    for report in reports:
+        print(report.markdown(), flush=True)
+    if args.json:
+        write_json(args.json, reports)
+    return 0
+
+
+def router_caps(dev, cfg) -> Report:
     e, k, b = 896, 16, 1000
     g = torch.Generator(device="cpu").manual_seed(0)
     bias = (torch.randn(e, generator=g) * 0.05).to(dev)
@@ -109,18 +133,12 @@ def main(argv=None) -> int:
                     ),
                 )
     report = Report("router_occupancy", environment(dev))
-    cfg = TimingConfig()
     for t in data:
         group = {n: f for n, f in impls.items() if n.endswith(f":{t}")}
         for name, us in time_alternating(group, dev, cfg).items():
             cap, mode, _ = name.split(":")
             report.add(T=t, cap=int(cap[3:]), mode=mode, us=us)
-    print(report.markdown(), flush=True)
-    route = route_tiles(dev, cfg)
-    print(route.markdown())
-    if args.json:
-        write_json(args.json, [report, route])
-    return 0
+    return report
 
 
 def route_tiles(dev, cfg, items=(2, 4, 8, 16), m=8192, k=16, e=896) -> Report:
@@ -157,6 +175,70 @@ def route_tiles(dev, cfg, items=(2, 4, 8, 16), m=8192, k=16, e=896) -> Report:
         times = time_alternating(impls, dev, cfg)
         for name, us in times.items():
             report.add(M=m, dist=dist, impl=name, us=us, x_vs_atomic=times["atomic"] / us)
+    return report
+
+
+def align_tiles(dev, cfg, items=(16, 32, 64), ms=(2517, 8192), k=16, e=896, block=64) -> Report:
+    report = Report("align_det_items", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    original = (_spec.ROUTE_MODULE, _spec.DET_ITEMS, _spec.DET_TILE)
+
+    def variant(n, fn):
+        def call():
+            _spec.ROUTE_MODULE = _spec.ModuleSpec("route.hip", (("AMDQB_DET_ITEMS", str(n)),))
+            _spec.DET_ITEMS, _spec.DET_TILE = n, 32 * n
+            try:
+                return fn()
+            finally:
+                _spec.ROUTE_MODULE, _spec.DET_ITEMS, _spec.DET_TILE = original
+
+        return call
+
+    for m in ms:
+        ids = make_ids(m, k, e, "uniform", g).to(dev)
+        want = ref.moe_align_block_size(ids.cpu(), block, e)
+        impls = {}
+        for n in items:
+            impls[f"items{n}"] = variant(
+                n, lambda: amdqb.moe_align_block_size(ids, block, e, backend="hip")
+            )
+            got = impls[f"items{n}"]()
+            for a, b in zip(got, want):
+                assert torch.equal(a.cpu(), b), f"align items={n} M={m}: differs from the oracle"
+        for name, us in time_alternating(impls, dev, cfg).items():
+            report.add(M=m, det_items=int(name[5:]), us=us)
+    return report
+
+
+def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 1024, 4096), k=16, e=896) -> Report:
+    from amdqb.backends.hip import _ops
+
+    report = Report("biased_topk_decode", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    bias = (torch.randn(e, generator=g) * 0.05).to(dev)
+    original = _ops.DECODE_MAX_TOKENS
+
+    def variant(limit, fn):
+        def call():
+            _ops.DECODE_MAX_TOKENS = limit
+            try:
+                return fn()
+            finally:
+                _ops.DECODE_MAX_TOKENS = original
+
+        return call
+
+    for t in tokens:
+        z = torch.randn(t, e, generator=g).to(dev)
+        impls = {
+            name: variant(limit, lambda z=z: amdqb.biased_topk(z, k, bias, backend="hip"))
+            for name, limit in (("block_per_token", 1 << 30), ("warp_per_token", 0))
+        }
+        outs = [fn() for fn in impls.values()]
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), f"decode kernels differ at T={t}"
+        times = time_alternating(impls, dev, cfg)
+        for name, us in times.items():
+            report.add(T=t, kernel=name, us=us)
     return report
 
 

@@ -675,6 +675,33 @@ def test_biased_topk(score, t):
 
 
 @gpu
+@pytest.mark.parametrize(
+    "e,k,dtype,style",
+    [
+        (896, 16, torch.float32, "ties"),
+        (896, 16, torch.bfloat16, "normal"),
+        (300, 33, torch.float32, "nan_inf"),
+        (64, 8, torch.float16, "ties"),
+        (4096, 64, torch.float32, "saturated"),
+    ],
+)
+def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, e, k, dtype, style):
+    """One block per token (amdqb_topk_decode) and one warp per token (amdqb_router) give the same
+    ids and the same weight bits."""
+    logits = make_logits(37, e, style, e, dtype).to(DEV)
+    bias = (torch.randint(-2, 3, (e,)) * 0.125).float().to(DEV)
+    outs = []
+    for limit in (1 << 30, 0):
+        monkeypatch.setattr(_ops, "DECODE_MAX_TOKENS", limit)
+        outs.append(amdqb.biased_topk(logits, k, bias, scaling_factor=1.5, backend="hip"))
+    (w1, i1), (w2, i2) = outs
+    assert torch.equal(i1, i2)
+    assert torch.equal(w1.view(torch.int32), w2.view(torch.int32))
+    s = hip_backend.score_values(logits, "sigmoid").cpu() + bias.cpu()
+    assert torch.equal(i1.cpu(), ref.ordering.ranked_indices(s, k).to(torch.int32))
+
+
+@gpu
 def test_score_values_close_to_torch():
     logits = (torch.randn(64, 896) * 4).to(DEV)
     for score in ("sigmoid", "sqrtsoftplus", "softmax"):

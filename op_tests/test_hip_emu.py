@@ -466,6 +466,41 @@ def test_biased_topk(score, renormalize):
     torch.testing.assert_close(w, gathered * 0.5, atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "e,k,style",
+    [
+        (64, 8, "ties"),  # one warp: its list is the answer
+        (300, 33, "normal"),  # 3 warps, partial last row, n > 32 (exact n-th per warp)
+        (300, 4, "nan_inf"),
+        (896, 16, "ties"),  # the SPEC shape: 7 warps of 4 experts per thread
+        (1100, 16, "saturated"),  # 8 warps, 5 experts per thread, partial
+    ],
+)
+def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, e, k, style):
+    """amdqb_topk_decode (one block per token) against amdqb_router's serving form (one warp per
+    token): identical ids and identical weight bits, with and without bias and renormalisation."""
+    rt = emu()
+    t = 3
+    logits = make_logits(t, e, style, e + k)
+    g = torch.Generator().manual_seed(e)
+    for bias in (None, (torch.randint(-2, 3, (e,), generator=g) * 0.25).float()):
+        for renorm in (True, False):
+            got, want = [], []
+            for limit, out in ((1 << 30, got), (0, want)):
+                monkeypatch.setattr(_ops, "DECODE_MAX_TOKENS", limit)
+                w = torch.full((t, k), -1.0)
+                ids = torch.full((t, k), -1, dtype=torch.int32)
+                _ops.biased_topk(rt, logits, k, bias, "sigmoid", renorm, 0.75, None, None, w, ids)
+                out += [w, ids]
+            names = [n for n, *_ in rt.launches[-2:]]
+            assert names == ["amdqb_topk_decode", "amdqb_router"]
+            assert torch.equal(got[1], want[1])
+            assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
+            sel = _ops.score_values(rt, logits, "sigmoid")
+            sel = sel if bias is None else sel + bias
+            assert torch.equal(got[1], ref.ordering.ranked_indices(sel, k).to(torch.int32))
+
+
 def test_score_values_match_torch_closely():
     rt = emu()
     logits = make_logits(5, 96, "normal", 0) * 4

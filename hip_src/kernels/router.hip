@@ -243,31 +243,37 @@ struct RowStats {
   float sum = 1.0f;
 };
 
-// Scores of one token from its loaded logits: s[j] of expert j*32 + lane (0 on padding). softmax:
-// softmax over the E experts when softmax_pre (its statistics go to st), else the raw logits.
-AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[VPL],
-                                  int softmax_pre, RowStats& st) {
+// Element-wise activation of V loaded logits (valid(j) false: a padding slot, scored as logit 0):
+// bit for bit act_elementwise. Sigmoid: every element through the branch-free fast path first,
+// the rare divisors outside its range (z below about -87.3, NaN) redone with the division after.
+template <int V, typename Valid>
+AMDQB_DEVICE void activate(const in_t (&raw)[V], Valid valid, float (&s)[V]) {
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
-  // Every expert through the branch-free fast path first, the rare divisors outside its range
-  // (z below about -87.3, NaN) redone with the division afterwards: bit for bit act_elementwise.
   bool redo = false;
 #pragma unroll
-  for (int j = 0; j < VPL; ++j) {
-    const float d = sigmoid_divisor(valid_slot(j, lane) ? to_f32(raw[j]) : 0.0f);
+  for (int j = 0; j < V; ++j) {
+    const float d = sigmoid_divisor(valid(j) ? to_f32(raw[j]) : 0.0f);
     s[j] = sigmoid_fast(d);
     redo |= !sigmoid_fast_ok(d);
   }
   if (redo) {
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) {
-      const float d = sigmoid_divisor(valid_slot(j, lane) ? to_f32(raw[j]) : 0.0f);
+    for (int j = 0; j < V; ++j) {
+      const float d = sigmoid_divisor(valid(j) ? to_f32(raw[j]) : 0.0f);
       if (!sigmoid_fast_ok(d)) s[j] = 1.0f / d;
     }
   }
 #else
 #pragma unroll
-  for (int j = 0; j < VPL; ++j) s[j] = act_elementwise(valid_slot(j, lane) ? to_f32(raw[j]) : 0.0f);
+  for (int j = 0; j < V; ++j) s[j] = act_elementwise(valid(j) ? to_f32(raw[j]) : 0.0f);
 #endif
+}
+
+// Scores of one token from its loaded logits: s[j] of expert j*32 + lane (0 on padding). softmax:
+// softmax over the E experts when softmax_pre (its statistics go to st), else the raw logits.
+AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[VPL],
+                                  int softmax_pre, RowStats& st) {
+  activate(raw, [&](int j) { return valid_slot(j, lane); }, s);
 #if AMDQB_SCORE == AMDQB_SCORE_SOFTMAX
   if (softmax_pre) {
     float m = neg_inf();
@@ -328,24 +334,25 @@ AMDQB_DEVICE void warp_sort_desc(i32& k, i32& id, int lane) {
 
 // Exact n-th element of the token (n <= E): bitwise binary search on the offset-binary key for
 // the n-th largest key, then the (n - #greater)-th expert with that key in id order.
-AMDQB_DEVICE void exact_nth(const i32 (&key)[VPL], int n, int lane, i32& out_key, i32& out_id) {
+template <int V>
+AMDQB_DEVICE void exact_nth(const i32 (&key)[V], int n, int lane, i32& out_key, i32& out_id) {
   u32 thr = 0;
   for (int b = 31; b >= 0; --b) {
     const u32 cand = thr | (1u << b);
     int c = 0;
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) c += ((u32)key[j] ^ 0x80000000u) >= cand ? 1 : 0;
+    for (int j = 0; j < V; ++j) c += ((u32)key[j] ^ 0x80000000u) >= cand ? 1 : 0;
     if (warp_sum_i32(c) >= n) thr = cand;
   }
   const i32 kstar = (i32)(thr ^ 0x80000000u);
   int g = 0;
 #pragma unroll
-  for (int j = 0; j < VPL; ++j) g += key[j] > kstar ? 1 : 0;
+  for (int j = 0; j < V; ++j) g += key[j] > kstar ? 1 : 0;
   const int need = n - warp_sum_i32(g);  // >= 1 ties to take, smallest ids first
   int running = 0;
   i32 found = -1;
 #pragma unroll
-  for (int j = 0; j < VPL; ++j) {
+  for (int j = 0; j < V; ++j) {
     const u32 m = ballot32(key[j] == kstar);  // id order inside a row j is lane order
     const int pc = popc32(m);
     if (found < 0 && running + pc >= need) {  // warp-uniform
@@ -359,10 +366,11 @@ AMDQB_DEVICE void exact_nth(const i32 (&key)[VPL], int n, int lane, i32& out_key
   out_id = found;
 }
 
-AMDQB_DEVICE int count_at_or_ahead(const i32 (&key)[VPL], int lane, i32 bk, i32 bid) {
+template <int V>
+AMDQB_DEVICE int count_at_or_ahead(const i32 (&key)[V], int lane, i32 bk, i32 bid) {
   int c = 0;
 #pragma unroll
-  for (int j = 0; j < VPL; ++j) c += at_or_ahead(key[j], j * 32 + lane, bk, bid) ? 1 : 0;
+  for (int j = 0; j < V; ++j) c += at_or_ahead(key[j], j * 32 + lane, bk, bid) ? 1 : 0;
   return c;
 }
 
@@ -375,12 +383,13 @@ struct WarpBuffers {
 };
 
 // Top-n of the token into b.skey/sid[0..n) in selection order (n <= CAP, n <= E).
-AMDQB_DEVICE void select_top(const i32 (&key)[VPL], int n, int lane, const WarpBuffers& b) {
+template <int V>
+AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuffers& b) {
   i32 bk, bid;
   if (n <= 32) {
     i32 lk = key[0], lid = lane;
 #pragma unroll
-    for (int j = 1; j < VPL; ++j)
+    for (int j = 1; j < V; ++j)
       if (key[j] > lk) {  // strict: the lane's earliest (smallest id) maximum
         lk = key[j];
         lid = j * 32 + lane;
@@ -403,7 +412,7 @@ AMDQB_DEVICE void select_top(const i32 (&key)[VPL], int n, int lane, const WarpB
   }
   int pos = incl - c;
 #pragma unroll
-  for (int j = 0; j < VPL; ++j) {
+  for (int j = 0; j < V; ++j) {
     const i32 id = j * 32 + lane;
     if (at_or_ahead(key[j], id, bk, bid)) {
       b.ckey[pos] = key[j];
@@ -577,6 +586,119 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
       }
     }
     warp_sync();  // the next token reuses this warp's buffers
+  }
+}
+
+// Decode form of biased_topk (element-wise scores: sigmoid, sqrtsoftplus): one block of DEC_WARPS
+// logical warps per token, so that the token's dependent chain (loads, activations, selection) is
+// spread over the block instead of one warp -- at decode sizes that chain is the whole kernel time.
+// Thread (w, lane) holds the DEC_EPT experts e = j * DEC_THREADS + w * 32 + lane, j < DEC_EPT.
+//   1. each warp selects its own Top-n with select_top (its local ids j * 32 + lane are ordered as
+//      the global ids, so the warp's selection order is the token's);
+//   2. the warps' sorted lists are merged by rank: an entry's rank in the union is its position
+//      in its own list plus, for every other list, the number of entries ahead of it there (a
+//      binary search); (value, id) pairs are distinct, so the ranks are a permutation;
+//   3. warp 0 writes the k routes: weights from the same scores and the same sequential sum as
+//      amdqb_router, so both kernels give identical bits.
+constexpr int DEC_WARPS = (E + 127) / 128 < 8 ? (E + 127) / 128 : 8;
+constexpr int DEC_THREADS = 32 * DEC_WARPS;
+constexpr int DEC_EPT = (E + DEC_THREADS - 1) / DEC_THREADS;  // experts per thread
+
+namespace {
+// Entries of the sorted list (keys, ids)[0, len) ahead of (k, id) in the selection order.
+AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int len, i32 k, i32 id) {
+  int lo = 0, hi = len;  // answer in [lo, hi]
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (ahead(keys[mid], ids[mid], k, id))
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+}  // namespace
+
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
+    amdqb_topk_decode(const in_t* logits, int num_tokens, const float* bias, int topk,
+                      int normalize, float scale, float* w_out, int* id_out) {
+  AMDQB_SHARED(i32, sh_ckey, DEC_WARPS * CAP);
+  AMDQB_SHARED(i32, sh_cid, DEC_WARPS * CAP);
+  AMDQB_SHARED(i32, sh_skey, DEC_WARPS * CAP);  // each warp's Top-n, global ids
+  AMDQB_SHARED(i32, sh_sid, DEC_WARPS * CAP);
+  AMDQB_SHARED(float, sh_score, DEC_THREADS * DEC_EPT);  // scores by expert id
+  AMDQB_SHARED(i32, sh_top, CAP);                        // the token's Top-k ids, in order
+  const int lane = lane_id();
+  const int w = warp_in_block();
+  const int tid = (int)threadIdx.x;
+  const i64 t = blockIdx.x;
+  if (t >= num_tokens) return;  // uniform across the block
+  const in_t* row = logits + t * E;
+  auto valid = [&](int j) { return j * DEC_THREADS + tid < E; };
+
+  in_t raw[DEC_EPT];
+  float bv[DEC_EPT];
+#pragma unroll
+  for (int j = 0; j < DEC_EPT; ++j) {  // logits and bias: one batch of loads
+    const int e = j * DEC_THREADS + tid;
+    raw[j] = valid(j) ? row[e] : in_t(0);
+    bv[j] = bias != nullptr && valid(j) ? bias[e] : 0.0f;
+  }
+  float s[DEC_EPT];
+  activate(raw, valid, s);
+  i32 key[DEC_EPT];
+#pragma unroll
+  for (int j = 0; j < DEC_EPT; ++j) {
+    const int e = j * DEC_THREADS + tid;
+    key[j] = valid(j) ? order_key(bias != nullptr ? s[j] + bv[j] : s[j]) : kInt32Min;
+    if (valid(j)) sh_score[e] = s[j];
+  }
+
+  const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
+                      nullptr};
+  select_top(key, topk, lane, b);
+#pragma unroll
+  for (int q = 0; q < CAP / 32; ++q) {  // local id j * 32 + l -> global id
+    const int r = lane + 32 * q;
+    if (r < topk) {
+      const i32 lid = b.sid[r];
+      b.sid[r] = (lid >> 5) * DEC_THREADS + w * 32 + (lid & 31);
+    }
+  }
+  block_sync();
+
+  if (DEC_WARPS == 1) {
+    if (tid < topk) sh_top[tid] = sh_sid[tid];
+  } else {
+    for (int c = tid; c < DEC_WARPS * topk; c += DEC_THREADS) {
+      const int v0 = c / topk, r0 = c - v0 * topk;
+      const i32 k0 = sh_skey[v0 * CAP + r0], id0 = sh_sid[v0 * CAP + r0];
+      int rank = r0;
+#pragma unroll
+      for (int v = 0; v < DEC_WARPS; ++v)
+        if (v != v0) rank += count_ahead_sorted(sh_skey + v * CAP, sh_sid + v * CAP, topk, k0, id0);
+      if (rank < topk) sh_top[rank] = id0;
+    }
+  }
+  block_sync();
+
+  if (w == 0) {
+    float denom = 1.0f;
+    if (normalize) {
+      float sum = 0.0f;
+      for (int r = 0; r < topk; ++r) sum += sh_score[sh_top[r]];
+      denom = sum + 1e-20f;
+    }
+#pragma unroll
+    for (int q = 0; q < CAP / 32; ++q) {
+      const int r = lane + 32 * q;
+      if (r < topk) {
+        const i32 id = sh_top[r];
+        const float v = sh_score[id];
+        w_out[t * topk + r] = (normalize ? v / denom : v) * scale;
+        id_out[t * topk + r] = id;
+      }
+    }
   }
 }
 

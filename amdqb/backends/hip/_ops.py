@@ -369,6 +369,16 @@ def router_fwd(
         )
 
 
+# Largest token count biased_topk runs with one block per token (amdqb_topk_decode); beyond it
+# the router's warp-per-token kernel. Placeholder until the H200 crossover is measured.
+DECODE_MAX_TOKENS = 1024
+
+
+def decode_threads(num_experts: int) -> int:
+    """Block size of amdqb_topk_decode: DEC_WARPS = min(8, ceil(E / 128)) logical warps."""
+    return 32 * min(8, _cdiv(num_experts, 128))
+
+
 def biased_topk(
     rt,
     logits,
@@ -384,7 +394,35 @@ def biased_topk(
 ):
     if num_groups is not None:
         raise NotImplementedError("hip biased_topk: grouped Top-k is declined via unsupported()")
-    if logits.shape[0] == 0:
+    tokens, num_experts = logits.shape
+    if tokens == 0:
+        return
+    if score_function != "softmax" and tokens <= DECODE_MAX_TOKENS:
+        if not 1 <= topk <= min(MAX_SELECT, num_experts):
+            raise ValueError(
+                f"hip biased_topk selects 1 <= topk <= min({MAX_SELECT}, E={num_experts}), "
+                f"got topk={topk}"
+            )
+        if num_experts > MAX_ROUTER_EXPERTS:
+            raise ValueError(f"hip router supports E <= {MAX_ROUTER_EXPERTS}, got {num_experts}")
+        dev = _dev(logits)
+        k = rt.kernel(dev, _router_spec(logits, score_function), "amdqb_topk_decode")
+        rt.launch(
+            k,
+            tokens,
+            decode_threads(num_experts),
+            0,
+            [
+                _ptr(logits),
+                arg_i32(tokens),
+                _ptr(expert_bias),
+                arg_i32(topk),
+                arg_i32(1 if renormalize else 0),
+                arg_f32(1.0 if scaling_factor is None else scaling_factor),
+                _ptr(weights_out),
+                _ptr(ids_out),
+            ],
+        )
         return
     _launch_router(
         rt,

@@ -141,7 +141,7 @@ def router_caps(dev, cfg) -> Report:
     return report
 
 
-def route_tiles(dev, cfg, items=(2, 4, 8, 16), m=8192, k=16, e=896) -> Report:
+def route_tiles(dev, cfg, items=(3, 4, 5, 6, 8), m=8192, k=16, e=896) -> Report:
     report = Report("route_lds_items", environment(dev))
     g = torch.Generator().manual_seed(0)
     original = (_spec.ROUTE_MODULE, _spec.ROUTE_ITEMS)
@@ -178,7 +178,7 @@ def route_tiles(dev, cfg, items=(2, 4, 8, 16), m=8192, k=16, e=896) -> Report:
     return report
 
 
-def align_tiles(dev, cfg, items=(16, 32, 64), ms=(2517, 8192), k=16, e=896, block=64) -> Report:
+def align_tiles(dev, cfg, items=(24, 32, 48), ms=(2517, 8192), k=16, e=896, block=64) -> Report:
     report = Report("align_det_items", environment(dev))
     g = torch.Generator().manual_seed(0)
     original = (_spec.ROUTE_MODULE, _spec.DET_ITEMS, _spec.DET_TILE)
@@ -210,7 +210,7 @@ def align_tiles(dev, cfg, items=(16, 32, 64), ms=(2517, 8192), k=16, e=896, bloc
     return report
 
 
-def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 1024, 4096), k=16, e=896) -> Report:
+def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 384, 512, 768), k=16, e=896) -> Report:
     from amdqb.backends.hip import _ops
 
     report = Report("biased_topk_decode", environment(dev))

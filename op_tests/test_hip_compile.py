@@ -177,20 +177,23 @@ def test_lds_route_kernel_uses_lds_atomics_and_one_reservation_per_expert(amd_bu
     # old: one global atomic site, executed once per route; no LDS, no barrier.
     assert count(old, GLOBAL_ATOMIC) == 1
     assert count(old, LDS_ATOMIC) == 0 and count(old, BARRIER) == 0
-    # new: LDS histogram (ds_add) + LDS ranks (ds_add_rtn), three barriers, two global sites: the
-    # interval reservation (returns the base) and the accepted-count reduction after it.
+    # new: LDS histogram (ds_add) + LDS ranks (ds_add_rtn), three barriers, and in the per-expert
+    # loop (unrolled over a batch of 4 experts per thread) two global sites per expert: the interval
+    # reservation (returns the base) and the accepted-count reduction after it.
     assert count(new, r"^\s+ds_add_u32") >= 1
     assert count(new, r"^\s+ds_add_rtn_u32") >= 1
     assert count(new, LDS_ATOMIC) >= 2 * _spec.ROUTE_ITEMS
     assert count(new, BARRIER) == 3
     sites = [i for i, line in enumerate(new) if GLOBAL_ATOMIC.search(line)]
-    assert len(sites) == 2, sites
+    ret = [i for i in sites if re.search(r"_rtn|\b(glc|sc0)\b|ATOMIC_RETURN", new[i])]
+    assert len(ret) == 4 and len(sites) == 8, [new[i] for i in sites]
+    # The batch is in flight at once: no base is written back to LDS (which waits for the atomic's
+    # result) before the last reservation is issued.
+    assert not any(re.search(r"^\s+ds_(store|write)", line) for line in new[ret[0] : ret[-1]])
     # The sites sit in the per-expert loop: its loop body reads the LDS histogram (the count to
     # reserve) and writes the interval base back; it never loads route ids from global memory.
-    site = sites[0]
-    assert re.search(r"_rtn|\b(glc|sc0)\b|ATOMIC_RETURN", new[site]), new[site]  # returns the base
-    header = max(i for i in range(site) if "Loop Header" in new[i])
-    body = new[header : site + 8]
+    header = max(i for i in range(ret[0]) if "Loop Header" in new[i])
+    body = new[header : sites[-1] + 1]
     assert any(re.search(r"^\s+ds_(load|read)", line) for line in body), body
     assert any(re.search(r"^\s+ds_(store|write)", line) for line in body), body
     assert not any(re.search(r"^\s+global_load", line) for line in body), body

@@ -172,7 +172,7 @@ def test_align_block_size_matches_oracle_bitwise(wave, dtype):
         (896, 300, 16, "uniform", 64, False),  # 3 tiles, 8 warps, many empty blocks of rows
         (896, 260, 8, "shared", 16, True),
         (129, 64, 5, "one", 1, False),  # block_size 1: no padding
-        (2048, 600, 8, "uniform", 32, True),  # 3 tiles of 2 warps
+        (2048, 600, 8, "uniform", 32, True),  # 5 tiles of 4 warps
         (4096, 70, 4, "dropped", 128, False),  # 1 warp per tile, most experts empty
         (33, 1, 1, "uniform", 8, False),  # a single route
     ]
@@ -188,7 +188,7 @@ def test_align_block_size_matches_oracle_bitwise(wave, dtype):
         _ops.align_block_size(rt, ids, bs, e, *got)
         for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
             assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist}, bs={bs})"
-    assert _ops.align_warps(896) == 8 and _ops.align_warps(2048) == 2
+    assert _ops.align_warps(896) == 8 and _ops.align_warps(2048) == 4
     assert _ops.align_warps(4096) == 1
 
 

@@ -605,12 +605,16 @@ constexpr int DEC_THREADS = 32 * DEC_WARPS;
 constexpr int DEC_EPT = (E + DEC_THREADS - 1) / DEC_THREADS;  // experts per thread
 
 namespace {
-// Entries of the sorted list (keys, ids)[0, len) ahead of (k, id) in the selection order.
-AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int len, i32 k, i32 id) {
+// Global id of warp w's local id j * 32 + lane.
+AMDQB_DEVICE i32 global_id(int w, i32 lid) { return (lid >> 5) * DEC_THREADS + w * 32 + (lid & 31); }
+
+// Entries of warp w's sorted list (keys, local ids)[0, len) ahead of (k, id) in the selection
+// order (id global).
+AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int len, i32 k, i32 id) {
   int lo = 0, hi = len;  // answer in [lo, hi]
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
-    if (ahead(keys[mid], ids[mid], k, id))
+    if (ahead(keys[mid], global_id(w, ids[mid]), k, id))
       lo = mid + 1;
     else
       hi = mid;
@@ -656,37 +660,33 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 
   const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
                       nullptr};
-  select_top(key, topk, lane, b);
-#pragma unroll
-  for (int q = 0; q < CAP / 32; ++q) {  // local id j * 32 + l -> global id
-    const int r = lane + 32 * q;
-    if (r < topk) {
-      const i32 lid = b.sid[r];
-      b.sid[r] = (lid >> 5) * DEC_THREADS + w * 32 + (lid & 31);
-    }
-  }
+  select_top(key, topk, lane, b);  // local ids; the merge maps them to global ids
   block_sync();
 
-  if (DEC_WARPS == 1) {
-    if (tid < topk) sh_top[tid] = sh_sid[tid];
+  if (DEC_WARPS == 1) {  // local ids are the global ids
+    for (int r = tid; r < topk; r += 32) sh_top[r] = sh_sid[r];
   } else {
     for (int c = tid; c < DEC_WARPS * topk; c += DEC_THREADS) {
       const int v0 = c / topk, r0 = c - v0 * topk;
-      const i32 k0 = sh_skey[v0 * CAP + r0], id0 = sh_sid[v0 * CAP + r0];
+      const i32 k0 = sh_skey[v0 * CAP + r0], id0 = global_id(v0, sh_sid[v0 * CAP + r0]);
       int rank = r0;
 #pragma unroll
       for (int v = 0; v < DEC_WARPS; ++v)
-        if (v != v0) rank += count_ahead_sorted(sh_skey + v * CAP, sh_sid + v * CAP, topk, k0, id0);
+        if (v != v0) rank += count_ahead_sorted(sh_skey + v * CAP, sh_sid + v * CAP, v, topk, k0, id0);
       if (rank < topk) sh_top[rank] = id0;
     }
   }
   block_sync();
 
   if (w == 0) {
+    // The k selected scores, each lane's own (rank r = lane + 32 q) and, for the normalisation,
+    // all of them loaded at once (the sum runs in rank order, as amdqb_router's).
     float denom = 1.0f;
     if (normalize) {
       float sum = 0.0f;
-      for (int r = 0; r < topk; ++r) sum += sh_score[sh_top[r]];
+#pragma unroll
+      for (int r = 0; r < CAP; ++r)
+        if (r < topk) sum += sh_score[sh_top[r]];
       denom = sum + 1e-20f;
     }
 #pragma unroll

@@ -42,29 +42,23 @@ def _cdiv(a: int, b: int) -> int:
 # ------------------------------------------------------------------------------------------------
 # Route rows
 # ------------------------------------------------------------------------------------------------
-def _tile_slot_bases(rt, topk_ids, num_experts, start, totals, fill=None):
+def _tile_slot_bases(rt, topk_ids, num_experts, start, totals):
     """Passes 1-2 of the deterministic kernels: per-tile histograms, then each tile's first slot
     per expert (exclusive scan over the tiles from ``start``, or 0; ``totals`` gets the ends).
-    ``fill=(buffer, value)``: pass 1 also writes ``value`` over ``buffer``. Returns
-    ``(tiles, tile_slots int32 [tiles * E])``."""
+    Returns ``(tiles, tile_slots int32 [tiles * E])``."""
     n = topk_ids.numel()
     dev = _dev(topk_ids)
     suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
     e_arg = arg_i32(num_experts)
     tiles = _cdiv(n, _spec.DET_TILE)
     tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
-    fill_args = (
-        [_ptr(None), arg_i64(0), arg_i32(0)]
-        if fill is None
-        else [_ptr(fill[0]), arg_i64(fill[0].numel()), arg_i32(fill[1])]
-    )
     k = rt.kernel(dev, _spec.ROUTE_MODULE, f"amdqb_route_det_hist_{suffix}")
     rt.launch(
         k,
         tiles,
         256,
         4 * num_experts,
-        [_ptr(topk_ids), arg_i64(n), e_arg, _ptr(tile_counts), *fill_args],
+        [_ptr(topk_ids), arg_i64(n), e_arg, _ptr(tile_counts)],
     )
     k = rt.kernel(dev, _spec.ROUTE_MODULE, "amdqb_route_det_scan")
     rt.launch(
@@ -175,9 +169,7 @@ def align_block_size(
     suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
     ids, n_arg, e_arg = _ptr(topk_ids), arg_i64(n), arg_i32(num_experts)
     totals = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
-    tiles, tile_counts = _tile_slot_bases(
-        rt, topk_ids, num_experts, None, totals, fill=(sorted_ids_out, n)
-    )
+    tiles, tile_counts = _tile_slot_bases(rt, topk_ids, num_experts, None, totals)
     warps = align_warps(num_experts)
     k = rt.kernel(dev, spec, f"amdqb_align_rank_{suffix}")
     rt.launch(
@@ -193,6 +185,7 @@ def align_block_size(
             _ptr(tile_counts),
             _ptr(totals),
             _ptr(sorted_ids_out),
+            arg_i64(sorted_ids_out.numel()),
             _ptr(expert_ids_out),
             arg_i32(expert_ids_out.numel()),
             _ptr(num_post_pad_out),

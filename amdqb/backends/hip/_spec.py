@@ -40,7 +40,10 @@ FALLBACK_BLOCKS_PER_CU = 2
 # for a latency-bound kernel and more interval reservations; 4 is the best uniform balance.
 ROUTE_ITEMS = 4
 ROUTE_BLOCK = 256
-DET_ITEMS = 64  # 32-route chunks per deterministic tile (AMDQB_DET_ITEMS)
+# 32-route chunks per deterministic tile (AMDQB_DET_ITEMS). H200, 2026-11-29 (tune align sweep,
+# bench/results/h200_2026-11-29_s5/call1/tune.md, E=896 k=16 block 64, graph replay): align at
+# items 16/32/64 = 11.33/11.76/13.49 us (M=2517), 14.04/12.48/13.60 us (M=8192).
+DET_ITEMS = 32
 DET_TILE = 32 * DET_ITEMS
 SCAN_EXPERTS = 32  # experts per block of amdqb_route_det_scan (route.hip; 8 tile groups each)
 

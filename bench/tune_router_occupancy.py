@@ -228,6 +228,10 @@ def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 384, 512, 768), k=16, e=896) -
 
         return call
 
+    # The floor: one trivial kernel node (a 1-element fill) in the same graph replay.
+    one = torch.empty(1, device=dev)
+    floor = time_alternating({"fill": lambda: one.zero_()}, dev, cfg)["fill"]
+    report.add(T=0, kernel="one_element_fill", us=floor)
     for t in tokens:
         z = torch.randn(t, e, generator=g).to(dev)
         impls = {

@@ -17,7 +17,7 @@
 using namespace amdqb;
 
 #ifndef AMDQB_ROUTE_ITEMS
-#define AMDQB_ROUTE_ITEMS 4  // routes per thread of the lds kernel (_spec.ROUTE_ITEMS says why)
+#define AMDQB_ROUTE_ITEMS 5  // routes per thread of the lds kernel (_spec.ROUTE_ITEMS says why)
 #endif
 #ifndef AMDQB_DET_ITEMS
 #define AMDQB_DET_ITEMS 32  // 32-route chunks per tile of the deterministic kernels (_spec says why)
@@ -123,12 +123,19 @@ AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity
 }
 
 // Deterministic 1/3: per-tile histograms (tile = 32 * AMDQB_DET_ITEMS routes) into
-// tile_counts[tile * E + e], every entry written. Dynamic shared memory: num_experts ints.
+// tile_counts[tile * E + e], every entry written. fill (nullable): the grid also writes fill_val
+// over fill[0, fill_len) (the align sentinel, at no extra launch). Dynamic shared memory:
+// num_experts ints.
 template <typename IdT>
-AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* tile_counts) {
+AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* tile_counts,
+                                int* fill, i64 fill_len, int fill_val) {
   AMDQB_DYN_SHARED(hist);
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
+  if (fill != nullptr) {
+    const i64 stride = (i64)gridDim.x * nt;
+    for (i64 i = (i64)blockIdx.x * nt + tid; i < fill_len; i += stride) fill[i] = fill_val;
+  }
   const i64 tile = 32LL * AMDQB_DET_ITEMS;
   const i64 base = (i64)blockIdx.x * tile;
   for (int e = tid; e < num_experts; e += nt) hist[e] = 0;
@@ -200,8 +207,9 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
     route_lds<IdT>(ids, n, num_experts, capacity, counters, counts, rows);                         \
   }                                                                                                \
   AMDQB_KERNEL void amdqb_route_det_hist_##SUFFIX(const IdT* ids, i64 n, int num_experts,         \
-                                                  int* tile_counts) {                              \
-    det_tile_hist<IdT>(ids, n, num_experts, tile_counts);                                          \
+                                                  int* tile_counts, int* fill, i64 fill_len,       \
+                                                  int fill_val) {                                  \
+    det_tile_hist<IdT>(ids, n, num_experts, tile_counts, fill, fill_len, fill_val);                \
   }                                                                                                \
   AMDQB_KERNEL void amdqb_route_det_rank_##SUFFIX(const IdT* ids, i64 n, int num_experts,         \
                                                   int capacity, const int* tile_base, int* rows) { \
@@ -224,14 +232,15 @@ AMDQB_ROUTE_KERNELS(i64, i64)
 // rows: start = totals = the counters). A block of SCAN_EXPERTS x SCAN_GROUPS threads: each thread
 // sums one contiguous group of tiles of one expert, the group sums are scanned in LDS, and each
 // thread writes its group's slots. Loads go out in batches of SCAN_BATCH (kept in registers when a
-// group has no more tiles than that, i.e. up to 64 tiles): a serial walk over the tiles would cost
-// one L2 round trip per tile (the H200 profile of a batched-but-serial form: 6.8 us for 64 tiles).
+// group has no more tiles than that, i.e. up to 128 tiles: M = 8192, k = 16 gives 128 tiles of
+// 1024 routes): a serial walk over the tiles would cost one L2 round trip per tile (the H200
+// profile of a batched-but-serial form: 6.8 us for 64 tiles).
 constexpr int SCAN_EXPERTS = 32;  // consecutive experts: a warp reads 128 contiguous bytes
 constexpr int SCAN_GROUPS = 8;    // tile groups per expert (blockDim.x = 256)
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
     amdqb_route_det_scan(int num_tiles, int num_experts, int* tile_counts, const int* start,
                          int* totals) {
-  constexpr int SCAN_BATCH = 8;
+  constexpr int SCAN_BATCH = 16;
   AMDQB_SHARED(int, part, SCAN_GROUPS * SCAN_EXPERTS);
   const int el = (int)threadIdx.x % SCAN_EXPERTS;
   const int g = (int)threadIdx.x / SCAN_EXPERTS;
@@ -363,14 +372,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
 // routes, ascending flat index, start at the exclusive cumsum of the padded counts
 // ceil(count / block_size) * block_size; sorted_ids holds flat route indices and the sentinel n
 // elsewhere; expert_ids[j] is the expert owning rows [j * block_size, (j + 1) * block_size), 0 past
-// the padded total; post_pad[0] is the padded total. Pass 1 = amdqb_route_det_hist_*, pass 2 =
-// amdqb_route_det_scan (start 0, totals), pass 3 = amdqb_align_rank_*: one block of W = blockDim.x / 32 logical warps per 32 * AMDQB_DET_ITEMS-route tile, warp w taking
+// the padded total; post_pad[0] is the padded total. Pass 1 = amdqb_route_det_hist_* (with the
+// sentinel fill), pass 2 = amdqb_route_det_scan (start 0, totals), pass 3 = amdqb_align_rank_*:
+// one block of W = blockDim.x / 32 logical warps per 32 * AMDQB_DET_ITEMS-route tile, warp w taking
 // the w-th run of AMDQB_DET_ITEMS / W chunks, so the tile's routes are ranked W runs at a time
 // instead of one 32-route chunk at a time. The tile's experts are staged in LDS first (every load
 // in flight at once: the ranking walk is sequential per warp and would otherwise wait for one
-// global load per chunk). The sentinels go only where no route lands -- each expert's padding (a
-// warp per expert) and the tail past the padded total -- not over the whole buffer first.
-// Dynamic shared memory: (W + 1) * num_experts + 32 * AMDQB_DET_ITEMS ints.
+// global load per chunk). Dynamic shared memory: (W + 1) * num_experts + 32 * AMDQB_DET_ITEMS ints.
 AMDQB_DEVICE i64 padded_count(int count, int block_size) {
   return ((i64)count + block_size - 1) / block_size * block_size;
 }
@@ -378,7 +386,7 @@ AMDQB_DEVICE i64 padded_count(int count, int block_size) {
 template <typename IdT>
 AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_size,
                              const int* tile_base, const int* totals, int* sorted_ids,
-                             i64 sorted_len, int* expert_ids, int num_blocks_out, int* post_pad) {
+                             int* expert_ids, int num_blocks_out, int* post_pad) {
   AMDQB_DYN_SHARED(lds);
   AMDQB_SHARED(u32, warp_sums, 32);
   const int tid = (int)threadIdx.x;
@@ -401,16 +409,6 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   for (int i = tid; i < warps * num_experts; i += nt) next[i] = 0;
   block_sync();
   const i64 total = (i64)start[num_experts - 1] + padded_count(totals[num_experts - 1], block_size);
-
-  // Sentinels: each expert's padding rows (a warp per expert over the grid), then the tail.
-  const int sentinel = (int)n;
-  for (int e = (int)blockIdx.x * warps + w; e < num_experts; e += (int)gridDim.x * warps) {
-    const int count = totals[e];
-    const i64 end = (i64)start[e] + padded_count(count, block_size);
-    for (i64 r = (i64)start[e] + count + lane; r < end; r += 32) sorted_ids[r] = sentinel;
-  }
-  for (i64 r = total + (i64)blockIdx.x * nt + tid; r < sorted_len; r += (i64)gridDim.x * nt)
-    sorted_ids[r] = sentinel;
 
   // Per-warp counts of the warp's run of the tile.
   const int chunks = AMDQB_DET_ITEMS / warps;
@@ -477,10 +475,9 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)                                                       \
       amdqb_align_rank_##SUFFIX(const IdT* ids, i64 n, int num_experts, int block_size,            \
                                 const int* tile_base, const int* totals, int* sorted_ids,          \
-                                i64 sorted_len, int* expert_ids, int num_blocks_out,               \
-                                int* post_pad) {                                                   \
-    align_rank<IdT>(ids, n, num_experts, block_size, tile_base, totals, sorted_ids, sorted_len,    \
-                    expert_ids, num_blocks_out, post_pad);                                         \
+                                int* expert_ids, int num_blocks_out, int* post_pad) {              \
+    align_rank<IdT>(ids, n, num_experts, block_size, tile_base, totals, sorted_ids, expert_ids,    \
+                    num_blocks_out, post_pad);                                                     \
   }
 
 AMDQB_ALIGN_KERNEL(i32, i32)

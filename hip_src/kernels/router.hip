@@ -679,24 +679,30 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   block_sync();
 
   if (w == 0) {
-    // The k selected scores, each lane's own (rank r = lane + 32 q) and, for the normalisation,
-    // all of them loaded at once (the sum runs in rank order, as amdqb_router's).
+    // Lane r % 32 holds the score of rank r (CAP / 32 registers); the normalisation sums them in
+    // rank order, as amdqb_router does, through shuffles rather than a chain of LDS loads.
+    i32 id[CAP / 32];
+    float v[CAP / 32];
+#pragma unroll
+    for (int q = 0; q < CAP / 32; ++q) {
+      const int r = lane + 32 * q;
+      id[q] = r < topk ? sh_top[r] : 0;
+      v[q] = r < topk ? sh_score[id[q]] : 0.0f;
+    }
     float denom = 1.0f;
     if (normalize) {
       float sum = 0.0f;
 #pragma unroll
-      for (int r = 0; r < CAP; ++r)
-        if (r < topk) sum += sh_score[sh_top[r]];
+      for (int q = 0; q < CAP / 32; ++q)
+        for (int r = 32 * q; r < topk && r < 32 * q + 32; ++r) sum += shfl_f32(v[q], r - 32 * q);
       denom = sum + 1e-20f;
     }
 #pragma unroll
     for (int q = 0; q < CAP / 32; ++q) {
       const int r = lane + 32 * q;
       if (r < topk) {
-        const i32 id = sh_top[r];
-        const float v = sh_score[id];
-        w_out[t * topk + r] = (normalize ? v / denom : v) * scale;
-        id_out[t * topk + r] = id;
+        w_out[t * topk + r] = (normalize ? v[q] / denom : v[q]) * scale;
+        id_out[t * topk + r] = id[q];
       }
     }
   }

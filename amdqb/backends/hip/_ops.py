@@ -42,23 +42,29 @@ def _cdiv(a: int, b: int) -> int:
 # ------------------------------------------------------------------------------------------------
 # Route rows
 # ------------------------------------------------------------------------------------------------
-def _tile_slot_bases(rt, topk_ids, num_experts, start, totals):
+def _tile_slot_bases(rt, topk_ids, num_experts, start, totals, fill=None):
     """Passes 1-2 of the deterministic kernels: per-tile histograms, then each tile's first slot
     per expert (exclusive scan over the tiles from ``start``, or 0; ``totals`` gets the ends).
-    Returns ``(tiles, tile_slots int32 [tiles * E])``."""
+    ``fill=(buffer, value)``: pass 1 also writes ``value`` over ``buffer``. Returns
+    ``(tiles, tile_slots int32 [tiles * E])``."""
     n = topk_ids.numel()
     dev = _dev(topk_ids)
     suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
     e_arg = arg_i32(num_experts)
     tiles = _cdiv(n, _spec.DET_TILE)
     tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
+    fill_args = (
+        [_ptr(None), arg_i64(0), arg_i32(0)]
+        if fill is None
+        else [_ptr(fill[0]), arg_i64(fill[0].numel()), arg_i32(fill[1])]
+    )
     k = rt.kernel(dev, _spec.ROUTE_MODULE, f"amdqb_route_det_hist_{suffix}")
     rt.launch(
         k,
         tiles,
         256,
         4 * num_experts,
-        [_ptr(topk_ids), arg_i64(n), e_arg, _ptr(tile_counts)],
+        [_ptr(topk_ids), arg_i64(n), e_arg, _ptr(tile_counts), *fill_args],
     )
     k = rt.kernel(dev, _spec.ROUTE_MODULE, "amdqb_route_det_scan")
     rt.launch(
@@ -169,7 +175,9 @@ def align_block_size(
     suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
     ids, n_arg, e_arg = _ptr(topk_ids), arg_i64(n), arg_i32(num_experts)
     totals = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
-    tiles, tile_counts = _tile_slot_bases(rt, topk_ids, num_experts, None, totals)
+    tiles, tile_counts = _tile_slot_bases(
+        rt, topk_ids, num_experts, None, totals, fill=(sorted_ids_out, n)
+    )
     warps = align_warps(num_experts)
     k = rt.kernel(dev, spec, f"amdqb_align_rank_{suffix}")
     rt.launch(
@@ -185,7 +193,6 @@ def align_block_size(
             _ptr(tile_counts),
             _ptr(totals),
             _ptr(sorted_ids_out),
-            arg_i64(sorted_ids_out.numel()),
             _ptr(expert_ids_out),
             arg_i32(expert_ids_out.numel()),
             _ptr(num_post_pad_out),
@@ -363,8 +370,10 @@ def router_fwd(
 
 
 # Largest token count biased_topk runs with one block per token (amdqb_topk_decode); beyond it
-# the router's warp-per-token kernel. Placeholder until the H200 crossover is measured.
-DECODE_MAX_TOKENS = 1024
+# the router's warp-per-token kernel. H200, 2026-11-29 (tune decode sweep,
+# bench/results/h200_2026-11-29_s5/call2/tune.md, E=896 k=16, graph replay): block / warp per
+# token = 5.7/6.0, 5.9/6.9, 6.5/6.9, 7.7/7.1, 8.4/7.6 us at T = 1, 64, 256, 384, 512.
+DECODE_MAX_TOKENS = 256
 
 
 def decode_threads(num_experts: int) -> int:

@@ -34,11 +34,12 @@ ROUTER_CAP = 64  # largest Top-n the router selects (n = k, or k + 1 under QB)
 # Resident blocks per CU assumed where a runtime cannot answer the occupancy query.
 FALLBACK_BLOCKS_PER_CU = 2
 # Routes per thread of the lds route kernel (AMDQB_ROUTE_ITEMS; tile = ROUTE_BLOCK * ROUTE_ITEMS).
-# H200, 2026-11-29 (bench/tune_router_occupancy.py -> bench/results/h200_2026-11-29_s3/tune.md,
-# M=8192 k=16 E=896, masked layout, graph replay): items 2/4/8/16 = 8.95/7.75/8.27/9.49 us uniform,
-# 5.89/6.04/7.20/9.11 us all-one-expert (atomic: 17.2 / 100.5 us). Smaller tiles mean more blocks
-# for a latency-bound kernel and more interval reservations; 4 is the best uniform balance.
-ROUTE_ITEMS = 4
+# H200, 2026-11-29, with the reservations batched 4 per thread (bench/tune_router_occupancy.py ->
+# bench/results/h200_2026-11-29_s5/call2/tune.md, M=8192 k=16 E=896, masked layout, graph replay):
+# items 3/4/5/6/8 = 5.48/5.30/5.18/5.11/5.31 us uniform, 4.12/3.91/3.99/4.35/4.92 us
+# all-one-expert (atomic: 17.5 / 100.8 us). Smaller tiles mean more blocks for a latency-bound
+# kernel and more interval reservations; 5 balances the two distributions.
+ROUTE_ITEMS = 5
 ROUTE_BLOCK = 256
 # 32-route chunks per deterministic tile (AMDQB_DET_ITEMS). H200, 2026-11-29 (tune align sweep,
 # bench/results/h200_2026-11-29_s5/call1/tune.md, E=896 k=16 block 64, graph replay): align at

@@ -232,6 +232,27 @@ def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 384, 512, 768), k=16, e=896) -
     one = torch.empty(1, device=dev)
     floor = time_alternating({"fill": lambda: one.zero_()}, dev, cfg)["fill"]
     report.add(T=0, kernel="one_element_fill", us=floor)
+    # Stage costs of the decode kernel: the same launch returning after stage k (AMDQB_DECODE_STOP).
+    spec_of = _spec.router_module
+
+    def stopped(k, fn):
+        def call():
+            _spec.router_module = lambda *a: _spec.ModuleSpec(
+                spec_of(*a).kernel_file, spec_of(*a).defines + (("AMDQB_DECODE_STOP", str(k)),)
+            )
+            try:
+                return fn()
+            finally:
+                _spec.router_module = spec_of
+
+        return call
+
+    for t in (1, 64):
+        z = torch.randn(t, e, generator=g).to(dev)
+        full = variant(1 << 30, lambda z=z: amdqb.biased_topk(z, k, bias, backend="hip"))
+        impls = {"full": full, **{f"stop{s}": stopped(s, full) for s in range(4)}}
+        for name, us in time_alternating(impls, dev, cfg).items():
+            report.add(T=t, kernel=f"block_per_token:{name}", us=us)
     for t in tokens:
         z = torch.randn(t, e, generator=g).to(dev)
         impls = {

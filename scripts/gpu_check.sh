@@ -70,8 +70,10 @@ run_fuzz() {  # the large differential-fuzzing profile (>= 10,000 cases) -> $OUT
     TEST_TIMEOUT=${FUZZ_TIMEOUT:-300} run_tests "${FUZZ_K:-}"
 }
 
-run_profile() {  # ncu over the hot kernels at the SPEC §5 shapes -> $OUT/ncu.txt
+run_profile() {  # ncu over the hot kernels at the SPEC §5 shapes (AMDQB_PROFILE_K) -> $OUT/ncu.txt
+  # NCU_CACHE=none keeps the caches warm between kernels (closer to graph replay than ncu's flush)
   timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off \
+    --cache-control "${NCU_CACHE:-all}" \
     --section SpeedOfLight --section LaunchStats --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
     python -m bench.profile_kernels > "$OUT/ncu.txt" 2>&1

@@ -623,6 +623,19 @@ AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int 
 }
 }  // namespace
 
+// -DAMDQB_DECODE_STOP=k (benchmarks only, bench/tune_router_occupancy.py): the kernel returns after
+// stage k (0 loads, 1 scores and keys, 2 per-warp selection, 3 merge), writing one value that
+// depends on the work so far -- the time of each stage, not a result.
+#if defined(AMDQB_DECODE_STOP)
+#define AMDQB_DECODE_STAGE(k, value)                             \
+  if (AMDQB_DECODE_STOP == k) {                                  \
+    if (tid < topk) id_out[t * topk + tid] = (int)(value);       \
+    return;                                                      \
+  }
+#else
+#define AMDQB_DECODE_STAGE(k, value)
+#endif
+
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     amdqb_topk_decode(const in_t* logits, int num_tokens, const float* bias, int topk,
                       int normalize, float scale, float* w_out, int* id_out) {
@@ -648,6 +661,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     raw[j] = valid(j) ? row[e] : in_t(0);
     bv[j] = bias != nullptr && valid(j) ? bias[e] : 0.0f;
   }
+  AMDQB_DECODE_STAGE(0, to_f32(raw[0]) + bv[0])
   float s[DEC_EPT];
   activate(raw, valid, s);
   i32 key[DEC_EPT];
@@ -660,7 +674,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 
   const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
                       nullptr};
+  AMDQB_DECODE_STAGE(1, key[0] + key[DEC_EPT - 1])
   select_top(key, topk, lane, b);  // local ids; the merge maps them to global ids
+  AMDQB_DECODE_STAGE(2, b.sid[lane])
   block_sync();
 
   if (DEC_WARPS == 1) {  // local ids are the global ids
@@ -677,6 +693,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     }
   }
   block_sync();
+  AMDQB_DECODE_STAGE(3, sh_top[tid % topk])
 
   if (w == 0) {
     // Lane r % 32 holds the score of rank r (CAP / 32 registers); the normalisation sums them in

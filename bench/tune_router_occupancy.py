@@ -210,7 +210,7 @@ def align_tiles(dev, cfg, items=(24, 32, 48), ms=(2517, 8192), k=16, e=896, bloc
     return report
 
 
-def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 384, 512, 768), k=16, e=896) -> Report:
+def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 384, 512), k=16, e=896) -> Report:
     from amdqb.backends.hip import _ops
 
     report = Report("biased_topk_decode", environment(dev))
@@ -232,25 +232,35 @@ def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 384, 512, 768), k=16, e=896) -
     one = torch.empty(1, device=dev)
     floor = time_alternating({"fill": lambda: one.zero_()}, dev, cfg)["fill"]
     report.add(T=0, kernel="one_element_fill", us=floor)
-    # Stage costs of the decode kernel: the same launch returning after stage k (AMDQB_DECODE_STOP).
-    spec_of = _spec.router_module
+    # Stage costs of the decode kernel (the same launch returning after stage k:
+    # AMDQB_DECODE_STOP) and its experts per warp (AMDQB_DECODE_EPW).
+    spec_of, epw_default = _spec.router_module, _ops.DECODE_EPW
 
-    def stopped(k, fn):
+    def defined(fn, stop=None, epw=None):
+        extra = () if stop is None else (("AMDQB_DECODE_STOP", str(stop)),)
+        extra += () if epw is None else (("AMDQB_DECODE_EPW", str(epw)),)
+
         def call():
             _spec.router_module = lambda *a: _spec.ModuleSpec(
-                spec_of(*a).kernel_file, spec_of(*a).defines + (("AMDQB_DECODE_STOP", str(k)),)
+                spec_of(*a).kernel_file, spec_of(*a).defines + extra
             )
+            _ops.DECODE_EPW = epw_default if epw is None else epw
             try:
                 return fn()
             finally:
-                _spec.router_module = spec_of
+                _spec.router_module, _ops.DECODE_EPW = spec_of, epw_default
 
         return call
 
-    for t in (1, 64):
+    for t in (1, 64, 256):
         z = torch.randn(t, e, generator=g).to(dev)
         full = variant(1 << 30, lambda z=z: amdqb.biased_topk(z, k, bias, backend="hip"))
-        impls = {"full": full, **{f"stop{s}": stopped(s, full) for s in range(4)}}
+        impls = {"full": full, **{f"stop{s}": defined(full, stop=s) for s in range(4)}}
+        impls.update({f"epw{n}": defined(full, epw=n) for n in (64, 256)})
+        want = full()
+        for name in ("epw64", "epw256"):
+            got = impls[name]()
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{name} differs at T={t}"
         for name, us in time_alternating(impls, dev, cfg).items():
             report.add(T=t, kernel=f"block_per_token:{name}", us=us)
     for t in tokens:

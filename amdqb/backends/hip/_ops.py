@@ -376,9 +376,13 @@ def router_fwd(
 DECODE_MAX_TOKENS = 256
 
 
+# Experts per warp of amdqb_topk_decode (AMDQB_DECODE_EPW; warps = min(8, ceil(E / EPW))).
+DECODE_EPW = 128
+
+
 def decode_threads(num_experts: int) -> int:
-    """Block size of amdqb_topk_decode: DEC_WARPS = min(8, ceil(E / 128)) logical warps."""
-    return 32 * min(8, _cdiv(num_experts, 128))
+    """Block size of amdqb_topk_decode: min(8, ceil(E / DECODE_EPW)) logical warps."""
+    return 32 * min(8, _cdiv(num_experts, DECODE_EPW))
 
 
 def biased_topk(

@@ -175,6 +175,7 @@ def test_align_block_size_matches_oracle_bitwise(wave, dtype):
         (2048, 600, 8, "uniform", 32, True),  # 5 tiles of 4 warps
         (4096, 70, 4, "dropped", 128, False),  # 1 warp per tile, most experts empty
         (33, 1, 1, "uniform", 8, False),  # a single route
+        (300, 200, 6, "shared", 12, True),  # a block size that is not a power of two
     ]
     for e, m, k, dist, bs, pad in cases:
         ids = make_ids(m, k, e, dist, e + m, dtype)

@@ -340,8 +340,9 @@ AMDQB_DEVICE void block_exclusive_cumsum(int n, F value, int* out, u32* warp_sum
   for (int e = lo; e < hi; ++e) sum += value(e);
   u32 run = block_exclusive_sum_u32(sum, warp_sums);
   for (int e = lo; e < hi; ++e) {
+    const u32 v = value(e);  // read before the write: out may be where value reads (in place)
     out[e] = (int)run;
-    run += value(e);
+    run += v;
   }
 }
 
@@ -379,8 +380,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
 // instead of one 32-route chunk at a time. The tile's experts are staged in LDS first (every load
 // in flight at once: the ranking walk is sequential per warp and would otherwise wait for one
 // global load per chunk). Dynamic shared memory: (W + 1) * num_experts + 32 * AMDQB_DET_ITEMS ints.
-AMDQB_DEVICE i64 padded_count(int count, int block_size) {
-  return ((i64)count + block_size - 1) / block_size * block_size;
+// ceil(count / block_size) * block_size in u32 (the op checked that the padded total fits int32),
+// a mask for the usual power-of-two block sizes: the rank pass computes it for every expert, and
+// the 64-bit division it replaced is a long software routine on GPUs.
+AMDQB_DEVICE u32 padded_count(int count, int block_size) {
+  const u32 c = (u32)count, b = (u32)block_size;
+  return (b & (b - 1)) == 0 ? (c + b - 1) & ~(b - 1) : (c + b - 1) / b * b;
 }
 
 template <typename IdT>
@@ -402,10 +407,12 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   for (int k = tid; k < TILE; k += nt)
     tile_ex[k] = tile0 + k < n ? expert_of(ids, tile0 + k, num_experts) : -1;
 
-  // Padded starts (the op checked that the padded total fits int32).
-  block_exclusive_cumsum(
-      num_experts, [=](int e) { return (u32)padded_count(totals[e], block_size); }, start,
-      warp_sums);
+  // Padded starts (the op checked that the padded total fits int32): the padded counts staged in
+  // LDS with every load in flight at once, then scanned in place (each thread's run of experts read
+  // from LDS, not one global round trip per expert and pass).
+  for (int e = tid; e < num_experts; e += nt) start[e] = (int)padded_count(totals[e], block_size);
+  block_sync();
+  block_exclusive_cumsum(num_experts, [=](int e) { return (u32)start[e]; }, start, warp_sums);
   for (int i = tid; i < warps * num_experts; i += nt) next[i] = 0;
   block_sync();
   const i64 total = (i64)start[num_experts - 1] + padded_count(totals[num_experts - 1], block_size);

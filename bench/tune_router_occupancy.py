@@ -178,7 +178,7 @@ def route_tiles(dev, cfg, items=(3, 4, 5, 6, 8), m=8192, k=16, e=896) -> Report:
     return report
 
 
-def align_tiles(dev, cfg, items=(24, 32, 48), ms=(2517, 8192), k=16, e=896, block=64) -> Report:
+def align_tiles(dev, cfg, items=(32,), ms=(2517, 8192), k=16, e=896, block=64) -> Report:
     report = Report("align_det_items", environment(dev))
     g = torch.Generator().manual_seed(0)
     original = (_spec.ROUTE_MODULE, _spec.DET_ITEMS, _spec.DET_TILE)
@@ -205,12 +205,57 @@ def align_tiles(dev, cfg, items=(24, 32, 48), ms=(2517, 8192), k=16, e=896, bloc
             got = impls[f"items{n}"]()
             for a, b in zip(got, want):
                 assert torch.equal(a.cpu(), b), f"align items={n} M={m}: differs from the oracle"
+        # Marginal cost of each pass (default tile): the op's launches cut after the first n.
+        from amdqb.backends.hip import _ops, _rt
+
+        outs = [torch.empty_like(x, device=dev) for x in want]
+        for n_passes in (1, 2):
+            impls[f"passes{n_passes}"] = lambda n_passes=n_passes: _ops.align_block_size(
+                _FirstLaunches(_rt(), n_passes), ids, block, e, *outs
+            )
+        # ... and the rank pass cut after stage k (AMDQB_ALIGN_STOP)
+        for k_stop in range(4):
+            stop_spec = _spec.ModuleSpec("route.hip", (("AMDQB_ALIGN_STOP", str(k_stop)),))
+            impls[f"rank_stop{k_stop}"] = lambda stop_spec=stop_spec: _with_route_module(
+                stop_spec, lambda: _ops.align_block_size(_rt(), ids, block, e, *outs)
+            )
         for name, us in time_alternating(impls, dev, cfg).items():
-            report.add(M=m, det_items=int(name[5:]), us=us)
+            if name.startswith("passes"):
+                report.add(M=m, det_items=f"{_spec.DET_ITEMS}, first {name[6:]} pass(es)", us=us)
+            elif name.startswith("rank_stop"):
+                report.add(
+                    M=m, det_items=f"{_spec.DET_ITEMS}, rank pass to stage {name[9:]}", us=us
+                )
+            else:
+                report.add(M=m, det_items=int(name[5:]), us=us)
     return report
 
 
-def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 384, 512), k=16, e=896) -> Report:
+def _with_route_module(spec, fn):
+    original = _spec.ROUTE_MODULE
+    _spec.ROUTE_MODULE = spec
+    try:
+        return fn()
+    finally:
+        _spec.ROUTE_MODULE = original
+
+
+class _FirstLaunches:
+    """A runtime that forwards only the first ``n`` launches (stage timings)."""
+
+    def __init__(self, rt, n):
+        self.rt, self.n, self.seen = rt, n, 0
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+    def launch(self, *args):
+        self.seen += 1
+        if self.seen <= self.n:
+            self.rt.launch(*args)
+
+
+def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 512, 768, 1024, 2048), k=16, e=896) -> Report:
     from amdqb.backends.hip import _ops
 
     report = Report("biased_topk_decode", environment(dev))

@@ -388,6 +388,19 @@ AMDQB_DEVICE u32 padded_count(int count, int block_size) {
   return (b & (b - 1)) == 0 ? (c + b - 1) & ~(b - 1) : (c + b - 1) / b * b;
 }
 
+// -DAMDQB_ALIGN_STOP=k (benchmarks only, bench/tune_router_occupancy.py): the rank pass returns
+// after stage k (0 staging and padded starts, 1 per-warp counts, 2 first slots, 3 ranks), writing
+// one value that depends on the work so far -- the time of each stage, not a result.
+#if defined(AMDQB_ALIGN_STOP)
+#define AMDQB_ALIGN_STAGE(k, value)                            \
+  if (AMDQB_ALIGN_STOP == k) {                                 \
+    if (tid == 0) post_pad[blockIdx.x & 0] = (int)(value);     \
+    return;                                                    \
+  }
+#else
+#define AMDQB_ALIGN_STAGE(k, value)
+#endif
+
 template <typename IdT>
 AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_size,
                              const int* tile_base, const int* totals, int* sorted_ids,
@@ -404,6 +417,13 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   int* next = lds + num_experts;              // [W][E]: per-warp counts, then running slots
   int* tile_ex = next + warps * num_experts;  // [TILE]: expert of each route (-1: dropped)
   const i64 tile0 = (i64)blockIdx.x * TILE;
+  // The tile's first slots of this thread's first PF experts, loaded now with everything else
+  // rather than after three barriers (the rest, E > PF * blockDim.x, load where they are used).
+  constexpr int PF = 4;
+  const int* my_base = tile_base + (i64)blockIdx.x * num_experts;
+  int tb[PF];
+#pragma unroll
+  for (int u = 0; u < PF; ++u) tb[u] = tid + u * nt < num_experts ? my_base[tid + u * nt] : 0;
   for (int k = tid; k < TILE; k += nt)
     tile_ex[k] = tile0 + k < n ? expert_of(ids, tile0 + k, num_experts) : -1;
 
@@ -416,6 +436,7 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   for (int i = tid; i < warps * num_experts; i += nt) next[i] = 0;
   block_sync();
   const i64 total = (i64)start[num_experts - 1] + padded_count(totals[num_experts - 1], block_size);
+  AMDQB_ALIGN_STAGE(0, total + tile_ex[tid])
 
   // Per-warp counts of the warp's run of the tile.
   const int chunks = AMDQB_DET_ITEMS / warps;
@@ -426,33 +447,58 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
     if (e >= 0) atomic_add_shared(&mine[e], 1);
   }
   block_sync();
+  AMDQB_ALIGN_STAGE(1, next[tid])
 
-  // First slot of every (warp, expert): padded start + earlier tiles + earlier warps of the tile.
-  for (int e = tid; e < num_experts; e += nt) {
-    int r = start[e] + tile_base[(i64)blockIdx.x * num_experts + e];
-    for (int v = 0; v < warps; ++v) {
-      const int c = next[v * num_experts + e];
-      next[v * num_experts + e] = r;
-      r += c;
+  // First slot of every (warp, expert): padded start + earlier tiles + earlier warps of the tile
+  // (the warp loop unrolled so that its LDS loads go out together).
+  auto first_slots = [&](int e, int base) {
+    int r = start[e] + base;
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      if (v < warps) {
+        const int c = next[v * num_experts + e];
+        next[v * num_experts + e] = r;
+        r += c;
+      }
     }
-  }
+  };
+#pragma unroll
+  for (int u = 0; u < PF; ++u)
+    if (tid + u * nt < num_experts) first_slots(tid + u * nt, tb[u]);
+  for (int e = tid + PF * nt; e < num_experts; e += nt) first_slots(e, my_base[e]);
   block_sync();
+  AMDQB_ALIGN_STAGE(2, next[tid])
 
-  // Ranks in flat order, 32 routes at a time: the lowest peer advances the expert's slot.
-  for (int c = 0; c < chunks; ++c) {
-    const int k = run0 + c * 32 + lane;
-    const int e = tile_ex[k];
-    const u32 peers = match_any_i32(e);
-    const int leader = lowest_bit(peers);
-    int s0 = 0;
-    if (e >= 0 && lane == leader) {
-      s0 = mine[e];
-      mine[e] = s0 + popc32(peers);
+  // Ranks in flat order, 32 routes at a time: the lowest peer advances the expert's slot. The
+  // peer sets of RANK_BATCH chunks are found first (they do not depend on the slots), so that only
+  // the slot updates run one chunk after another.
+  constexpr int RANK_BATCH = 4;
+  for (int c0 = 0; c0 < chunks; c0 += RANK_BATCH) {
+    int ex[RANK_BATCH];
+    u32 peers[RANK_BATCH];
+#pragma unroll
+    for (int u = 0; u < RANK_BATCH; ++u) {
+      ex[u] = c0 + u < chunks ? tile_ex[run0 + (c0 + u) * 32 + lane] : -1;
+      peers[u] = match_any_i32(ex[u]);
     }
-    s0 = shfl_i32(s0, leader);
-    if (e >= 0) sorted_ids[s0 + popc32(peers & lanemask_lt())] = (int)(tile0 + k);
-    warp_sync();  // mine[] updates visible to the next chunk's leaders
+#pragma unroll
+    for (int u = 0; u < RANK_BATCH; ++u) {
+      if (c0 + u < chunks) {  // warp-uniform
+        const int e = ex[u];
+        const int leader = lowest_bit(peers[u]);
+        int s0 = 0;
+        if (e >= 0 && lane == leader) {
+          s0 = mine[e];
+          mine[e] = s0 + popc32(peers[u]);
+        }
+        s0 = shfl_i32(s0, leader);
+        const int k = run0 + (c0 + u) * 32 + lane;
+        if (e >= 0) sorted_ids[s0 + popc32(peers[u] & lanemask_lt())] = (int)(tile0 + k);
+        warp_sync();  // mine[] updates visible to the next chunk's leaders
+      }
+    }
   }
+  AMDQB_ALIGN_STAGE(3, mine[lane])
 
   // This block's slice of expert_ids: the last expert whose padded start is at or before the
   // block's first row (empty experts share the next one's start, so the last is the owner).

@@ -18,7 +18,7 @@ MAX_ROUTER_EXPERTS = 4096  # experts per lane live in registers (spills beyond ~
 MAX_SELECT = _spec.ROUTER_CAP  # Top-n with n = k (k + 1 under QB)
 MAX_QB_BINS = 12288  # one LDS histogram row of the two-kernel mode within 48 KiB
 MAX_DET_EXPERTS = 12288  # deterministic route kernels keep E ints in LDS
-MAX_ALIGN_EXPERTS = 4096  # the align rank kernel keeps (warps + 1) * E + 2048 ints in LDS
+MAX_ALIGN_EXPERTS = 4096  # the align rank kernel keeps (warps + 1) * E + DET_TILE ints in LDS
 _STATIC_LDS_LIMIT = 48 * 1024  # dynamic + static LDS of a launch without an opt-in
 
 _MAP_KINDS = {"bytemap": 1, "bitmap": 2}

@@ -214,7 +214,7 @@ def align_tiles(dev, cfg, items=(32,), ms=(2517, 8192), k=16, e=896, block=64) -
                 _FirstLaunches(_rt(), n_passes), ids, block, e, *outs
             )
         # ... and the rank pass cut after stage k (AMDQB_ALIGN_STOP)
-        for k_stop in range(4):
+        for k_stop in range(-1, 4):
             stop_spec = _spec.ModuleSpec("route.hip", (("AMDQB_ALIGN_STOP", str(k_stop)),))
             impls[f"rank_stop{k_stop}"] = lambda stop_spec=stop_spec: _with_route_module(
                 stop_spec, lambda: _ops.align_block_size(_rt(), ids, block, e, *outs)

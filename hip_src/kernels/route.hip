@@ -389,7 +389,7 @@ AMDQB_DEVICE u32 padded_count(int count, int block_size) {
 }
 
 // -DAMDQB_ALIGN_STOP=k (benchmarks only, bench/tune_router_occupancy.py): the rank pass returns
-// after stage k (0 staging and padded starts, 1 per-warp counts, 2 first slots, 3 ranks), writing
+// after stage k (-1 nothing: the launch, 0 staging and padded starts, 1 per-warp counts, 2 first slots, 3 ranks), writing
 // one value that depends on the work so far -- the time of each stage, not a result.
 #if defined(AMDQB_ALIGN_STOP)
 #define AMDQB_ALIGN_STAGE(k, value)                            \
@@ -417,6 +417,7 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   int* next = lds + num_experts;              // [W][E]: per-warp counts, then running slots
   int* tile_ex = next + warps * num_experts;  // [TILE]: expert of each route (-1: dropped)
   const i64 tile0 = (i64)blockIdx.x * TILE;
+  AMDQB_ALIGN_STAGE(-1, tile0)
   // The tile's first slots of this thread's first PF experts, loaded now with everything else
   // rather than after three barriers (the rest, E > PF * blockDim.x, load where they are used).
   constexpr int PF = 4;

@@ -389,8 +389,8 @@ AMDQB_DEVICE u32 padded_count(int count, int block_size) {
 }
 
 // -DAMDQB_ALIGN_STOP=k (benchmarks only, bench/tune_router_occupancy.py): the rank pass returns
-// after stage k (-1 nothing: the launch, 0 staging and padded starts, 1 per-warp counts, 2 first slots, 3 ranks), writing
-// one value that depends on the work so far -- the time of each stage, not a result.
+// after stage k (-1 none: the bare launch, 0 staging and padded starts, 1 per-warp counts, 2 first
+// slots, 3 ranks), writing one value that depends on the work so far -- the time of each stage.
 #if defined(AMDQB_ALIGN_STOP)
 #define AMDQB_ALIGN_STAGE(k, value)                            \
   if (AMDQB_ALIGN_STOP == k) {                                 \

@@ -23,7 +23,15 @@ LARGE = PROFILE == "large"
 MAX_T = 70000 if LARGE else 24
 MAX_E = 4097 if LARGE else 40
 MAX_K = 36
-EXAMPLES = {"router": 3000, "qb": 2500, "route": 2000, "align": 1500, "chunks": 800, "recover": 500}
+EXAMPLES = {
+    "router": 3000,
+    "biased": 1500,
+    "qb": 2500,
+    "route": 2000,
+    "align": 1500,
+    "chunks": 800,
+    "recover": 500,
+}
 # Kernel shapes (E, k, B) are compile-time constants: every new combination compiles (~1-2 s on a
 # GPU). The large profile therefore draws them from menus that keep the edges (1, powers of two and
 # one past them, 896, 4096, 4097; k = 1, 2, 8, 16, 36, E-1, E) while T and the values stay free.
@@ -41,7 +49,7 @@ SETTINGS = dict(
 # The large profile splits the compile-heavy tests into shards (pytest parameters, so pytest-xdist
 # runs them in parallel): each shard owns a disjoint set of expert counts, hence of kernel shapes,
 # and runs its share of the examples.
-SHARDED = ("router", "qb", "route", "align")
+SHARDED = ("router", "biased", "qb", "route", "align")
 SHARDS = 8 if LARGE else 1
 
 
@@ -127,6 +135,40 @@ def _check_router(backend, t, e, k, dtype, style, seed, qb):
 @given(data=st.data())
 def test_fuzz_router(backend, shard, data):
     _check_router(backend, *data.draw(router_case(qb=False, shard=shard)), qb=False)
+
+
+@pytest.mark.parametrize("backend", kernel_backends("biased_topk"))
+@pytest.mark.parametrize("shard", range(SHARDS))
+@_settings("biased")
+@given(data=st.data())
+def test_fuzz_biased_topk(backend, shard, data):
+    """Serving form: ids exactly the oracle's selection over the kernel's fp32 scores plus bias
+    (decode sizes run the hip block-per-token kernel, larger T the warp-per-token one)."""
+    t, e, k, dtype, style, seed = data.draw(router_case(qb=False, shard=shard))
+    k = min(k, 64)  # the hip serving kernels select at most 64
+    logits = make_logits(t, e, style, seed, dtype).to(DEVICE)
+    g = torch.Generator().manual_seed(seed + 2)
+    bias = (torch.randint(-3, 4, (e,), generator=g) * 0.05).float().to(DEVICE)
+    renorm = seed % 3 != 0
+    try:
+        w, ids = amdqb.biased_topk(logits, k, bias, renormalize=renorm, backend=backend)
+    except RuntimeError as exc:
+        if "no backend can run" not in str(exc):
+            raise
+        event(f"{backend} declined E={e} k={k}")
+        return
+    module = amdqb.dispatch._backend_module(backend)
+    scores = (
+        module.score_values(logits, "sigmoid")
+        if hasattr(module, "score_values")
+        else ref.router.activation(logits.float(), "sigmoid")
+    )
+    want_ids = ref.ordering.ranked_indices(scores + bias, k).to(torch.int32)
+    assert torch.equal(ids, want_ids), f"ids differ ({style}, T={t}, E={e}, k={k})"
+    picked = scores.gather(-1, ids.long())
+    if renorm:
+        picked = picked / (picked.sum(-1, keepdim=True) + 1e-20)
+    torch.testing.assert_close(w, picked, atol=1e-6, rtol=1e-5, equal_nan=True)
 
 
 @pytest.mark.parametrize("backend", kernel_backends("router_fwd"))

@@ -371,9 +371,9 @@ def router_fwd(
 
 # Largest token count biased_topk runs with one block per token (amdqb_topk_decode); beyond it
 # the router's warp-per-token kernel. H200, 2026-11-29 (tune decode sweep,
-# bench/results/h200_2026-11-29_s5/call2/tune.md, E=896 k=16, graph replay): block / warp per
-# token = 5.7/6.0, 5.9/6.9, 6.5/6.9, 7.7/7.1, 8.4/7.6 us at T = 1, 64, 256, 384, 512.
-DECODE_MAX_TOKENS = 256
+# bench/results/h200_2026-11-29_s5/call6/tune.md, E=896 k=16, graph replay): block / warp per
+# token = 3.5/5.8, 3.7/6.9, 4.3/7.0, 6.0/7.7, 7.5/7.2, 9.0/8.1 us at T = 1, 64, 256, 512, 768, 1024.
+DECODE_MAX_TOKENS = 512
 
 
 # Experts per warp of amdqb_topk_decode (AMDQB_DECODE_EPW; warps = min(8, ceil(E / EPW))).

@@ -575,35 +575,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
         const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
         in_t raw[VPL];  // QB is sigmoid-only: the bin needs the logit alone
         load_row(row, lane, raw);
-        // Groups of QB_GROUP experts: every bin through the fast path first, the rare ones near a
-        // bin edge redone exactly after (a branch per element, with the exact path's division
-        // CALL inside, kept the elements' arithmetic from interleaving), then the atomics.
-        constexpr int QB_GROUP = 8;
 #pragma unroll
-        for (int j0 = 0; j0 < VPL; j0 += QB_GROUP) {
-          int bin[QB_GROUP];
-          bool slow = false;
-#pragma unroll
-          for (int u = 0; u < QB_GROUP; ++u) {
-            const int j = j0 + u;
-            bin[u] = -1;
-            if (j < VPL && valid_slot(j, lane) &&
-                !qb_bin_fast(cut, to_f32(raw[j]), qb_scale, num_bins, bin[u]))
-              slow = true;
-          }
-          if (slow) {
-#pragma unroll
-            for (int u = 0; u < QB_GROUP; ++u) {
-              const int j = j0 + u;
-              if (j < VPL && valid_slot(j, lane) && bin[u] < 0)
-                bin[u] = qb_bin_of_logit(cut, to_f32(raw[j]), qb_lower, qb_scale, num_bins);
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < QB_GROUP; ++u) {
-            const int j = j0 + u;
-            if (j < VPL && valid_slot(j, lane))
-              atomic_add_global(&hist[(i64)(j * 32 + lane) * num_bins + bin[u]], 1);
+        for (int j = 0; j < VPL; ++j) {
+          const int e = j * 32 + lane;
+          if (valid_slot(j, lane)) {
+            const int bin = qb_bin_of_logit(cut, to_f32(raw[j]), qb_lower, qb_scale, num_bins);
+            atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
           }
         }
       }

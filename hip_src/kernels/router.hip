@@ -822,19 +822,15 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
     const i64 step = rows_per_pass;
     i64 t = t0 + tt;
     for (; t + (HIST_UNROLL - 1) * step < t1; t += HIST_UNROLL * step) {
-      in_t z[HIST_UNROLL];
-      float a[HIST_UNROLL], s[HIST_UNROLL];
+      float z[HIST_UNROLL], a[HIST_UNROLL];
 #pragma unroll
       for (int u = 0; u < HIST_UNROLL; ++u) {
-        z[u] = logits[(t + u * step) * E + col];
+        z[u] = to_f32(logits[(t + u * step) * E + col]);
         a[u] = alpha[t + u * step];
       }
-      // the branch-free sigmoid of all HIST_UNROLL first (a division's slow-path CALL per
-      // element kept their arithmetic from interleaving), bit for bit act_elementwise
-      activate(z, [](int) { return true; }, s);
 #pragma unroll
       for (int u = 0; u < HIST_UNROLL; ++u) {
-        const int bin = qb_bin(a[u] - s[u], lower, scale, num_bins);
+        const int bin = qb_bin(a[u] - act_elementwise(z[u]), lower, scale, num_bins);
         atomic_add_shared(&lh[sub * num_bins + bin], 1);
       }
     }

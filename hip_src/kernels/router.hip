@@ -791,6 +791,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 // (qb_bin_fast) needs per-token constants, and loading them (8 or 16 bytes per element instead of
 // the 4-byte cutoff) made this pass slower on the H200 (ncu at T=16384, E=896: 47 us with the
 // cutoff alone, 58 us with the 16-byte cut), while the sigmoid is branch-free here either way.
+// The router's two-phase form of the sigmoid (activate: all 8 fast, the rare divisions after) was
+// also slower here: 122 vs 111 us end to end at T=16384 (bench/results/h200_2026-11-29_s5/call10),
+// as was grouping the fused epilogue's bins 8 at a time (13.6 vs 12.6 us at T=256).
 // Dynamic shared memory: experts_per_block * num_bins ints.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,

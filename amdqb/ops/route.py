@@ -36,10 +36,11 @@ LDS_MAX_EXPERTS = 4096
 # (aiter PR, MI455). Other entries record their own measurement; see bench/results/.
 ROUTE_GATE_SCALE: dict[str, tuple[float, str]] = {
     "gfx1250": (1.0, "seed 004: measured on MI455/gfx1250 (aiter route-rows PR)"),
-    # H200 2026-11-29, bench/results/h200.json (hip backend, E=896, k=16, lds tile of 4 routes
-    # per thread): atomic/lds = 0.98x at M=512, 1.33x at M=2517, 2.17x at M=8192 (uniform);
-    # 1.90x / 5.75x / 16.0x (all one expert). The seed's sweep puts the switch at M=512 for
-    # E=896, where the two are level on uniform ids and lds already wins on skewed ones.
+    # H200 2026-11-29, bench/results/h200.json (hip backend, E=896, k=16, masked layout, lds tile
+    # of 5 routes per thread with batched reservations): atomic/lds = 1.51x at M=512, 2.11x at
+    # M=2517, 3.00x at M=8192 (uniform); 2.83x / 8.64x / 24.4x (all one expert). The seed's sweep
+    # puts the switch at M=512 for E=896, where lds already wins; the crossover lies below it
+    # (not measured there), so the gate stays the seed's rather than an extrapolation.
     "sm_90": (1.0, "measured on an H200 (bench/results/h200.json): the seed's gate"),
 }
 _DEFAULT_GATE = (1.0, "not measured on this architecture: the seed's gfx1250 gate")

@@ -473,14 +473,16 @@ def test_biased_topk(score, renormalize):
         (64, 8, "ties"),  # one warp: its list is the answer
         (300, 33, "normal"),  # 3 warps, partial last row, n > 32 (exact n-th per warp)
         (300, 4, "nan_inf"),
-        (896, 16, "ties"),  # the SPEC shape: 7 warps of 4 experts per thread
+        (896, 16, "ties"),  # the SPEC shape: 8 warps of 4 experts per thread, 128 padding slots
         (1100, 16, "saturated"),  # 8 warps, 5 experts per thread, partial
     ],
 )
-def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, e, k, style):
+@pytest.mark.parametrize("wave", [32, 64])
+def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, wave, e, k, style):
     """amdqb_topk_decode (one block per token) against amdqb_router's serving form (one warp per
-    token): identical ids and identical weight bits, with and without bias and renormalisation."""
-    rt = emu()
+    token): identical ids and identical weight bits, with and without bias and renormalisation,
+    on wave32 and wave64 (even warp counts: whole 64-lane waves)."""
+    rt = emu(wave)
     t = 3
     logits = make_logits(t, e, style, e + k)
     g = torch.Generator().manual_seed(e)

@@ -607,8 +607,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
 #ifndef AMDQB_DECODE_EPW
 #define AMDQB_DECODE_EPW 128  // experts per warp (_ops.DECODE_EPW, which says why)
 #endif
-constexpr int DEC_WARPS =
-    (E + AMDQB_DECODE_EPW - 1) / AMDQB_DECODE_EPW < 8 ? (E + AMDQB_DECODE_EPW - 1) / AMDQB_DECODE_EPW : 8;
+// ceil(E / EPW) logical warps, rounded up to an even count (whole 64-lane waves on wave64), <= 8
+constexpr int DEC_WARPS_RAW = (E + AMDQB_DECODE_EPW - 1) / AMDQB_DECODE_EPW;
+constexpr int DEC_WARPS_EVEN = DEC_WARPS_RAW > 1 ? (DEC_WARPS_RAW + 1) / 2 * 2 : 1;
+constexpr int DEC_WARPS = DEC_WARPS_EVEN < 8 ? DEC_WARPS_EVEN : 8;
 constexpr int DEC_THREADS = 32 * DEC_WARPS;
 constexpr int DEC_EPT = (E + DEC_THREADS - 1) / DEC_THREADS;  // experts per thread
 

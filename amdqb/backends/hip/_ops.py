@@ -376,13 +376,19 @@ def router_fwd(
 DECODE_MAX_TOKENS = 512
 
 
-# Experts per warp of amdqb_topk_decode (AMDQB_DECODE_EPW; warps = min(8, ceil(E / EPW))).
+# Experts per warp of amdqb_topk_decode (AMDQB_DECODE_EPW). H200, 2026-11-29 (tune decode sweep,
+# bench/results/h200_2026-11-29_s5/call6/tune.md, E=896 k=16): 7 warps (EPW 128) / 8 (EPW 64) /
+# 4 (EPW 256) = 3.59 / 3.56 / 3.62 us at T=1, 4.32 / 4.33 / 4.12 us at T=256.
 DECODE_EPW = 128
 
 
 def decode_threads(num_experts: int) -> int:
-    """Block size of amdqb_topk_decode: min(8, ceil(E / DECODE_EPW)) logical warps."""
-    return 32 * min(8, _cdiv(num_experts, DECODE_EPW))
+    """Block size of amdqb_topk_decode: ceil(E / DECODE_EPW) logical warps, rounded up to an even
+    count (whole waves on wave64 targets), at most 8."""
+    warps = _cdiv(num_experts, DECODE_EPW)
+    if warps > 1:
+        warps += warps & 1
+    return 32 * min(8, warps)
 
 
 def biased_topk(

@@ -17,7 +17,10 @@
 # ~90 s; smoke over router + route + align + QB tests of three files ~50 s since OMP_NUM_THREADS is
 # set below (the route-rows smoke took ~310 s before); tune ~25 s; bench router ~20 s, route
 # ~20 s, balance ~10 s, chunks ~5 s; example (both configs) ~50 s; profile ~100 s. A single-GPU
-# nvidia-h200 call starts in ~30-60 s; a 10-s command costs about a minute of device time. Keep `--report-api-errors no` for the sanitizer:
+# nvidia-h200 call starts in ~30-60 s; a 10-s command costs about a minute of device time.
+# Session 5 (nvidia-h200): `tune` with TUNE_PARTS=align,decode ~20-35 s; `bench` (all) ~130 s;
+# `fuzz` with FUZZ_K ("route" also matches "router") 170 s were not enough for four op families;
+# `sanitize` over 30 small tests ~25 s per tool. Keep `--report-api-errors no` for the sanitizer:
 # cuda-bindings probes driver entry points with cuGetProcAddress, which the sanitizer otherwise
 # counts as 34 API errors.
 set -uo pipefail

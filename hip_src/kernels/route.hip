@@ -20,7 +20,7 @@ using namespace amdqb;
 #define AMDQB_ROUTE_ITEMS 5  // routes per thread of the lds kernel (_spec.ROUTE_ITEMS says why)
 #endif
 #ifndef AMDQB_DET_ITEMS
-#define AMDQB_DET_ITEMS 32  // 32-route chunks per tile of the deterministic kernels (_spec says why)
+#define AMDQB_DET_ITEMS 32  // 32-route chunks per deterministic tile (_spec.DET_ITEMS says why)
 #endif
 
 namespace {

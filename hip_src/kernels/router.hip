@@ -631,11 +631,14 @@ AMDQB_DEVICE void warp_merge_desc(i32& k, i32& id, int lane) {
 }
 
 // Global id of warp w's local id j * 32 + lane.
-AMDQB_DEVICE i32 global_id(int w, i32 lid) { return (lid >> 5) * DEC_THREADS + w * 32 + (lid & 31); }
+AMDQB_DEVICE i32 global_id(int w, i32 lid) {
+  return (lid >> 5) * DEC_THREADS + w * 32 + (lid & 31);
+}
 
 // Entries of warp w's sorted list (keys, local ids)[0, len) ahead of (k, id) in the selection
 // order (id global).
-AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int len, i32 k, i32 id) {
+AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int len, i32 k,
+                                   i32 id) {
   int lo = 0, hi = len;  // answer in [lo, hi]
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
@@ -666,7 +669,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
                       int normalize, float scale, float* w_out, int* id_out) {
   AMDQB_SHARED(i32, sh_ckey, DEC_WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, DEC_WARPS * CAP);
-  AMDQB_SHARED(i32, sh_skey, DEC_WARPS * CAP);  // each warp's Top-n, global ids
+  AMDQB_SHARED(i32, sh_skey, DEC_WARPS * CAP);  // each warp's Top-n (local ids)
   AMDQB_SHARED(i32, sh_sid, DEC_WARPS * CAP);
   AMDQB_SHARED(float, sh_score, DEC_THREADS * DEC_EPT);  // scores by expert id
   AMDQB_SHARED(i32, sh_top, CAP);                        // the token's Top-k ids, in order

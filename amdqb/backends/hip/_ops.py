@@ -224,6 +224,17 @@ def auto_qb_mode(tokens: int, num_experts: int) -> str:
     return "fused_atomic" if tokens * num_experts <= (1 << 18) else "two_kernel"
 
 
+def _check_selection(topk: int, nsel: int, num_experts: int) -> None:
+    """The kernels' limits (the op validated the arguments; these guard direct calls)."""
+    if not 1 <= topk <= nsel <= min(MAX_SELECT, num_experts):
+        raise ValueError(
+            f"hip router selects 1 <= topk <= n <= min({MAX_SELECT}, E={num_experts}), "
+            f"got topk={topk}, n={nsel}"
+        )
+    if num_experts > MAX_ROUTER_EXPERTS:
+        raise ValueError(f"hip router supports E <= {MAX_ROUTER_EXPERTS}, got {num_experts}")
+
+
 def _launch_router(
     rt,
     logits,
@@ -246,13 +257,7 @@ def _launch_router(
     id_out,
 ):
     tokens, num_experts = logits.shape
-    if not 1 <= topk <= nsel <= min(MAX_SELECT, num_experts):
-        raise ValueError(
-            f"hip router selects 1 <= topk <= n <= min({MAX_SELECT}, E={num_experts}), "
-            f"got topk={topk}, n={nsel}"
-        )
-    if num_experts > MAX_ROUTER_EXPERTS:
-        raise ValueError(f"hip router supports E <= {MAX_ROUTER_EXPERTS}, got {num_experts}")
+    _check_selection(topk, nsel, num_experts)
     dev = _dev(logits)
     k = rt.kernel(dev, _router_spec(logits, score_function), "amdqb_router")
     args = [
@@ -410,13 +415,7 @@ def biased_topk(
     if tokens == 0:
         return
     if score_function != "softmax" and tokens <= DECODE_MAX_TOKENS:
-        if not 1 <= topk <= min(MAX_SELECT, num_experts):
-            raise ValueError(
-                f"hip biased_topk selects 1 <= topk <= min({MAX_SELECT}, E={num_experts}), "
-                f"got topk={topk}"
-            )
-        if num_experts > MAX_ROUTER_EXPERTS:
-            raise ValueError(f"hip router supports E <= {MAX_ROUTER_EXPERTS}, got {num_experts}")
+        _check_selection(topk, topk, num_experts)
         dev = _dev(logits)
         k = rt.kernel(dev, _router_spec(logits, score_function), "amdqb_topk_decode")
         rt.launch(

@@ -43,7 +43,8 @@ ROUTE_ITEMS = 5
 ROUTE_BLOCK = 256
 # 32-route chunks per deterministic tile (AMDQB_DET_ITEMS). H200, 2026-11-29 (tune align sweep,
 # bench/results/h200_2026-11-29_s5/call1/tune.md, E=896 k=16 block 64, graph replay): align at
-# items 16/32/64 = 11.33/11.76/13.49 us (M=2517), 14.04/12.48/13.60 us (M=8192).
+# items 16/32/64 = 11.33/11.76/13.49 us (M=2517), 14.04/12.48/13.60 us (M=8192); with the later
+# rank-pass changes 11.0 / 11.6 us at 32 (call9, and the bench in call11).
 DET_ITEMS = 32
 DET_TILE = 32 * DET_ITEMS
 SCAN_EXPERTS = 32  # experts per block of amdqb_route_det_scan (route.hip; 8 tile groups each)

@@ -216,6 +216,18 @@ def test_qb_two_kernel_histogram_uses_lds_atomics(amd_builds, arch):
 
 
 @needs_clang
+def test_decode_and_histogram_kernels_use_no_scratch(amd_builds):
+    """The decode-form Top-k (one block per token) and the QB histogram pass keep their per-thread
+    arrays in registers on every AMD target, for every router module (E up to 2048)."""
+    for (spec, arch), build in amd_builds.items():
+        if spec.kernel_file != "router.hip":
+            continue
+        for name in ("amdqb_topk_decode", "amdqb_qb_hist"):
+            meta = build["funcs"][name]["meta"]
+            assert meta.get("private_segment_fixed_size") == 0, (spec.label(), arch, name, meta)
+
+
+@needs_clang
 def test_route_kernels_use_no_scratch(amd_builds):
     for arch in AMD_TARGETS:
         for name, f in amd_builds[(_spec.ROUTE_MODULE, arch)]["funcs"].items():

@@ -13,9 +13,11 @@ checks every variant's rows against the oracle, then times lds (per tile size) a
 M=8192, k=16, E=896, uniform and all-one-expert ids, masked layout. The align sweep does the same
 for the deterministic tile (``AMDQB_DET_ITEMS``: 32-route chunks per tile of the align passes) at
 M in {2517, 8192}; the decode sweep times biased_topk's one-block-per-token kernel against the
-router's one-warp-per-token form over T, which sets ``_ops.DECODE_MAX_TOKENS``.
+router's one-warp-per-token form over T, which sets ``_ops.DECODE_MAX_TOKENS``; the qbhist sweep
+times the QB two-kernel mode per launch shape of its histogram pass (``_ops.QB_HIST_BLOCK``,
+``QB_HIST_BLOCKS_PER_CU``).
 
-    python -m bench.tune_router_occupancy --parts route,align,decode
+    python -m bench.tune_router_occupancy --parts route,align,decode,qbhist
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
     parser.add_argument(
-        "--parts", default="router,route,align,decode", help="comma-separated sweeps to run"
+        "--parts",
+        default="router,route,align,decode,qbhist",
+        help="comma-separated sweeps to run",
     )
     args = parser.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -74,7 +78,13 @@ def main(argv=None) -> int:
     reports = []
     if "router" in parts:
         reports.append(router_caps(dev, cfg))
-    for name, sweep in (("route", route_tiles), ("align", align_tiles), ("decode", decode_sweep)):
+    sweeps = (
+        ("route", route_tiles),
+        ("align", align_tiles),
+        ("decode", decode_sweep),
+        ("qbhist", qb_hist_shapes),
+    )
+    for name, sweep in sweeps:
         if name in parts:
             reports.append(sweep(dev, cfg))
     for report in reports:
@@ -319,6 +329,71 @@ def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 512, 768, 1024, 2048), k=16, e
         times = time_alternating(impls, dev, cfg)
         for name, us in times.items():
             report.add(T=t, kernel=name, us=us)
+    return report
+
+
+def qb_hist_shapes(
+    dev,
+    cfg,
+    shapes=((256, 4), (256, 8), (512, 2), (512, 4), (1024, 1), (1024, 2)),
+    tokens=(4096, 16384),
+    k=16,
+    e=896,
+    b=1000,
+) -> Report:
+    """QB two_kernel end to end per launch shape of the histogram pass (threads per block, blocks
+    per CU the token slices aim for); every shape's histogram checked against the default's."""
+    from amdqb.backends.hip import _ops
+
+    report = Report("qb_hist_launch_shapes", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    bias = (torch.randn(e, generator=g) * 0.05).to(dev)
+    bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+    amdqb.mark_qb_bin_bounds_validated(bounds)
+    spec_of = _spec.router_module
+    default = (_ops.QB_HIST_BLOCK, _ops.QB_HIST_BLOCKS_PER_CU)
+
+    def shaped(block, per_cu, fn):
+        def call():
+            _spec.router_module = lambda *a: _spec.ModuleSpec(
+                spec_of(*a).kernel_file,
+                spec_of(*a).defines + (("AMDQB_QB_HIST_MAX_BLOCK", str(max(256, block))),),
+            )
+            _ops.QB_HIST_BLOCK, _ops.QB_HIST_BLOCKS_PER_CU = block, per_cu
+            try:
+                return fn()
+            finally:
+                _spec.router_module = spec_of
+                _ops.QB_HIST_BLOCK, _ops.QB_HIST_BLOCKS_PER_CU = default
+
+        return call
+
+    for t in tokens:
+        z = torch.randn(t, e, generator=g).to(dev)
+        hist = torch.zeros(e, b, dtype=torch.int32, device=dev)
+
+        def qb(h=hist, z=z):
+            return amdqb.fused_topk_with_score_function(
+                z,
+                k,
+                expert_bias=bias,
+                qb_histogram=h,
+                qb_bin_bounds=bounds,
+                qb_histogram_mode="two_kernel",
+                backend="hip",
+            )
+
+        want = torch.zeros_like(hist)
+        qb(want)
+        impls = {}
+        for block, per_cu in shapes:
+            got = torch.zeros_like(hist)
+            shaped(block, per_cu, lambda got=got: qb(got))()
+            assert torch.equal(got, want), f"histogram differs at block={block}, per_cu={per_cu}"
+            impls[f"{block}x{per_cu}"] = shaped(block, per_cu, qb)
+        for name, us in time_alternating(impls, dev, cfg).items():
+            block, per_cu = name.split("x")
+            report.add(T=t, block=int(block), blocks_per_cu=int(per_cu), us=us)
     return report
 
 

@@ -348,6 +348,21 @@ def test_qb_two_kernel_histogram_long_token_slices(dtype):
     assert torch.equal(hists[0], hists[1])
 
 
+@pytest.mark.parametrize("block,per_cu", [(512, 1), (1024, 1), (128, 8)])
+def test_qb_two_kernel_histogram_launch_shapes(monkeypatch, block, per_cu):
+    """The histogram pass gives the oracle's histogram for the launch shapes the tuner sweeps
+    (_ops.QB_HIST_BLOCK threads, token slices aimed at QB_HIST_BLOCKS_PER_CU blocks per CU)."""
+    rt = emu()
+    monkeypatch.setattr(_ops, "QB_HIST_BLOCK", block)
+    monkeypatch.setattr(_ops, "QB_HIST_BLOCKS_PER_CU", per_cu)
+    e, t = 20, 600
+    logits = make_logits(t, e, "normal", block, torch.float32)
+    bias = torch.linspace(-0.1, 0.1, e)
+    check_router(rt, logits, 4, "idx32", bias=bias, qb_mode="two_kernel", num_bins=61)
+    launches = [x for x in rt.launches if x[0] == "amdqb_qb_hist"]
+    assert launches[-1][2] == block
+
+
 @pytest.mark.parametrize("wave", [32, 64])
 @pytest.mark.parametrize("style", ["normal", "ties", "nan_inf", "overflow", "zeros"])
 def test_router_styles_both_wave_sizes(wave, style):

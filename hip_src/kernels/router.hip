@@ -799,8 +799,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 // The router's two-phase form of the sigmoid (activate: all 8 fast, the rare divisions after) was
 // also slower here: 122 vs 111 us end to end at T=16384 (bench/results/h200_2026-11-29_s5/call10),
 // as was grouping the fused epilogue's bins 8 at a time (13.6 vs 12.6 us at T=256).
-// Dynamic shared memory: experts_per_block * num_bins ints.
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
+// Dynamic shared memory: experts_per_block * num_bins ints. Block size: a multiple of
+// experts_per_block up to AMDQB_QB_HIST_MAX_BLOCK (_ops.QB_HIST_BLOCK; the tuner builds larger).
+#ifndef AMDQB_QB_HIST_MAX_BLOCK
+#define AMDQB_QB_HIST_MAX_BLOCK 256
+#endif
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_MAX_BLOCK)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
                   int num_bins, int experts_per_block, int tokens_per_slice, int* hist) {
   AMDQB_DYN_SHARED(lh);

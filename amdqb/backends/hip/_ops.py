@@ -283,15 +283,32 @@ def _launch_router(
     rt.launch(k, _router_grid(rt, k, dev, tokens), _spec.ROUTER_BLOCK, 0, args)
 
 
-def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: int, cus: int):
+# Launch shape of the two-kernel histogram pass: threads per block, and blocks per CU the token
+# slices aim for. Every block zeroes and flushes its [experts, B] LDS histogram (one global atomic
+# per non-zero bin), so fewer, larger blocks flush less; more blocks keep more loads in flight.
+# bench/tune_router_occupancy.py (part qbhist) sweeps both; these are the measured defaults of
+# session 3 (256 threads, 4 blocks per CU: 112 x 5 blocks at T=16384, E=896).
+QB_HIST_BLOCK = 256
+QB_HIST_BLOCKS_PER_CU = 4
+
+
+def qb_hist_config(
+    num_experts: int,
+    num_bins: int,
+    tokens: int,
+    smem_budget: int,
+    cus: int,
+    blocks_per_cu: int | None = None,
+):
     """(experts_per_block, token_slices, tokens_per_slice) of the two-kernel histogram."""
+    per_cu = QB_HIST_BLOCKS_PER_CU if blocks_per_cu is None else blocks_per_cu
     epb = 8
     while epb > 1 and epb * num_bins * 4 > smem_budget:
         epb //= 2
     if num_bins * 4 > smem_budget:
         raise ValueError(f"num_bins={num_bins} does not fit one LDS histogram row")
     gx = _cdiv(num_experts, epb)
-    slices = max(1, min(_cdiv(4 * cus, gx), _cdiv(tokens, 256)))
+    slices = max(1, min(_cdiv(per_cu * cus, gx), _cdiv(tokens, 256)))
     per = _cdiv(tokens, slices)
     return epb, _cdiv(tokens, per), per
 
@@ -359,7 +376,7 @@ def router_fwd(
         rt.launch(
             k,
             (_cdiv(num_experts, epb), slices),
-            256,
+            QB_HIST_BLOCK,
             4 * epb * num_bins,
             [
                 _ptr(logits),

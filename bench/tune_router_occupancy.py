@@ -94,6 +94,18 @@ def main(argv=None) -> int:
     return 0
 
 
+def _hip_two_kernel_qb(z, k, bias, hist, bounds):
+    return amdqb.fused_topk_with_score_function(
+        z,
+        k,
+        expert_bias=bias,
+        qb_histogram=hist,
+        qb_bin_bounds=bounds,
+        qb_histogram_mode="two_kernel",
+        backend="hip",
+    )
+
+
 def router_caps(dev, cfg) -> Report:
     e, k, b = 896, 16, 1000
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -107,18 +119,7 @@ def router_caps(dev, cfg) -> Report:
     for cap in CAPS:
         z = data[4096]
         h = torch.zeros_like(hist)
-        probs, rmap = _capped(
-            cap,
-            lambda: amdqb.fused_topk_with_score_function(
-                z,
-                k,
-                expert_bias=bias,
-                qb_histogram=h,
-                qb_bin_bounds=bounds,
-                qb_histogram_mode="two_kernel",
-                backend="hip",
-            ),
-        )()
+        probs, rmap = _capped(cap, lambda: _hip_two_kernel_qb(z, k, bias, h, bounds))()
         h_ref = torch.zeros_like(hist)
         scores = dispatch._backend_module("hip").score_values(z, "sigmoid")  # the kernel's fp32 s
         p_ref, _, m_ref = ref.fused_topk_with_score_function(
@@ -373,15 +374,7 @@ def qb_hist_shapes(
         hist = torch.zeros(e, b, dtype=torch.int32, device=dev)
 
         def qb(h=hist, z=z):
-            return amdqb.fused_topk_with_score_function(
-                z,
-                k,
-                expert_bias=bias,
-                qb_histogram=h,
-                qb_bin_bounds=bounds,
-                qb_histogram_mode="two_kernel",
-                backend="hip",
-            )
+            return _hip_two_kernel_qb(z, k, bias, h, bounds)
 
         want = torch.zeros_like(hist)
         qb(want)

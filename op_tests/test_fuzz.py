@@ -90,6 +90,19 @@ def router_case(draw, qb: bool, shard: int = 0):
     return t, e, k, dtype, style, seed
 
 
+def _unless_declined(backend, e, k, fn):
+    """``fn()``, or None when the forced backend declines the shape (e.g. E=4097 beyond its
+    register-resident limit): it must say so before any launch, and that refusal is the checked
+    behaviour for the case."""
+    try:
+        return fn()
+    except RuntimeError as exc:
+        if "no backend can run" not in str(exc):
+            raise
+        event(f"{backend} declined E={e} k={k}")
+        return None
+
+
 def _check_router(backend, t, e, k, dtype, style, seed, qb):
     logits = make_logits(t, e, style, seed, dtype).to(DEVICE)
     g = torch.Generator().manual_seed(seed + 1)
@@ -102,15 +115,15 @@ def _check_router(backend, t, e, k, dtype, style, seed, qb):
         hist = torch.zeros(e, b, dtype=torch.int32, device=DEVICE)
         mode = ("two_kernel", "fused_atomic")[seed % 2]
         kwargs.update(qb_histogram=hist, qb_bin_bounds=bounds, qb_histogram_mode=mode)
-    try:
-        probs, rmap = amdqb.fused_topk_with_score_function(logits, k, backend=backend, **kwargs)
-    except RuntimeError as exc:
-        # a forced backend declining a shape (e.g. E=4097 > its register-resident limit) must say
-        # so before any launch; that refusal is the checked behaviour for this case
-        if "no backend can run" not in str(exc):
-            raise
-        event(f"{backend} declined E={e} k={k}")
+    out = _unless_declined(
+        backend,
+        e,
+        k,
+        lambda: amdqb.fused_topk_with_score_function(logits, k, backend=backend, **kwargs),
+    )
+    if out is None:
         return
+    probs, rmap = out
     module = amdqb.dispatch._backend_module(backend)
     scores = module.score_values(logits, "sigmoid") if hasattr(module, "score_values") else None
     ref_kwargs = dict(expert_bias=bias, scores=scores)
@@ -150,13 +163,15 @@ def test_fuzz_biased_topk(backend, shard, data):
     g = torch.Generator().manual_seed(seed + 2)
     bias = (torch.randint(-3, 4, (e,), generator=g) * 0.05).float().to(DEVICE)
     renorm = seed % 3 != 0
-    try:
-        w, ids = amdqb.biased_topk(logits, k, bias, renormalize=renorm, backend=backend)
-    except RuntimeError as exc:
-        if "no backend can run" not in str(exc):
-            raise
-        event(f"{backend} declined E={e} k={k}")
+    out = _unless_declined(
+        backend,
+        e,
+        k,
+        lambda: amdqb.biased_topk(logits, k, bias, renormalize=renorm, backend=backend),
+    )
+    if out is None:
         return
+    w, ids = out
     module = amdqb.dispatch._backend_module(backend)
     scores = (
         module.score_values(logits, "sigmoid")

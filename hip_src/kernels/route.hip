@@ -40,6 +40,22 @@ AMDQB_DEVICE int slots_within(i64 first, int count, int capacity) {
   return room <= 0 ? 0 : (room < count ? (int)room : count);
 }
 
+// Deterministic slot of each lane's route among the warp's 32 in flat order: lanes with the same
+// expert e (>= 0) rank in lane order after next[e], and the lowest of them advances next[e] by
+// their count. Returns next[e] + rank (unused for e < 0). The caller warp_syncs before the next
+// call, so that its leaders see the update.
+AMDQB_DEVICE int warp_claim_slot(int* next, int e, int lane) {
+  const u32 peers = match_any_i32(e);
+  const int leader = lowest_bit(peers);
+  int start = 0;
+  if (e >= 0 && lane == leader) {
+    start = next[e];
+    next[e] = start + popc32(peers);
+  }
+  start = shfl_i32(start, leader);
+  return start + popc32(peers & lanemask_lt());
+}
+
 AMDQB_DEVICE int place(int e, int slot, int capacity) {
   if (capacity < 0) return slot;  // compact: offset added by amdqb_route_compact_*
   return slot < capacity ? e * capacity + slot : -1;
@@ -160,8 +176,7 @@ AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* til
 }
 
 // Deterministic 3/3: one logical warp (block of 32 threads) per tile walks its routes in flat
-// order, 32 at a time. Peers with the same expert are found with match_any_i32; the lowest peer
-// advances the expert's running slot in LDS; each route's slot = running + rank among its peers.
+// order, 32 at a time, each route's slot from warp_claim_slot over the running slots in LDS.
 // Dynamic shared memory: num_experts ints.
 template <typename IdT>
 AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
@@ -180,15 +195,8 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
     const int e = e_next;
     if (c + 1 < AMDQB_DET_ITEMS)
       e_next = i + 32 < n ? expert_of(ids, i + 32, num_experts) : -1;
-    const u32 peers = match_any_i32(e);
-    const int leader = lowest_bit(peers);
-    int start = 0;
-    if (e >= 0 && lane == leader) {
-      start = next[e];
-      next[e] = start + popc32(peers);
-    }
-    start = shfl_i32(start, leader);
-    if (i < n) rows[i] = e >= 0 ? place(e, start + popc32(peers & lanemask_lt()), capacity) : -1;
+    const int slot = warp_claim_slot(next, e, lane);
+    if (i < n) rows[i] = e >= 0 ? place(e, slot, capacity) : -1;
     warp_sync();  // next[] updates visible to the next chunk's leaders
   }
 }
@@ -476,15 +484,8 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   for (int c = 0; c < chunks; ++c) {
     const int k = run0 + c * 32 + lane;
     const int e = tile_ex[k];
-    const u32 peers = match_any_i32(e);
-    const int leader = lowest_bit(peers);
-    int s0 = 0;
-    if (e >= 0 && lane == leader) {
-      s0 = mine[e];
-      mine[e] = s0 + popc32(peers);
-    }
-    s0 = shfl_i32(s0, leader);
-    if (e >= 0) sorted_ids[s0 + popc32(peers & lanemask_lt())] = (int)(tile0 + k);
+    const int slot = warp_claim_slot(mine, e, lane);
+    if (e >= 0) sorted_ids[slot] = (int)(tile0 + k);
     warp_sync();  // mine[] updates visible to the next chunk's leaders
   }
   AMDQB_ALIGN_STAGE(3, mine[lane])

@@ -107,8 +107,7 @@ AMDQB_DEVICE bool sigmoid_fast_ok(float d) {
 }
 AMDQB_DEVICE float sigmoid_fast(float d) {
 #if defined(AMDQB_CUDA)
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  const float r = approx_rcp(d);  // rcp.approx.ftz.f32
   return fmaf(r, -fmaf(d, r, -1.0f), r);
 #else
   return 1.0f / d;
@@ -313,16 +312,32 @@ AMDQB_DEVICE bool at_or_ahead(i32 k, i32 id, i32 bk, i32 bid) {
   return k > bk || (k == bk && id <= bid);
 }
 
-// Bitonic sort of one (key, id) pair per lane, descending in the selection order.
+// The bitonic merge (strides 16 .. 1) of one (key, id) pair per lane into selection order: the 32
+// pairs must form a bitonic sequence (e.g. lanes 0-15 in order, lanes 16-31 in reverse order).
+AMDQB_DEVICE void warp_merge_desc(i32& k, i32& id, int lane) {
+#pragma unroll
+  for (int stride = 16; stride > 0; stride >>= 1) {
+    const i32 ok = shfl_xor_i32(k, stride);
+    const i32 oid = shfl_xor_i32(id, stride);
+    const bool other_ahead = ahead(ok, oid, k, id);
+    if (((lane & stride) == 0) == other_ahead) {  // the lower lane keeps the pair ahead
+      k = ok;
+      id = oid;
+    }
+  }
+}
+
+// Bitonic sort of one (key, id) pair per lane, descending in the selection order: bitonic runs of
+// 2 .. 16 lanes in alternating directions, then the final merge of all 32.
 AMDQB_DEVICE void warp_sort_desc(i32& k, i32& id, int lane) {
 #pragma unroll
-  for (int size = 2; size <= 32; size <<= 1) {
+  for (int size = 2; size < 32; size <<= 1) {
 #pragma unroll
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       const i32 ok = shfl_xor_i32(k, stride);
       const i32 oid = shfl_xor_i32(id, stride);
       const bool lower = (lane & stride) == 0;
-      const bool desc = (lane & size) == 0;  // size == 32: every lane, so the result is descending
+      const bool desc = (lane & size) == 0;
       const bool other_ahead = ahead(ok, oid, k, id);
       if ((lower == desc) ? other_ahead : !other_ahead) {
         k = ok;
@@ -330,6 +345,7 @@ AMDQB_DEVICE void warp_sort_desc(i32& k, i32& id, int lane) {
       }
     }
   }
+  warp_merge_desc(k, id, lane);
 }
 
 // Exact n-th element of the token (n <= E): bitwise binary search on the offset-binary key for
@@ -615,21 +631,6 @@ constexpr int DEC_THREADS = 32 * DEC_WARPS;
 constexpr int DEC_EPT = (E + DEC_THREADS - 1) / DEC_THREADS;  // experts per thread
 
 namespace {
-// The bitonic merge (strides 16 .. 1) of one (key, id) pair per lane into selection order: the 32
-// pairs must form a bitonic sequence (e.g. lanes 0-15 in order, lanes 16-31 in reverse order).
-AMDQB_DEVICE void warp_merge_desc(i32& k, i32& id, int lane) {
-#pragma unroll
-  for (int stride = 16; stride > 0; stride >>= 1) {
-    const i32 ok = shfl_xor_i32(k, stride);
-    const i32 oid = shfl_xor_i32(id, stride);
-    const bool other_ahead = ahead(ok, oid, k, id);
-    if (((lane & stride) == 0) == other_ahead) {  // the lower lane keeps the pair ahead
-      k = ok;
-      id = oid;
-    }
-  }
-}
-
 // Global id of warp w's local id j * 32 + lane.
 AMDQB_DEVICE i32 global_id(int w, i32 lid) {
   return (lid >> 5) * DEC_THREADS + w * 32 + (lid & 31);

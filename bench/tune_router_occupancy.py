@@ -292,6 +292,42 @@ def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 512, 768, 1024, 2048), k=16, e
             assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{name} differs at T={t}"
         for name, us in time_alternating(impls, dev, cfg).items():
             report.add(T=t, kernel=f"block_per_token:{name}", us=us)
+    # The router's decode form against amdqb_router (routing map + probs, no QB and QB fused).
+    bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+    amdqb.mark_qb_bin_bounds_validated(bounds)
+    router_default = _ops.ROUTER_DECODE_MAX_TOKENS
+
+    def router_form(limit, fn):
+        def call():
+            _ops.ROUTER_DECODE_MAX_TOKENS = limit
+            try:
+                return fn()
+            finally:
+                _ops.ROUTER_DECODE_MAX_TOKENS = router_default
+
+        return call
+
+    for t in (64, 256, 512, 1024):
+        z = torch.randn(t, e, generator=g).to(dev)
+        hist = torch.zeros(e, 1000, dtype=torch.int32, device=dev)
+        for mode in (None, "fused_atomic"):
+            qb = {}
+            if mode is not None:
+                qb = dict(qb_histogram=hist, qb_bin_bounds=bounds, qb_histogram_mode=mode)
+
+            def fn(z=z, qb=qb):
+                return amdqb.fused_topk_with_score_function(
+                    z, k, expert_bias=bias, backend="hip", **qb
+                )
+
+            impls = {
+                f"router_{name}:{mode or 'noqb'}": router_form(limit, fn)
+                for name, limit in (("block_per_token", 1 << 30), ("warp_per_token", 0))
+            }
+            outs = [f() for f in impls.values()]
+            assert all(torch.equal(a, b) for a, b in zip(*outs)), f"router forms differ at T={t}"
+            for name, us in time_alternating(impls, dev, cfg).items():
+                report.add(T=t, kernel=name, us=us)
     for t in tokens:
         z = torch.randn(t, e, generator=g).to(dev)
         impls = {

@@ -686,7 +686,7 @@ def test_biased_topk(score, t):
     ],
 )
 def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, e, k, dtype, style):
-    """One block per token (amdqb_topk_decode) and one warp per token (amdqb_router) give the same
+    """One block per token (amdqb_router_decode) and one warp per token (amdqb_router) give the same
     ids and the same weight bits."""
     logits = make_logits(37, e, style, e, dtype).to(DEV)
     bias = (torch.randint(-2, 3, (e,)) * 0.125).float().to(DEV)
@@ -699,6 +699,41 @@ def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, e, k,
     assert torch.equal(w1.view(torch.int32), w2.view(torch.int32))
     s = hip_backend.score_values(logits, "sigmoid").cpu() + bias.cpu()
     assert torch.equal(i1.cpu(), ref.ordering.ranked_indices(s, k).to(torch.int32))
+
+
+@gpu
+@pytest.mark.parametrize(
+    "e,k,dtype,qb",
+    [
+        (896, 16, torch.float32, "fused_atomic"),
+        (896, 16, torch.bfloat16, "two_kernel"),
+        (300, 33, torch.float32, None),
+        (4096, 8, torch.float16, "fused_atomic"),
+    ],
+)
+def test_router_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, e, k, dtype, qb):
+    """The router's decode form (one block per token) and amdqb_router give the same probs bits,
+    routing map and QB histogram."""
+    logits = make_logits(67, e, "ties", e, dtype).to(DEV)
+    bias = (torch.randint(-2, 3, (e,)) * 0.125).float().to(DEV)
+    bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+    amdqb.mark_qb_bin_bounds_validated(bounds)
+    outs = []
+    for limit in (1 << 30, 0):
+        monkeypatch.setattr(_ops, "ROUTER_DECODE_MAX_TOKENS", limit)
+        kw = {}
+        if qb is not None:
+            hist = torch.zeros(e, 300, dtype=torch.int32, device=DEV)
+            kw = dict(qb_histogram=hist, qb_bin_bounds=bounds, qb_histogram_mode=qb)
+        probs, rmap = amdqb.fused_topk_with_score_function(
+            logits, k, expert_bias=bias, scaling_factor=1.5, backend="hip", **kw
+        )
+        outs.append((probs, rmap, kw.get("qb_histogram")))
+    (p1, m1, h1), (p2, m2, h2) = outs
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(p1.view(bits), p2.view(bits))
+    assert torch.equal(m1, m2)
+    assert h1 is None or torch.equal(h1, h2)
 
 
 @gpu

@@ -32,6 +32,14 @@ def emu(wave: int = 32) -> EmuRuntime:
     return _RUNTIMES[wave]
 
 
+@pytest.fixture(autouse=True)
+def _router_tests_run_the_warp_kernel(monkeypatch):
+    """The router tests below check amdqb_router (one warp per token) against the oracles at small
+    T, where the op would pick its decode form; the decode form is checked bitwise against
+    amdqb_router by test_router_decode_kernel_is_bitwise_the_warp_kernel."""
+    monkeypatch.setattr(_ops, "ROUTER_DECODE_MAX_TOKENS", 0)
+
+
 # ------------------------------------------------------------------------------------------------
 # Prelude scalar helpers
 # ------------------------------------------------------------------------------------------------
@@ -494,7 +502,7 @@ def test_biased_topk(score, renormalize):
 )
 @pytest.mark.parametrize("wave", [32, 64])
 def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, wave, e, k, style):
-    """amdqb_topk_decode (one block per token) against amdqb_router's serving form (one warp per
+    """amdqb_router_decode (one block per token) against amdqb_router's serving form (one warp per
     token): identical ids and identical weight bits, with and without bias and renormalisation,
     on wave32 and wave64 (even warp counts: whole 64-lane waves)."""
     rt = emu(wave)
@@ -511,12 +519,53 @@ def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, wave,
                 _ops.biased_topk(rt, logits, k, bias, "sigmoid", renorm, 0.75, None, None, w, ids)
                 out += [w, ids]
             names = [n for n, *_ in rt.launches[-2:]]
-            assert names == ["amdqb_topk_decode", "amdqb_router"]
+            assert names == ["amdqb_router_decode", "amdqb_router"]
             assert torch.equal(got[1], want[1])
             assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32))
             sel = _ops.score_values(rt, logits, "sigmoid")
             sel = sel if bias is None else sel + bias
             assert torch.equal(got[1], ref.ordering.ranked_indices(sel, k).to(torch.int32))
+
+
+@pytest.mark.parametrize("wave", [32, 64])
+@pytest.mark.parametrize(
+    "e,k,style,dtype",
+    [
+        (896, 16, "ties", torch.float32),  # nsel 17: merge tree of 32-entry lists
+        (300, 8, "nan_inf", torch.bfloat16),
+        (64, 5, "normal", torch.float16),  # one warp
+        (1100, 33, "saturated", torch.float32),  # nsel 34 > 32: the merge by rank
+    ],
+)
+def test_router_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, wave, e, k, style, dtype):
+    """amdqb_router_decode (one block per token) against amdqb_router (one warp per token): the
+    same probs bits, routing maps of every format and QB outputs (cutoff-driven histograms of both
+    modes), with and without bias."""
+    rt = emu(wave)
+    t = 3
+    logits = make_logits(t, e, style, e + k, dtype)
+    g = torch.Generator().manual_seed(e)
+    bias = (torch.randint(-2, 3, (e,), generator=g) * 0.125).float()
+    cases = [("bytemap", None, None), ("bitmap", bias, "fused_atomic")]
+    cases += [("idx16", bias, "two_kernel"), ("idx32", None, None), ("idx64", bias, None)]
+    for fmt, b, qb in cases:
+        outs = {}
+        for form, limit in (("block", 1 << 30), ("warp", 0)):
+            monkeypatch.setattr(_ops, "ROUTER_DECODE_MAX_TOKENS", limit)
+            qb_bias = bias if qb is not None else b
+            probs, rmap, _, hist, _ = run_router(
+                rt, logits, k, fmt, bias=qb_bias, qb_mode=qb, num_bins=37, scaling=1.5
+            )
+            outs[form] = (probs, rmap, hist, rt.launches[0 if qb is None else -1][0])
+        (p1, m1, h1, _), (p2, m2, h2, _) = outs["block"], outs["warp"]
+        assert torch.equal(
+            p1.view(torch.int16 if dtype != torch.float32 else torch.int32),
+            p2.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        ), fmt
+        assert torch.equal(m1, m2), fmt
+        assert (h1 is None) == (h2 is None) and (h1 is None or torch.equal(h1, h2)), fmt
+        names = [n for n, *_ in rt.launches[-4:]]
+        assert "amdqb_router_decode" in names and "amdqb_router" in names
 
 
 def test_score_values_match_torch_closely():

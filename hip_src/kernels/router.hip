@@ -658,22 +658,30 @@ AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int 
 #if defined(AMDQB_DECODE_STOP)
 #define AMDQB_DECODE_STAGE(k, value)                             \
   if (AMDQB_DECODE_STOP == k) {                                  \
-    if (tid < topk) id_out[t * topk + tid] = (int)(value);       \
+    if (tid < nsel && id_out != nullptr) id_out[t * topk + (tid % topk)] = (int)(value); \
     return;                                                      \
   }
 #else
 #define AMDQB_DECODE_STAGE(k, value)
 #endif
 
+// The router in its decode form: amdqb_router's arguments and outputs (probs, every routing map,
+// weights/ids, QB cutoff or fused histogram), bit for bit, for the element-wise scores (the op
+// sends softmax to amdqb_router). Merge tree for n <= 32: lane l holds the better of A[l] and
+// B[31 - l] -- the top half of the bitonic merge of two sorted lists of 32 -- and five
+// compare-exchange stages sort them.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
-    amdqb_topk_decode(const in_t* logits, int num_tokens, const float* bias, int topk,
-                      int normalize, float scale, float* w_out, int* id_out) {
+    amdqb_router_decode(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
+                        int normalize, float scale, in_t* probs, void* map, int map_kind,
+                        int qb_mode, int* hist, const float* bounds, int num_bins,
+                        float* alpha_out, float* w_out, int* id_out) {
   AMDQB_SHARED(i32, sh_ckey, DEC_WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, DEC_WARPS * CAP);
   AMDQB_SHARED(i32, sh_skey, DEC_WARPS * CAP);  // each warp's Top-n (local ids)
   AMDQB_SHARED(i32, sh_sid, DEC_WARPS * CAP);
   AMDQB_SHARED(float, sh_score, DEC_THREADS * DEC_EPT);  // scores by expert id
-  AMDQB_SHARED(i32, sh_top, CAP);                        // the token's Top-k ids, in order
+  AMDQB_SHARED(i32, sh_top, CAP);                        // the token's Top-n ids, in order
+  AMDQB_SHARED(i32, sh_cut, 2);                          // the k-th (key, id)
   const int lane = lane_id();
   const int w = warp_in_block();
   const int tid = (int)threadIdx.x;
@@ -704,60 +712,66 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
                       nullptr};
   AMDQB_DECODE_STAGE(1, key[0] + key[DEC_EPT - 1])
-  select_top(key, topk, lane, b);  // local ids; the merge maps them to global ids
+  select_top(key, nsel, lane, b);  // local ids; the merge maps them to global ids
   AMDQB_DECODE_STAGE(2, b.sid[lane])
   block_sync();
 
-  if (DEC_WARPS > 1 && topk <= 16) {  // uniform
+  if (DEC_WARPS > 1 && nsel <= 32) {  // uniform
     // Merge tree. Lists live in (src_k, src_i) at stride CAP; round r writes (dst_k, dst_i), and
     // the two swap: the barrier opening each round orders the reads of one round before the
     // writes of the next. select_top's candidate buffers are free once every warp has passed the
     // first barrier. Missing entries are sentinels that rank after every expert.
     i32 *src_k = sh_skey, *src_i = sh_sid, *dst_k = sh_ckey, *dst_i = sh_cid;
-    i32 mk = kInt32Min, mi = 0x7fffffff;
     for (int lists = DEC_WARPS, round = 0; lists > 1; lists = (lists + 1) >> 1, ++round) {
       if (round > 0) block_sync();
       if (w < (lists + 1) >> 1) {
-        const int li = 2 * w + (lane >> 4);
-        const int r = lane < 16 ? lane : 31 - lane;
-        mk = kInt32Min;
-        mi = 0x7fffffff;
-        if (li < lists && r < topk) {
-          mk = src_k[li * CAP + r];
-          mi = round == 0 ? global_id(li, src_i[li * CAP + r]) : src_i[li * CAP + r];
+        i32 ak = kInt32Min, ai = 0x7fffffff, bk = kInt32Min, bi = 0x7fffffff;
+        const int la = 2 * w, lb = 2 * w + 1, rb = 31 - lane;
+        if (lane < nsel) {
+          ak = src_k[la * CAP + lane];
+          ai = round == 0 ? global_id(la, src_i[la * CAP + lane]) : src_i[la * CAP + lane];
         }
-        warp_merge_desc(mk, mi, lane);
-        if (lane < 16) {
-          dst_k[w * CAP + lane] = mk;
-          dst_i[w * CAP + lane] = mi;
+        if (lb < lists && rb < nsel) {
+          bk = src_k[lb * CAP + rb];
+          bi = round == 0 ? global_id(lb, src_i[lb * CAP + rb]) : src_i[lb * CAP + rb];
         }
+        if (ahead(bk, bi, ak, ai)) {
+          ak = bk;
+          ai = bi;
+        }
+        warp_merge_desc(ak, ai, lane);
+        dst_k[w * CAP + lane] = ak;
+        dst_i[w * CAP + lane] = ai;
       }
       i32* tk = src_k;
       i32* ti = src_i;
       src_k = dst_k, src_i = dst_i, dst_k = tk, dst_i = ti;
     }
-    // warp 0 ran the last round: its lanes 0 .. n-1 hold the Top-n in order
-    if (w != 0) return;  // no barrier follows
-    if (lane < topk) sh_top[lane] = mi;
-    warp_sync();
+    block_sync();
+    if (tid < nsel) sh_top[tid] = src_i[tid];  // list 0 of the last round
   } else {
     if (DEC_WARPS == 1) {  // local ids are the global ids
-      for (int r = tid; r < topk; r += 32) sh_top[r] = sh_sid[r];
+      for (int r = tid; r < nsel; r += 32) sh_top[r] = sh_sid[r];
     } else {
-      for (int c = tid; c < DEC_WARPS * topk; c += DEC_THREADS) {
-        const int v0 = c / topk, r0 = c - v0 * topk;
+      for (int c = tid; c < DEC_WARPS * nsel; c += DEC_THREADS) {
+        const int v0 = c / nsel, r0 = c - v0 * nsel;
         const i32 k0 = sh_skey[v0 * CAP + r0], id0 = global_id(v0, sh_sid[v0 * CAP + r0]);
         int rank = r0;
 #pragma unroll
         for (int v = 0; v < DEC_WARPS; ++v)
           if (v != v0)
-            rank += count_ahead_sorted(sh_skey + v * CAP, sh_sid + v * CAP, v, topk, k0, id0);
-        if (rank < topk) sh_top[rank] = id0;
+            rank += count_ahead_sorted(sh_skey + v * CAP, sh_sid + v * CAP, v, nsel, k0, id0);
+        if (rank < nsel) sh_top[rank] = id0;
       }
     }
-    block_sync();
   }
-  AMDQB_DECODE_STAGE(3, sh_top[tid % topk])
+  block_sync();
+  AMDQB_DECODE_STAGE(3, sh_top[tid % nsel])
+
+  // The k-th selected: every expert's membership is a compare against it. Its key is recomputed
+  // from its score exactly as the selection computed it.
+  const i32 cid = sh_top[topk - 1];
+  const i32 ck = order_key(bias != nullptr ? sh_score[cid] + bias[cid] : sh_score[cid]);
 
   if (w == 0) {
     // Lane r % 32 holds the score of rank r (CAP / 32 registers); the normalisation sums them in
@@ -782,8 +796,54 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     for (int q = 0; q < CAP / 32; ++q) {
       const int r = lane + 32 * q;
       if (r < topk) {
-        w_out[t * topk + r] = (normalize ? v[q] / denom : v[q]) * scale;
-        id_out[t * topk + r] = id[q];
+        const i64 o = t * topk + r;
+        const float wr = (normalize ? v[q] / denom : v[q]) * scale;
+        if (probs != nullptr) probs[t * E + id[q]] = from_f32(wr);
+        if (map_kind == kIdx16) static_cast<i16*>(map)[o] = (i16)id[q];
+        if (map_kind == kIdx32) static_cast<i32*>(map)[o] = id[q];
+        if (map_kind == kIdx64) static_cast<i64*>(map)[o] = (i64)id[q];
+        if (w_out != nullptr) {
+          w_out[o] = wr;
+          id_out[o] = id[q];
+        }
+      }
+    }
+  }
+
+  // Dense outputs: zero probs for the non-members (members are written above, once per rank) and
+  // the byte / bit maps, each thread for its own experts (coalesced across the block).
+  if (probs != nullptr || map_kind == kByteMap || map_kind == kBitMap) {
+#pragma unroll
+    for (int j = 0; j < DEC_EPT; ++j) {
+      const int e = j * DEC_THREADS + tid;
+      const bool member = valid(j) && at_or_ahead(key[j], e, ck, cid);
+      if (valid(j) && !member && probs != nullptr) probs[t * E + e] = from_f32(0.0f);
+      if (valid(j) && map_kind == kByteMap) static_cast<u8*>(map)[t * E + e] = member ? 1 : 0;
+      if (map_kind == kBitMap) {
+        const u32 bits = ballot32(member);  // bit l = expert j * DEC_THREADS + w * 32 + l
+        const int byte = (j * DEC_THREADS + w * 32) / 8 + lane;
+        if (lane < 4 && byte < NBYTES)
+          static_cast<u8*>(map)[t * NBYTES + byte] = (u8)((bits >> (8 * lane)) & 0xffu);
+      }
+    }
+  }
+
+  if (qb_mode != kQbNone) {
+    const i32 aid = sh_top[topk];  // the (k+1)-th: the cutoff alpha
+    const float alpha = bias != nullptr ? sh_score[aid] + bias[aid] : sh_score[aid];
+    if (qb_mode == kQbAlpha) {
+      if (tid == 0) alpha_out[t] = alpha;
+    } else {
+      const float lower = bounds[0];
+      const float qscale = (float)num_bins / (bounds[1] - lower);
+      const QbCut cut = qb_cut(alpha, lower, qscale);
+#pragma unroll
+      for (int j = 0; j < DEC_EPT; ++j) {
+        const int e = j * DEC_THREADS + tid;
+        if (valid(j)) {
+          const int bin = qb_bin_of_logit(cut, to_f32(raw[j]), lower, qscale, num_bins);
+          atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
+        }
       }
     }
   }

@@ -260,11 +260,39 @@ def _launch_router(
     alpha,
     w_out,
     id_out,
+    decode_max_tokens=0,
 ):
+    """amdqb_router (one warp per token), or its decode form amdqb_router_decode (one block per
+    token) for element-wise scores and at most ``decode_max_tokens`` tokens; same outputs, bit
+    for bit."""
     tokens, num_experts = logits.shape
     _check_selection(topk, nsel, num_experts)
     dev = _dev(logits)
-    k = rt.kernel(dev, _router_spec(logits, score_function), "amdqb_router")
+    spec = _router_spec(logits, score_function)
+    if score_function != "softmax" and tokens <= decode_max_tokens:
+        args = [
+            _ptr(logits),
+            arg_i32(tokens),
+            _ptr(expert_bias),
+            arg_i32(topk),
+            arg_i32(nsel),
+            arg_i32(1 if normalize else 0),
+            arg_f32(scale),
+            _ptr(probs),
+            _ptr(map_out),
+            arg_i32(map_kind),
+            arg_i32(qb_mode),
+            _ptr(hist),
+            _ptr(bounds),
+            arg_i32(num_bins),
+            _ptr(alpha),
+            _ptr(w_out),
+            _ptr(id_out),
+        ]
+        k = rt.kernel(dev, spec, "amdqb_router_decode")
+        rt.launch(k, tokens, decode_threads(num_experts), 0, args)
+        return
+    k = rt.kernel(dev, spec, "amdqb_router")
     args = [
         _ptr(logits),
         arg_i32(tokens),
@@ -363,6 +391,7 @@ def router_fwd(
         alpha=alpha,
         w_out=None,
         id_out=None,
+        decode_max_tokens=ROUTER_DECODE_MAX_TOKENS,
     )
     if alpha is not None:
         dev = _dev(logits)
@@ -388,21 +417,25 @@ def router_fwd(
         )
 
 
-# Largest token count biased_topk runs with one block per token (amdqb_topk_decode); beyond it
+# Largest token count biased_topk runs with one block per token (amdqb_router_decode); beyond it
 # the router's warp-per-token kernel. H200, 2026-11-29 (tune decode sweep,
 # bench/results/h200_2026-11-29_s5/call6/tune.md, E=896 k=16, graph replay): block / warp per
 # token = 3.5/5.8, 3.7/6.9, 4.3/7.0, 6.0/7.7, 7.5/7.2, 9.0/8.1 us at T = 1, 64, 256, 512, 768, 1024.
 DECODE_MAX_TOKENS = 512
 
 
-# Experts per warp of amdqb_topk_decode (AMDQB_DECODE_EPW). H200, 2026-11-29 (tune decode sweep,
+# The same for the router (probs / routing maps / QB outputs): NOT MEASURED YET (branch
+# wip/router-decode); bench/tune_router_occupancy.py part "decode" times both forms.
+ROUTER_DECODE_MAX_TOKENS = 512
+
+# Experts per warp of amdqb_router_decode (AMDQB_DECODE_EPW). H200, 2026-11-29 (tune decode sweep,
 # bench/results/h200_2026-11-29_s5/call6/tune.md, E=896 k=16): 7 warps (EPW 128) / 8 (EPW 64) /
 # 4 (EPW 256) = 3.59 / 3.56 / 3.62 us at T=1, 4.32 / 4.33 / 4.12 us at T=256.
 DECODE_EPW = 128
 
 
 def decode_threads(num_experts: int) -> int:
-    """Block size of amdqb_topk_decode: ceil(E / DECODE_EPW) logical warps, rounded up to an even
+    """Block size of amdqb_router_decode: ceil(E / DECODE_EPW) logical warps, rounded up to an even
     count (whole waves on wave64 targets), at most 8."""
     warps = _cdiv(num_experts, DECODE_EPW)
     if warps > 1:
@@ -425,29 +458,7 @@ def biased_topk(
 ):
     if num_groups is not None:
         raise NotImplementedError("hip biased_topk: grouped Top-k is declined via unsupported()")
-    tokens, num_experts = logits.shape
-    if tokens == 0:
-        return
-    if score_function != "softmax" and tokens <= DECODE_MAX_TOKENS:
-        _check_selection(topk, topk, num_experts)
-        dev = _dev(logits)
-        k = rt.kernel(dev, _router_spec(logits, score_function), "amdqb_topk_decode")
-        rt.launch(
-            k,
-            tokens,
-            decode_threads(num_experts),
-            0,
-            [
-                _ptr(logits),
-                arg_i32(tokens),
-                _ptr(expert_bias),
-                arg_i32(topk),
-                arg_i32(1 if renormalize else 0),
-                arg_f32(1.0 if scaling_factor is None else scaling_factor),
-                _ptr(weights_out),
-                _ptr(ids_out),
-            ],
-        )
+    if logits.shape[0] == 0:
         return
     _launch_router(
         rt,
@@ -469,6 +480,7 @@ def biased_topk(
         alpha=None,
         w_out=weights_out,
         id_out=ids_out,
+        decode_max_tokens=DECODE_MAX_TOKENS,
     )
 
 

@@ -295,17 +295,9 @@ def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 512, 768, 1024, 2048), k=16, e
     # The router's decode form against amdqb_router (routing map + probs, no QB and QB fused).
     bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
     amdqb.mark_qb_bin_bounds_validated(bounds)
-    router_default = _ops.ROUTER_DECODE_MAX_TOKENS
 
     def router_form(limit, fn):
-        def call():
-            _ops.ROUTER_DECODE_MAX_TOKENS = limit
-            try:
-                return fn()
-            finally:
-                _ops.ROUTER_DECODE_MAX_TOKENS = router_default
-
-        return call
+        return _patched(fn, (_ops, "ROUTER_DECODE_MAX_TOKENS", limit))
 
     for t in (64, 256, 512, 1024):
         z = torch.randn(t, e, generator=g).to(dev)

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--parts",
-        default="router,route,align,decode,qbhist",
+        default="router,route,align,decode,qbhist,stages",
         help="comma-separated sweeps to run",
     )
     args = parser.parse_args(argv)
@@ -96,6 +96,7 @@ def main(argv=None) -> int:
         ("align", align_tiles),
         ("decode", decode_sweep),
         ("qbhist", qb_hist_shapes),
+        ("stages", router_stages),
     )
     for name, sweep in sweeps:
         if name in parts:
@@ -256,7 +257,7 @@ class _FirstLaunches:
             self.rt.launch(*args)
 
 
-def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 512, 768, 1024, 2048), k=16, e=896) -> Report:
+def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024), k=16, e=896) -> Report:
     from amdqb.backends.hip import _ops
 
     report = Report("biased_topk_decode", environment(dev))
@@ -292,16 +293,22 @@ def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 512, 768, 1024, 2048), k=16, e
             assert all(torch.equal(a, b) for a, b in zip(got, want)), f"{name} differs at T={t}"
         for name, us in time_alternating(impls, dev, cfg).items():
             report.add(T=t, kernel=f"block_per_token:{name}", us=us)
-    # The router's decode form against amdqb_router (routing map + probs, no QB and QB fused).
+    # The router's decode form against amdqb_router (routing map + probs; no QB, QB fused), and
+    # the two-kernel QB mode (its router pass in the form the op picks) for the auto mode's switch.
     bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
     amdqb.mark_qb_bin_bounds_validated(bounds)
 
     def router_form(limit, fn):
-        return _patched(fn, (_ops, "ROUTER_DECODE_MAX_TOKENS", limit))
+        return _patched(
+            fn,
+            (_ops, "ROUTER_DECODE_MAX_TOKENS", limit),
+            (_ops, "ROUTER_DECODE_FUSED_MAX_TOKENS", limit),
+        )
 
-    for t in (64, 256, 512, 1024):
+    for t in (64, 256, 512, 1024, 2048, 4096):
         z = torch.randn(t, e, generator=g).to(dev)
         hist = torch.zeros(e, 1000, dtype=torch.int32, device=dev)
+        impls = {}
         for mode in (None, "fused_atomic"):
             qb = {}
             if mode is not None:
@@ -312,14 +319,16 @@ def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 512, 768, 1024, 2048), k=16, e
                     z, k, expert_bias=bias, backend="hip", **qb
                 )
 
-            impls = {
+            forms = {
                 f"router_{name}:{mode or 'noqb'}": router_form(limit, fn)
                 for name, limit in (("block_per_token", 1 << 30), ("warp_per_token", 0))
             }
-            outs = [f() for f in impls.values()]
+            outs = [f() for f in forms.values()]
             assert all(torch.equal(a, b) for a, b in zip(*outs)), f"router forms differ at T={t}"
-            for name, us in time_alternating(impls, dev, cfg).items():
-                report.add(T=t, kernel=name, us=us)
+            impls.update(forms)
+        impls["two_kernel"] = lambda z=z, h=hist: _hip_two_kernel_qb(z, k, bias, h, bounds)
+        for name, us in time_alternating(impls, dev, cfg).items():
+            report.add(T=t, kernel=name, us=us)
     for t in tokens:
         z = torch.randn(t, e, generator=g).to(dev)
         impls = {
@@ -334,10 +343,35 @@ def decode_sweep(dev, cfg, tokens=(1, 8, 64, 256, 512, 768, 1024, 2048), k=16, e
     return report
 
 
+def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
+    """The warp-per-token router (no QB; probs and byte map, as the bench) cut after each stage
+    (``AMDQB_ROUTER_STOP``: 0 loads, 1 scores and keys, 2 selection, 3 cutoff and weights), and
+    the QB two-kernel mode with it: where the time of each token's chain goes."""
+    report = Report("router_stages", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    bias = (torch.randn(e, generator=g) * 0.05).to(dev)
+    bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+    amdqb.mark_qb_bin_bounds_validated(bounds)
+    for t in tokens:
+        z = torch.randn(t, e, generator=g).to(dev)
+        hist = torch.zeros(e, 1000, dtype=torch.int32, device=dev)
+
+        def full(z=z):
+            return amdqb.fused_topk_with_score_function(z, k, expert_bias=bias, backend="hip")
+
+        impls = {"full": full}
+        for stop in range(4):
+            impls[f"stop{stop}"] = _patched(full, _router_defines(("AMDQB_ROUTER_STOP", str(stop))))
+        impls["two_kernel"] = lambda z=z, h=hist: _hip_two_kernel_qb(z, k, bias, h, bounds)
+        for name, us in time_alternating(impls, dev, cfg).items():
+            report.add(T=t, kernel=name, us=us)
+    return report
+
+
 def qb_hist_shapes(
     dev,
     cfg,
-    shapes=((256, 4), (256, 8), (512, 2), (512, 4), (1024, 1), (1024, 2)),
+    shapes=((256, 4, 1), (256, 4, 4), (512, 2, 4), (1024, 1, 1), (1024, 1, 4), (1024, 2, 4)),
     tokens=(4096, 16384),
     k=16,
     e=896,
@@ -353,12 +387,13 @@ def qb_hist_shapes(
     bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
     amdqb.mark_qb_bin_bounds_validated(bounds)
 
-    def shaped(block, per_cu, fn):
+    def shaped(block, per_cu, vec, fn):
         return _patched(
             fn,
             _router_defines(("AMDQB_QB_HIST_MAX_BLOCK", str(max(256, block)))),
             (_ops, "QB_HIST_BLOCK", block),
             (_ops, "QB_HIST_BLOCKS_PER_CU", per_cu),
+            (_ops, "QB_HIST_VEC", vec),
         )
 
     for t in tokens:
@@ -371,14 +406,14 @@ def qb_hist_shapes(
         want = torch.zeros_like(hist)
         qb(want)
         impls = {}
-        for block, per_cu in shapes:
+        for block, per_cu, vec in shapes:
             got = torch.zeros_like(hist)
-            shaped(block, per_cu, lambda got=got: qb(got))()
-            assert torch.equal(got, want), f"histogram differs at block={block}, per_cu={per_cu}"
-            impls[f"{block}x{per_cu}"] = shaped(block, per_cu, qb)
+            shaped(block, per_cu, vec, lambda got=got: qb(got))()
+            assert torch.equal(got, want), f"histogram differs at {block}x{per_cu}x{vec}"
+            impls[f"{block}x{per_cu}x{vec}"] = shaped(block, per_cu, vec, qb)
         for name, us in time_alternating(impls, dev, cfg).items():
-            block, per_cu = name.split("x")
-            report.add(T=t, block=int(block), blocks_per_cu=int(per_cu), us=us)
+            block, per_cu, vec = name.split("x")
+            report.add(T=t, block=int(block), blocks_per_cu=int(per_cu), vec=int(vec), us=us)
     return report
 
 

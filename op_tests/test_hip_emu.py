@@ -356,19 +356,37 @@ def test_qb_two_kernel_histogram_long_token_slices(dtype):
     assert torch.equal(hists[0], hists[1])
 
 
-@pytest.mark.parametrize("block,per_cu", [(512, 1), (1024, 1), (128, 8)])
-def test_qb_two_kernel_histogram_launch_shapes(monkeypatch, block, per_cu):
+@pytest.mark.parametrize(
+    "block,per_cu,vec,dtype",
+    [
+        (512, 1, 4, torch.float32),
+        (1024, 1, 4, torch.bfloat16),
+        (128, 8, 4, torch.float32),
+        (256, 4, 1, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_qb_two_kernel_histogram_launch_shapes(monkeypatch, block, per_cu, vec, dtype, misaligned):
     """The histogram pass gives the oracle's histogram for the launch shapes the tuner sweeps
-    (_ops.QB_HIST_BLOCK threads, token slices aimed at QB_HIST_BLOCKS_PER_CU blocks per CU)."""
+    (_ops.QB_HIST_BLOCK threads, token slices aimed at QB_HIST_BLOCKS_PER_CU blocks per CU,
+    QB_HIST_VEC experts per vector load); logits one element off the vector alignment take the
+    scalar loads. E = 20: the last block of 8 experts holds 4."""
     rt = emu()
     monkeypatch.setattr(_ops, "QB_HIST_BLOCK", block)
     monkeypatch.setattr(_ops, "QB_HIST_BLOCKS_PER_CU", per_cu)
+    monkeypatch.setattr(_ops, "QB_HIST_VEC", vec)
+    chosen = []
+    pick = _ops._qb_hist_vec
+    monkeypatch.setattr(_ops, "_qb_hist_vec", lambda *a: chosen.append(pick(*a)) or chosen[-1])
     e, t = 20, 600
-    logits = make_logits(t, e, "normal", block, torch.float32)
+    logits = make_logits(t, e, "normal", block, dtype)
+    if misaligned:  # the same values at a storage offset of one element
+        logits = torch.cat([logits.new_zeros(1), logits.flatten()])[1:].view(t, e)
     bias = torch.linspace(-0.1, 0.1, e)
     check_router(rt, logits, 4, "idx32", bias=bias, qb_mode="two_kernel", num_bins=61)
     launches = [x for x in rt.launches if x[0] == "amdqb_qb_hist"]
     assert launches[-1][2] == block
+    assert chosen == [1 if misaligned else vec]
 
 
 @pytest.mark.parametrize("wave", [32, 64])

@@ -455,6 +455,19 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuf
 
 }  // namespace
 
+// -DAMDQB_ROUTER_STOP=k (benchmarks only, bench/tune_router_occupancy.py): amdqb_router skips
+// every token's work after stage k (0 loads, 1 scores and keys, 2 selection, 3 cutoff and weights),
+// writing one value that depends on the work so far -- the time of each stage, not a result.
+#if defined(AMDQB_ROUTER_STOP)
+#define AMDQB_ROUTER_STAGE(k, value)                                    \
+  if (AMDQB_ROUTER_STOP == k) {                                         \
+    if (lane == 0 && probs != nullptr) probs[t * E] = from_f32((float)(value)); \
+    continue;                                                           \
+  }
+#else
+#define AMDQB_ROUTER_STAGE(k, value)
+#endif
+
 // One logical warp per token, WARPS tokens per block, persistent grid-stride loop over tokens.
 //   nsel = topk (+1 under QB); normalize: p = s / (sum_selected s + 1e-20); softmax_pre: scores are
 //   the softmax over E (else, for AMDQB_SCORE softmax, the selected logits are softmax-ed);
@@ -507,6 +520,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
       in_t raw[VPL];
       float s[VPL];
       load_row(row, lane, raw);
+      AMDQB_ROUTER_STAGE(0, to_f32(raw[0]) + to_f32(raw[VPL - 1]))
       scores_from_raw(raw, lane, s, softmax_pre, st);
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
@@ -518,7 +532,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
         }
       }
     }
+    AMDQB_ROUTER_STAGE(1, key[0] + key[VPL - 1])
     select_top(key, nsel, lane, b);
+    AMDQB_ROUTER_STAGE(2, b.sid[lane])
 #pragma unroll
     for (int q = 0; q < CAP / 32; ++q) {
       const int r = lane + 32 * q;
@@ -546,6 +562,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
         p = normalize ? v / denom : v;
       return p * scale;
     };
+    AMDQB_ROUTER_STAGE(3, denom + (float)ck)
 
     if (probs != nullptr || map_kind == kByteMap || map_kind == kBitMap) {
 #pragma unroll
@@ -680,6 +697,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   AMDQB_SHARED(i32, sh_skey, DEC_WARPS * CAP);  // each warp's Top-n (local ids)
   AMDQB_SHARED(i32, sh_sid, DEC_WARPS * CAP);
   AMDQB_SHARED(float, sh_score, DEC_THREADS * DEC_EPT);  // scores by expert id
+  AMDQB_SHARED(float, sh_biased, DEC_THREADS * DEC_EPT);  // score + bias by expert id
   AMDQB_SHARED(i32, sh_top, CAP);                        // the token's Top-n ids, in order
   AMDQB_SHARED(i32, sh_cut, 2);                          // the k-th (key, id)
   const int lane = lane_id();
@@ -705,8 +723,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 #pragma unroll
   for (int j = 0; j < DEC_EPT; ++j) {
     const int e = j * DEC_THREADS + tid;
-    key[j] = valid(j) ? order_key(bias != nullptr ? s[j] + bv[j] : s[j]) : kInt32Min;
-    if (valid(j)) sh_score[e] = s[j];
+    const float biased = bias != nullptr ? s[j] + bv[j] : s[j];
+    key[j] = valid(j) ? order_key(biased) : kInt32Min;
+    if (valid(j)) {
+      sh_score[e] = s[j];
+      sh_biased[e] = biased;  // the cutoffs below read it instead of reloading the bias
+    }
   }
 
   const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
@@ -716,11 +738,16 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   AMDQB_DECODE_STAGE(2, b.sid[lane])
   block_sync();
 
+  // Only the outputs over every expert (dense probs / maps, the fused histogram) need the whole
+  // block after the selection; otherwise warp 0 finishes alone (no barrier after the last round).
+  const bool block_outputs =
+      probs != nullptr || map_kind == kByteMap || map_kind == kBitMap || qb_mode == kQbFused;
   if (DEC_WARPS > 1 && nsel <= 32) {  // uniform
     // Merge tree. Lists live in (src_k, src_i) at stride CAP; round r writes (dst_k, dst_i), and
     // the two swap: the barrier opening each round orders the reads of one round before the
     // writes of the next. select_top's candidate buffers are free once every warp has passed the
-    // first barrier. Missing entries are sentinels that rank after every expert.
+    // first barrier. Missing entries are sentinels that rank after every expert. The last round
+    // (warp 0 alone) writes the token's list straight to sh_top.
     i32 *src_k = sh_skey, *src_i = sh_sid, *dst_k = sh_ckey, *dst_i = sh_cid;
     for (int lists = DEC_WARPS, round = 0; lists > 1; lists = (lists + 1) >> 1, ++round) {
       if (round > 0) block_sync();
@@ -740,15 +767,23 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
           ai = bi;
         }
         warp_merge_desc(ak, ai, lane);
-        dst_k[w * CAP + lane] = ak;
-        dst_i[w * CAP + lane] = ai;
+        if (lists == 2) {
+          if (lane < nsel) sh_top[lane] = ai;
+        } else {
+          dst_k[w * CAP + lane] = ak;
+          dst_i[w * CAP + lane] = ai;
+        }
       }
       i32* tk = src_k;
       i32* ti = src_i;
       src_k = dst_k, src_i = dst_i, dst_k = tk, dst_i = ti;
     }
-    block_sync();
-    if (tid < nsel) sh_top[tid] = src_i[tid];  // list 0 of the last round
+    if (block_outputs)
+      block_sync();
+    else if (w == 0)
+      warp_sync();
+    else
+      return;
   } else {
     if (DEC_WARPS == 1) {  // local ids are the global ids
       for (int r = tid; r < nsel; r += 32) sh_top[r] = sh_sid[r];
@@ -764,14 +799,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
         if (rank < nsel) sh_top[rank] = id0;
       }
     }
+    block_sync();
   }
-  block_sync();
   AMDQB_DECODE_STAGE(3, sh_top[tid % nsel])
-
-  // The k-th selected: every expert's membership is a compare against it. Its key is recomputed
-  // from its score exactly as the selection computed it.
-  const i32 cid = sh_top[topk - 1];
-  const i32 ck = order_key(bias != nullptr ? sh_score[cid] + bias[cid] : sh_score[cid]);
 
   if (w == 0) {
     // Lane r % 32 holds the score of rank r (CAP / 32 registers); the normalisation sums them in
@@ -813,6 +843,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   // Dense outputs: zero probs for the non-members (members are written above, once per rank) and
   // the byte / bit maps, each thread for its own experts (coalesced across the block).
   if (probs != nullptr || map_kind == kByteMap || map_kind == kBitMap) {
+    // The k-th selected: every expert's membership is a compare against its key, computed from
+    // the same biased score as the selection's.
+    const i32 cid = sh_top[topk - 1];
+    const i32 ck = order_key(sh_biased[cid]);
 #pragma unroll
     for (int j = 0; j < DEC_EPT; ++j) {
       const int e = j * DEC_THREADS + tid;
@@ -829,8 +863,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   }
 
   if (qb_mode != kQbNone) {
-    const i32 aid = sh_top[topk];  // the (k+1)-th: the cutoff alpha
-    const float alpha = bias != nullptr ? sh_score[aid] + bias[aid] : sh_score[aid];
+    const float alpha = sh_biased[sh_top[topk]];  // the (k+1)-th: the cutoff alpha
     if (qb_mode == kQbAlpha) {
       if (tid == 0) alpha_out[t] = alpha;
     } else {
@@ -865,9 +898,63 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 #ifndef AMDQB_QB_HIST_MAX_BLOCK
 #define AMDQB_QB_HIST_MAX_BLOCK 256
 #endif
+// vec = 4: each thread takes 4 consecutive experts of a token with one vector load (the host
+// passes it when E and experts_per_block are multiples of 4 and the logits 4-element aligned), so
+// the loads, the cutoff load and the address arithmetic are shared by 4 elements; vec = 1: one.
+namespace {
+struct alignas(4 * sizeof(in_t)) in_x4 {
+  in_t v[4];
+};
+template <int VEC>
+struct HistLoad {
+  typedef in_t type;
+};
+template <>
+struct HistLoad<4> {
+  typedef in_x4 type;
+};
+AMDQB_DEVICE float hist_element(in_t q, int) { return to_f32(q); }
+AMDQB_DEVICE float hist_element(const in_x4& q, int v) { return to_f32(q.v[v]); }
+
+template <int VEC, int UNROLL>
+AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i64 t1, i64 step,
+                                int col, int* lh, float lower, float scale, int num_bins) {
+  // UNROLL tokens per step: their logit and cutoff loads are issued back to back before any LDS
+  // atomic, so each thread keeps that many global loads in flight (one at a time left the kernel
+  // latency-bound: ncu on the H200 showed 14% DRAM throughput, 67% of cycles with no eligible
+  // warp). The per-element arithmetic is unchanged, and counts do not depend on order.
+  typedef typename HistLoad<VEC>::type load_t;
+  for (; t + (UNROLL - 1) * step < t1; t += UNROLL * step) {
+    load_t z[UNROLL];
+    float a[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      z[u] = *reinterpret_cast<const load_t*>(logits + (t + u * step) * E + col);
+      a[u] = alpha[t + u * step];
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const int bin = qb_bin(a[u] - act_elementwise(hist_element(z[u], v)), lower, scale, num_bins);
+        atomic_add_shared(&lh[v * num_bins + bin], 1);
+      }
+  }
+  for (; t < t1; t += step) {
+    const load_t z = *reinterpret_cast<const load_t*>(logits + t * E + col);
+    const float a = alpha[t];
+#pragma unroll
+    for (int v = 0; v < VEC; ++v)
+      atomic_add_shared(&lh[v * num_bins + qb_bin(a - act_elementwise(hist_element(z, v)), lower,
+                                                    scale, num_bins)],
+                        1);
+  }
+}
+}  // namespace
+
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_MAX_BLOCK)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
-                  int num_bins, int experts_per_block, int tokens_per_slice, int* hist) {
+                  int num_bins, int experts_per_block, int tokens_per_slice, int vec, int* hist) {
   AMDQB_DYN_SHARED(lh);
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
@@ -882,36 +969,19 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_MAX_BLOCK)
 
   const float lower = bounds[0];
   const float scale = (float)num_bins / (bounds[1] - lower);
-  const int sub = tid % epb;
-  const int rows_per_pass = nt / epb;
-  const int tt = tid / epb;
-  if (tt < rows_per_pass && sub < ne) {
-    // HIST_UNROLL tokens per step: their logit and cutoff loads are issued back to back before any
-    // LDS atomic, so each thread keeps that many global loads in flight (one at a time left the
-    // kernel latency-bound: ncu on the H200 showed 14% DRAM throughput, 67% of cycles with no
-    // eligible warp). The per-element arithmetic is unchanged, and counts do not depend on order.
-    constexpr int HIST_UNROLL = 8;
-    const int col = e0 + sub;
-    const i64 step = rows_per_pass;
-    i64 t = t0 + tt;
-    for (; t + (HIST_UNROLL - 1) * step < t1; t += HIST_UNROLL * step) {
-      float z[HIST_UNROLL], a[HIST_UNROLL];
-#pragma unroll
-      for (int u = 0; u < HIST_UNROLL; ++u) {
-        z[u] = to_f32(logits[(t + u * step) * E + col]);
-        a[u] = alpha[t + u * step];
-      }
-#pragma unroll
-      for (int u = 0; u < HIST_UNROLL; ++u) {
-        const int bin = qb_bin(a[u] - act_elementwise(z[u]), lower, scale, num_bins);
-        atomic_add_shared(&lh[sub * num_bins + bin], 1);
-      }
-    }
-    for (; t < t1; t += step) {
-      const int bin = qb_bin(alpha[t] - act_elementwise(to_f32(logits[t * E + col])), lower, scale,
-                             num_bins);
-      atomic_add_shared(&lh[sub * num_bins + bin], 1);
-    }
+  const int per_row = epb / vec;  // threads per token row
+  const int sub = tid % per_row;
+  const int rows_per_pass = nt / per_row;
+  const int tt = tid / per_row;
+  if (tt < rows_per_pass && sub * vec < ne) {
+    const i64 t = t0 + tt;
+    int* h = lh + sub * vec * num_bins;
+    if (vec == 4)  // uniform
+      qb_hist_slice<4, 4>(logits, alpha, t, t1, rows_per_pass, e0 + sub * 4, h, lower, scale,
+                          num_bins);
+    else
+      qb_hist_slice<1, 8>(logits, alpha, t, t1, rows_per_pass, e0 + sub, h, lower, scale,
+                          num_bins);
   }
   block_sync();
 

@@ -323,6 +323,9 @@ def _launch_router(
 # session 3 (256 threads, 4 blocks per CU: 112 x 5 blocks at T=16384, E=896).
 QB_HIST_BLOCK = 256
 QB_HIST_BLOCKS_PER_CU = 4
+# Experts per thread of the histogram pass (one vector load of 4 logits) where E, the experts per
+# block and the logits' alignment allow it; 1 otherwise.
+QB_HIST_VEC = 4
 
 
 def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: int, cus: int):
@@ -336,6 +339,13 @@ def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: in
     slices = max(1, min(_cdiv(QB_HIST_BLOCKS_PER_CU * cus, gx), _cdiv(tokens, 256)))
     per = _cdiv(tokens, slices)
     return epb, _cdiv(tokens, per), per
+
+
+def _qb_hist_vec(logits, epb: int) -> int:
+    """QB_HIST_VEC where the histogram pass may read 4 experts with one vector load."""
+    vec = QB_HIST_VEC
+    aligned = logits.data_ptr() % (vec * logits.element_size()) == 0
+    return vec if vec > 1 and logits.shape[1] % vec == 0 and epb % vec == 0 and aligned else 1
 
 
 def router_fwd(
@@ -391,7 +401,11 @@ def router_fwd(
         alpha=alpha,
         w_out=None,
         id_out=None,
-        decode_max_tokens=ROUTER_DECODE_MAX_TOKENS,
+        decode_max_tokens=(
+            ROUTER_DECODE_FUSED_MAX_TOKENS
+            if qb_mode == "fused_atomic" and qb
+            else ROUTER_DECODE_MAX_TOKENS
+        ),
     )
     if alpha is not None:
         dev = _dev(logits)
@@ -412,6 +426,7 @@ def router_fwd(
                 arg_i32(num_bins),
                 arg_i32(epb),
                 arg_i32(per),
+                arg_i32(_qb_hist_vec(logits, epb)),
                 _ptr(qb_histogram),
             ],
         )
@@ -424,9 +439,14 @@ def router_fwd(
 DECODE_MAX_TOKENS = 512
 
 
-# The same for the router (probs / routing maps / QB outputs): NOT MEASURED YET (branch
-# wip/router-decode); bench/tune_router_occupancy.py part "decode" times both forms.
+# The same for the router (probs / routing maps / the QB cutoff). H200, 2026-11-30 (tune decode
+# sweep, bench/results/h200_2026-11-30_s6/call1/tune.md, E=896 k=16, probs + byte map): block /
+# warp per token = 4.4/7.6, 5.0/7.7, 7.1/8.4, 11.4/8.5 us at T = 64, 256, 512, 1024.
 ROUTER_DECODE_MAX_TOKENS = 512
+# With the fused QB histogram (global atomics for every (token, expert)), whose atomics a block
+# per token spreads over more warps: 5.4/12.2, 7.5/12.6, 10.6/14.9, 16.8/20.7 us at the same T.
+# NOT MEASURED beyond T=1024 yet.
+ROUTER_DECODE_FUSED_MAX_TOKENS = 1024
 
 # Experts per warp of amdqb_router_decode (AMDQB_DECODE_EPW). H200, 2026-11-29 (tune decode sweep,
 # bench/results/h200_2026-11-29_s5/call6/tune.md, E=896 k=16): 7 warps (EPW 128) / 8 (EPW 64) /

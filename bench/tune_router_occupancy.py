@@ -359,10 +359,29 @@ def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
         def full(z=z):
             return amdqb.fused_topk_with_score_function(z, k, expert_bias=bias, backend="hip")
 
+        def two_kernel(z=z, h=hist):
+            return _hip_two_kernel_qb(z, k, bias, h, bounds)
+
         impls = {"full": full}
         for stop in range(4):
             impls[f"stop{stop}"] = _patched(full, _router_defines(("AMDQB_ROUTER_STOP", str(stop))))
-        impls["two_kernel"] = lambda z=z, h=hist: _hip_two_kernel_qb(z, k, bias, h, bounds)
+        # candidates by (key, id) as before session 6; the histogram's two-phase sigmoid
+        by_key_id = _router_defines(("AMDQB_SELECT_BY_KEY", "0"))
+        impls["full:select_by_key_id"] = _patched(full, by_key_id)
+        impls["two_kernel"] = two_kernel
+        impls["two_kernel:select_by_key_id"] = _patched(two_kernel, by_key_id)
+        impls["two_kernel:hist_two_phase"] = _patched(
+            two_kernel, _router_defines(("AMDQB_QB_HIST_TWO_PHASE", "1"))
+        )
+        want = [x.clone() for x in full()]
+        got = impls["full:select_by_key_id"]()
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), "selection variants differ"
+        hists = []
+        for name in ("two_kernel", "two_kernel:hist_two_phase", "two_kernel:select_by_key_id"):
+            hist.zero_()
+            impls[name]()
+            hists.append(hist.clone())
+        assert all(torch.equal(h, hists[0]) for h in hists), "histogram variants differ"
         for name, us in time_alternating(impls, dev, cfg).items():
             report.add(T=t, kernel=name, us=us)
     return report

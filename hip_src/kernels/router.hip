@@ -398,7 +398,32 @@ struct WarpBuffers {
   float* ss;
 };
 
+// Appends the lane's experts that satisfy pred(key, id) to b.ckey/cid from slot pos on.
+template <int V, typename Pred>
+AMDQB_DEVICE void append_candidates(const i32 (&key)[V], int lane, int pos, const WarpBuffers& b,
+                                    Pred pred) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const i32 id = j * 32 + lane;
+    if (pred(key[j], id)) {
+      b.ckey[pos] = key[j];
+      b.cid[pos] = id;
+      ++pos;
+    }
+  }
+}
+
+// -DAMDQB_SELECT_BY_KEY=0 (benchmarks only): candidates by the full (key, id) order, as before
+// session 6, instead of the key alone.
+#ifndef AMDQB_SELECT_BY_KEY
+#define AMDQB_SELECT_BY_KEY 1
+#endif
+
 // Top-n of the token into b.skey/sid[0..n) in selection order (n <= CAP, n <= E).
+// Candidates: every expert whose key is at least the key of (bk, bid), an entry at or behind the
+// n-th in the selection order -- a superset of the Top-n (one compare per expert instead of the
+// (key, id) order's three; extra candidates tied on bk rank >= n and are dropped). Only if they
+// overflow CAP, the exact n-th is searched and the candidates are taken by the full order.
 template <int V>
 AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuffers& b) {
   i32 bk, bid;
@@ -416,7 +441,15 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuf
   } else {
     exact_nth(key, n, lane, bk, bid);
   }
+#if AMDQB_SELECT_BY_KEY
+  auto by_key = [&](i32 k, i32) { return k >= bk; };
+  int c = 0;
+#pragma unroll
+  for (int j = 0; j < V; ++j) c += key[j] >= bk ? 1 : 0;
+#else
+  auto by_key = [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); };
   int c = count_at_or_ahead(key, lane, bk, bid);
+#endif
   int incl = warp_inclusive_sum_i32(c);
   int total = shfl_i32(incl, 31);
   if (total > CAP) {  // warp-uniform; rare for real router logits
@@ -425,16 +458,10 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuf
     c = count_at_or_ahead(key, lane, bk, bid);
     incl = warp_inclusive_sum_i32(c);
     total = shfl_i32(incl, 31);  // == n
-  }
-  int pos = incl - c;
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const i32 id = j * 32 + lane;
-    if (at_or_ahead(key[j], id, bk, bid)) {
-      b.ckey[pos] = key[j];
-      b.cid[pos] = id;
-      ++pos;
-    }
+    append_candidates(key, lane, incl - c, b,
+                      [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); });
+  } else {
+    append_candidates(key, lane, incl - c, b, by_key);
   }
   warp_sync();
 #pragma unroll
@@ -896,7 +923,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 // Dynamic shared memory: experts_per_block * num_bins ints. Block size: a multiple of
 // experts_per_block up to AMDQB_QB_HIST_MAX_BLOCK (_ops.QB_HIST_BLOCK; the tuner builds larger).
 #ifndef AMDQB_QB_HIST_MAX_BLOCK
-#define AMDQB_QB_HIST_MAX_BLOCK 256
+#define AMDQB_QB_HIST_MAX_BLOCK 1024
 #endif
 // vec = 4: each thread takes 4 consecutive experts of a token with one vector load (the host
 // passes it when E and experts_per_block are multiples of 4 and the logits 4-element aligned), so
@@ -913,8 +940,15 @@ template <>
 struct HistLoad<4> {
   typedef in_x4 type;
 };
+AMDQB_DEVICE in_t hist_raw(in_t q, int) { return q; }
+AMDQB_DEVICE in_t hist_raw(const in_x4& q, int v) { return q.v[v]; }
 AMDQB_DEVICE float hist_element(in_t q, int) { return to_f32(q); }
 AMDQB_DEVICE float hist_element(const in_x4& q, int v) { return to_f32(q.v[v]); }
+// -DAMDQB_QB_HIST_TWO_PHASE=1 (benchmarks only): the scores through activate (every element's
+// fast sigmoid first, the rare divisions after) instead of one act_elementwise per element.
+#ifndef AMDQB_QB_HIST_TWO_PHASE
+#define AMDQB_QB_HIST_TWO_PHASE 0
+#endif
 
 template <int VEC, int UNROLL>
 AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i64 t1, i64 step,
@@ -932,6 +966,18 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i
       z[u] = *reinterpret_cast<const load_t*>(logits + (t + u * step) * E + col);
       a[u] = alpha[t + u * step];
     }
+#if AMDQB_QB_HIST_TWO_PHASE
+    in_t flat[UNROLL * VEC];
+    float sc[UNROLL * VEC];
+#pragma unroll
+    for (int i = 0; i < UNROLL * VEC; ++i) flat[i] = hist_raw(z[i / VEC], i % VEC);
+    activate(flat, [](int) { return true; }, sc);
+#pragma unroll
+    for (int i = 0; i < UNROLL * VEC; ++i)
+      atomic_add_shared(&lh[(i % VEC) * num_bins + qb_bin(a[i / VEC] - sc[i], lower, scale,
+                                                          num_bins)],
+                        1);
+#else
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
@@ -939,6 +985,7 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i
         const int bin = qb_bin(a[u] - act_elementwise(hist_element(z[u], v)), lower, scale, num_bins);
         atomic_add_shared(&lh[v * num_bins + bin], 1);
       }
+#endif
   }
   for (; t < t1; t += step) {
     const load_t z = *reinterpret_cast<const load_t*>(logits + t * E + col);

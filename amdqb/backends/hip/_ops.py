@@ -221,12 +221,17 @@ def _router_grid(rt, kernel, dev, tokens):
     return max(1, min(_cdiv(tokens, _spec.ROUTER_WARPS), rt.num_cus(dev) * per_cu))
 
 
+# qb_histogram_mode="auto" takes the fused epilogue up to this many (token, expert) bin updates.
+AUTO_FUSED_MAX_UPDATES = 1024 * 896
+
+
 def auto_qb_mode(tokens: int, num_experts: int) -> str:
     """``qb_histogram_mode="auto"``: fused atomics while T*E is small, LDS-privatised two-kernel
-    histograms beyond. Measured on an H200 (bench/results/h200.json, 2026-11-29, E=896 k=16):
-    fused/two-kernel = 14.9/15.6 us at T=256, 23.1/19.0 at 1024, 65.6/38.4 at 4096, 238/114 at
-    16384; the switch sits between 256 and 1024 tokens of 896 experts."""
-    return "fused_atomic" if tokens * num_experts <= (1 << 18) else "two_kernel"
+    histograms beyond. Measured on an H200 (bench/results/h200_2026-11-30_s6/call2/tune.md,
+    E=896 k=16, graph replay; the fused mode in its block-per-token form up to T=1024):
+    fused/two-kernel = 5.1/10.1 us at T=64, 7.2/11.1 at 256, 10.4/13.8 at 512, 16.4/18.6 at 1024,
+    30.4/27.6 at 2048 (the block form; 35.9 one warp per token), 55.0/39.3 at 4096."""
+    return "fused_atomic" if tokens * num_experts <= AUTO_FUSED_MAX_UPDATES else "two_kernel"
 
 
 def _check_selection(topk: int, nsel: int, num_experts: int) -> None:
@@ -320,9 +325,12 @@ def _launch_router(
 # slices aim for. Every block zeroes and flushes its [experts, B] LDS histogram (one global atomic
 # per non-zero bin), so fewer, larger blocks flush less; more blocks keep more loads in flight.
 # bench/tune_router_occupancy.py (part qbhist) sweeps both; these are the measured defaults of
-# session 3 (256 threads, 4 blocks per CU: 112 x 5 blocks at T=16384, E=896).
-QB_HIST_BLOCK = 256
-QB_HIST_BLOCKS_PER_CU = 4
+# H200, 2026-11-30 (bench/results/h200_2026-11-30_s6/call2/tune.md, QB two-kernel end to end,
+# E=896 k=16 B=1000; threads x blocks per CU x experts per load): at T=16384 256x4x1 124.0,
+# 256x4x4 114.6, 512x2x4 111.6, 1024x1x1 111.5, 1024x1x4 108.2, 1024x2x4 115.6 us; at T=4096 all
+# within 35.9-39.9 us (1024x1x4: 36.5).
+QB_HIST_BLOCK = 1024
+QB_HIST_BLOCKS_PER_CU = 1
 # Experts per thread of the histogram pass (one vector load of 4 logits) where E, the experts per
 # block and the logits' alignment allow it; 1 otherwise.
 QB_HIST_VEC = 4
@@ -433,19 +441,23 @@ def router_fwd(
 
 
 # Largest token count biased_topk runs with one block per token (amdqb_router_decode); beyond it
-# the router's warp-per-token kernel. H200, 2026-11-29 (tune decode sweep,
-# bench/results/h200_2026-11-29_s5/call6/tune.md, E=896 k=16, graph replay): block / warp per
-# token = 3.5/5.8, 3.7/6.9, 4.3/7.0, 6.0/7.7, 7.5/7.2, 9.0/8.1 us at T = 1, 64, 256, 512, 768, 1024.
+# the router's warp-per-token kernel. H200, 2026-11-30 (tune decode sweep,
+# bench/results/h200_2026-11-30_s6/call2/tune.md, E=896 k=16, graph replay): block / warp per
+# token = 3.9/6.0, 4.1/6.9, 4.5/7.6, 6.4/7.8, 8.7/7.8, 10.2/7.9 us at T = 1, 64, 256, 512, 768,
+# 1024. (The dedicated biased_topk kernel this one replaced took 3.6 / 4.3 us at T = 1 / 256 in
+# session 5: the shared kernel's epilogue costs ~0.3 us more; not yet traced.)
 DECODE_MAX_TOKENS = 512
 
 
 # The same for the router (probs / routing maps / the QB cutoff). H200, 2026-11-30 (tune decode
-# sweep, bench/results/h200_2026-11-30_s6/call1/tune.md, E=896 k=16, probs + byte map): block /
-# warp per token = 4.4/7.6, 5.0/7.7, 7.1/8.4, 11.4/8.5 us at T = 64, 256, 512, 1024.
+# sweep, bench/results/h200_2026-11-30_s6/call{1,2}/tune.md, E=896 k=16, probs + byte map): block /
+# warp per token = 4.3/7.6, 4.7/7.7, 6.8/8.3, 11.1/8.5, 19.5/10.8 us at T = 64, 256, 512, 1024,
+# 2048 (call2; call1 agrees within 0.3 us).
 ROUTER_DECODE_MAX_TOKENS = 512
 # With the fused QB histogram (global atomics for every (token, expert)), whose atomics a block
-# per token spreads over more warps: 5.4/12.2, 7.5/12.6, 10.6/14.9, 16.8/20.7 us at the same T.
-# NOT MEASURED beyond T=1024 yet.
+# per token spreads over more warps (call2/tune.md): 5.1/12.3, 7.2/12.8, 10.4/14.9, 16.4/20.8,
+# 30.4/35.9, 55.0/68.2 us at T = 64 ... 4096; beyond T=1024 the two-kernel mode is faster still
+# (auto_qb_mode), so the block form serves the fused mode up to there.
 ROUTER_DECODE_FUSED_MAX_TOKENS = 1024
 
 # Experts per warp of amdqb_router_decode (AMDQB_DECODE_EPW). H200, 2026-11-29 (tune decode sweep,

@@ -1023,7 +1023,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_MAX_BLOCK)
   if (tt < rows_per_pass && sub * vec < ne) {
     const i64 t = t0 + tt;
     int* h = lh + sub * vec * num_bins;
-    if (vec == 4)  // uniform
+    // QB is sigmoid-only at the op level: other scores build the scalar form alone (the vector
+    // form of sqrtsoftplus's longer activation needs scratch on gfx942).
+    if (vec == 4 && AMDQB_SCORE == AMDQB_SCORE_SIGMOID)  // uniform
       qb_hist_slice<4, 4>(logits, alpha, t, t1, rows_per_pass, e0 + sub * 4, h, lower, scale,
                           num_bins);
     else

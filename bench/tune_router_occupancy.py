@@ -365,19 +365,27 @@ def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
         impls = {"full": full}
         for stop in range(4):
             impls[f"stop{stop}"] = _patched(full, _router_defines(("AMDQB_ROUTER_STOP", str(stop))))
-        # candidates by (key, id) as before session 6; the histogram's two-phase sigmoid
+        # candidates by (key, id) as before session 6; the histogram's sigmoid one element at a time
         by_key_id = _router_defines(("AMDQB_SELECT_BY_KEY", "0"))
         impls["full:select_by_key_id"] = _patched(full, by_key_id)
         impls["two_kernel"] = two_kernel
         impls["two_kernel:select_by_key_id"] = _patched(two_kernel, by_key_id)
-        impls["two_kernel:hist_two_phase"] = _patched(
-            two_kernel, _router_defines(("AMDQB_QB_HIST_TWO_PHASE", "1"))
+        # the histogram pass with registers for 2 resident blocks per SM, and 2 tokens per step
+        for unroll, blocks in ((4, 2), (2, 2), (2, 1), (8, 1)):
+            impls[f"two_kernel:hist_unroll{unroll}_min_blocks{blocks}"] = _patched(
+                two_kernel,
+                _router_defines(
+                    ("AMDQB_QB_HIST_MIN_BLOCKS", str(blocks)), ("AMDQB_QB_HIST_UNROLL", str(unroll))
+                ),
+            )
+        impls["two_kernel:hist_one_phase"] = _patched(
+            two_kernel, _router_defines(("AMDQB_QB_HIST_TWO_PHASE", "0"))
         )
         want = [x.clone() for x in full()]
         got = impls["full:select_by_key_id"]()
         assert all(torch.equal(a, b) for a, b in zip(got, want)), "selection variants differ"
         hists = []
-        for name in ("two_kernel", "two_kernel:hist_two_phase", "two_kernel:select_by_key_id"):
+        for name in [n for n in impls if n.startswith("two_kernel")]:
             hist.zero_()
             impls[name]()
             hists.append(hist.clone())

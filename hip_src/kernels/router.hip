@@ -414,7 +414,8 @@ AMDQB_DEVICE void append_candidates(const i32 (&key)[V], int lane, int pos, cons
 }
 
 // -DAMDQB_SELECT_BY_KEY=0 (benchmarks only): candidates by the full (key, id) order, as before
-// session 6, instead of the key alone.
+// session 6, instead of the key alone. H200 (bench/results/h200_2026-11-30_s6/call3, E=896, k=16,
+// probs + byte map): 61.3 vs 65.2 us at T=16384, 18.1 vs 19.2 at T=4096.
 #ifndef AMDQB_SELECT_BY_KEY
 #define AMDQB_SELECT_BY_KEY 1
 #endif
@@ -917,9 +918,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 // (qb_bin_fast) needs per-token constants, and loading them (8 or 16 bytes per element instead of
 // the 4-byte cutoff) made this pass slower on the H200 (ncu at T=16384, E=896: 47 us with the
 // cutoff alone, 58 us with the 16-byte cut), while the sigmoid is branch-free here either way.
-// The router's two-phase form of the sigmoid (activate: all 8 fast, the rare divisions after) was
-// also slower here: 122 vs 111 us end to end at T=16384 (bench/results/h200_2026-11-29_s5/call10),
-// as was grouping the fused epilogue's bins 8 at a time (13.6 vs 12.6 us at T=256).
+// Grouping the fused epilogue's bins 8 at a time was slower (13.6 vs 12.6 us at T=256).
 // Dynamic shared memory: experts_per_block * num_bins ints. Block size: a multiple of
 // experts_per_block up to AMDQB_QB_HIST_MAX_BLOCK (_ops.QB_HIST_BLOCK; the tuner builds larger).
 #ifndef AMDQB_QB_HIST_MAX_BLOCK
@@ -944,10 +943,13 @@ AMDQB_DEVICE in_t hist_raw(in_t q, int) { return q; }
 AMDQB_DEVICE in_t hist_raw(const in_x4& q, int v) { return q.v[v]; }
 AMDQB_DEVICE float hist_element(in_t q, int) { return to_f32(q); }
 AMDQB_DEVICE float hist_element(const in_x4& q, int v) { return to_f32(q.v[v]); }
-// -DAMDQB_QB_HIST_TWO_PHASE=1 (benchmarks only): the scores through activate (every element's
-// fast sigmoid first, the rare divisions after) instead of one act_elementwise per element.
+// The scores of one step go through activate: every element's fast sigmoid first, the rare
+// divisions after, so no slow-path CALL sits between two elements' arithmetic. H200, T=16384:
+// 96.7 vs 99.9 us for QB two-kernel end to end with one act_elementwise per element
+// (-DAMDQB_QB_HIST_TWO_PHASE=0, benchmarks only; bench/results/h200_2026-11-30_s6/call3). In the
+// scalar form of session 5 (8 elements per step) the same change had measured slower.
 #ifndef AMDQB_QB_HIST_TWO_PHASE
-#define AMDQB_QB_HIST_TWO_PHASE 0
+#define AMDQB_QB_HIST_TWO_PHASE 1
 #endif
 
 template <int VEC, int UNROLL>
@@ -999,7 +1001,15 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i
 }
 }  // namespace
 
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_MAX_BLOCK)
+// Tokens per step of the vector form (4 experts each), and the resident blocks per SM the
+// compiler must allow (NVIDIA): benchmarks sweep both.
+#ifndef AMDQB_QB_HIST_UNROLL
+#define AMDQB_QB_HIST_UNROLL 4
+#endif
+#ifndef AMDQB_QB_HIST_MIN_BLOCKS
+#define AMDQB_QB_HIST_MIN_BLOCKS 1
+#endif
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST_MIN_BLOCKS)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
                   int num_bins, int experts_per_block, int tokens_per_slice, int vec, int* hist) {
   AMDQB_DYN_SHARED(lh);
@@ -1026,7 +1036,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_MAX_BLOCK)
     // QB is sigmoid-only at the op level: other scores build the scalar form alone (the vector
     // form of sqrtsoftplus's longer activation needs scratch on gfx942).
     if (vec == 4 && AMDQB_SCORE == AMDQB_SCORE_SIGMOID)  // uniform
-      qb_hist_slice<4, 4>(logits, alpha, t, t1, rows_per_pass, e0 + sub * 4, h, lower, scale,
+      qb_hist_slice<4, AMDQB_QB_HIST_UNROLL>(logits, alpha, t, t1, rows_per_pass, e0 + sub * 4, h, lower, scale,
                           num_bins);
     else
       qb_hist_slice<1, 8>(logits, alpha, t, t1, rows_per_pass, e0 + sub, h, lower, scale,

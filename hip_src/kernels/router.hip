@@ -984,8 +984,8 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i
     for (int u = 0; u < UNROLL; ++u)
 #pragma unroll
       for (int v = 0; v < VEC; ++v) {
-        const int bin = qb_bin(a[u] - act_elementwise(hist_element(z[u], v)), lower, scale, num_bins);
-        atomic_add_shared(&lh[v * num_bins + bin], 1);
+        const float sv = act_elementwise(hist_element(z[u], v));
+        atomic_add_shared(&lh[v * num_bins + qb_bin(a[u] - sv, lower, scale, num_bins)], 1);
       }
 #endif
   }
@@ -1002,12 +1002,14 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i
 }  // namespace
 
 // Tokens per step of the vector form (4 experts each), and the resident blocks per SM the
-// compiler must allow (NVIDIA): benchmarks sweep both.
+// compiler must allow (NVIDIA). H200 (bench/results/h200_2026-11-30_s6/call4, QB two-kernel end
+// to end at T=4096 / 16384): 2 tokens, 2 blocks 30.7 / 96.8 us; 4 tokens, 1 block 32.8 / 96.9;
+// 2 tokens, 1 block 32.4 / 99.6; 4 tokens, 2 blocks (spills) 39.3 / 121.8; 8 tokens 34.5 / 114.0.
 #ifndef AMDQB_QB_HIST_UNROLL
-#define AMDQB_QB_HIST_UNROLL 4
+#define AMDQB_QB_HIST_UNROLL 2
 #endif
 #ifndef AMDQB_QB_HIST_MIN_BLOCKS
-#define AMDQB_QB_HIST_MIN_BLOCKS 1
+#define AMDQB_QB_HIST_MIN_BLOCKS 2
 #endif
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST_MIN_BLOCKS)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
@@ -1036,8 +1038,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
     // QB is sigmoid-only at the op level: other scores build the scalar form alone (the vector
     // form of sqrtsoftplus's longer activation needs scratch on gfx942).
     if (vec == 4 && AMDQB_SCORE == AMDQB_SCORE_SIGMOID)  // uniform
-      qb_hist_slice<4, AMDQB_QB_HIST_UNROLL>(logits, alpha, t, t1, rows_per_pass, e0 + sub * 4, h, lower, scale,
-                          num_bins);
+      qb_hist_slice<4, AMDQB_QB_HIST_UNROLL>(logits, alpha, t, t1, rows_per_pass, e0 + sub * 4,
+                                             h, lower, scale, num_bins);
     else
       qb_hist_slice<1, 8>(logits, alpha, t, t1, rows_per_pass, e0 + sub, h, lower, scale,
                           num_bins);

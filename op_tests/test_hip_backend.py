@@ -394,12 +394,13 @@ def test_runtime_asks_occupancy_once_per_shape():
     assert rt.blocks_per_cu(_runtime.Kernel("fn", "amdqb_router", 0), 256) == 2
 
 
-def test_auto_qb_mode_switches_between_1024_and_2048_tokens_at_896_experts():
-    """The fused mode up to T=1024 (its block-per-token form), two-kernel beyond (H200 sweep)."""
+def test_auto_qb_mode_switches_between_512_and_1024_tokens_at_896_experts():
+    """The fused mode (its block-per-token form) up to T=512, two-kernel beyond (H200 bench)."""
     assert _ops.auto_qb_mode(256, 896) == "fused_atomic"
-    assert _ops.auto_qb_mode(1024, 896) == "fused_atomic"
-    assert _ops.auto_qb_mode(2048, 896) == "two_kernel"
+    assert _ops.auto_qb_mode(512, 896) == "fused_atomic"
+    assert _ops.auto_qb_mode(1024, 896) == "two_kernel"
     assert _ops.auto_qb_mode(16384, 896) == "two_kernel"
+    # every size auto sends to the fused mode runs its block-per-token form
     assert _ops.ROUTER_DECODE_FUSED_MAX_TOKENS * 896 >= _ops.AUTO_FUSED_MAX_UPDATES
 
 

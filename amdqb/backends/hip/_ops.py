@@ -222,15 +222,15 @@ def _router_grid(rt, kernel, dev, tokens):
 
 
 # qb_histogram_mode="auto" takes the fused epilogue up to this many (token, expert) bin updates.
-AUTO_FUSED_MAX_UPDATES = 1024 * 896
+AUTO_FUSED_MAX_UPDATES = 512 * 896
 
 
 def auto_qb_mode(tokens: int, num_experts: int) -> str:
     """``qb_histogram_mode="auto"``: fused atomics while T*E is small, LDS-privatised two-kernel
-    histograms beyond. Measured on an H200 (bench/results/h200_2026-11-30_s6/call2/tune.md,
-    E=896 k=16, graph replay; the fused mode in its block-per-token form up to T=1024):
-    fused/two-kernel = 5.1/10.1 us at T=64, 7.2/11.1 at 256, 10.4/13.8 at 512, 16.4/18.6 at 1024,
-    30.4/27.6 at 2048 (the block form; 35.9 one warp per token), 55.0/39.3 at 4096."""
+    histograms beyond. Measured on an H200 (E=896 k=16, graph replay; the fused mode in its
+    block-per-token form up to T=1024), fused / two-kernel: 5.1/10.1 us at T=64, 7.2/11.1 at 256,
+    10.4/13.8 at 512 (bench/results/h200_2026-11-30_s6/call2/tune.md); with the histogram pass
+    as committed, 7.2/9.7 at 256, 17.1/15.7 at 1024, 62.9/29.7 at 4096 (call5/bench.md)."""
     return "fused_atomic" if tokens * num_experts <= AUTO_FUSED_MAX_UPDATES else "two_kernel"
 
 
@@ -456,8 +456,8 @@ DECODE_MAX_TOKENS = 512
 ROUTER_DECODE_MAX_TOKENS = 512
 # With the fused QB histogram (global atomics for every (token, expert)), whose atomics a block
 # per token spreads over more warps (call2/tune.md): 5.1/12.3, 7.2/12.8, 10.4/14.9, 16.4/20.8,
-# 30.4/35.9, 55.0/68.2 us at T = 64 ... 4096; beyond T=1024 the two-kernel mode is faster still
-# (auto_qb_mode), so the block form serves the fused mode up to there.
+# 30.4/35.9, 55.0/68.2 us at T = 64 ... 4096. auto_qb_mode leaves the fused mode before this
+# (the two-kernel mode is faster from T=1024 on); an explicit fused request keeps the faster form.
 ROUTER_DECODE_FUSED_MAX_TOKENS = 1024
 
 # Experts per warp of amdqb_router_decode (AMDQB_DECODE_EPW). H200, 2026-11-29 (tune decode sweep,

@@ -725,6 +725,7 @@ def test_router_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, e, k, dtyp
     outs = []
     for limit in (1 << 30, 0):
         monkeypatch.setattr(_ops, "ROUTER_DECODE_MAX_TOKENS", limit)
+        monkeypatch.setattr(_ops, "ROUTER_DECODE_FUSED_MAX_TOKENS", limit)
         kw = {}
         if qb is not None:
             hist = torch.zeros(e, 300, dtype=torch.int32, device=DEV)

@@ -727,7 +727,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   AMDQB_SHARED(float, sh_score, DEC_THREADS * DEC_EPT);  // scores by expert id
   AMDQB_SHARED(float, sh_biased, DEC_THREADS * DEC_EPT);  // score + bias by expert id
   AMDQB_SHARED(i32, sh_top, CAP);                        // the token's Top-n ids, in order
-  AMDQB_SHARED(i32, sh_cut, 2);                          // the k-th (key, id)
   const int lane = lane_id();
   const int w = warp_in_block();
   const int tid = (int)threadIdx.x;
@@ -946,8 +945,9 @@ AMDQB_DEVICE float hist_element(const in_x4& q, int v) { return to_f32(q.v[v]); 
 // The scores of one step go through activate: every element's fast sigmoid first, the rare
 // divisions after, so no slow-path CALL sits between two elements' arithmetic. H200, T=16384:
 // 96.7 vs 99.9 us for QB two-kernel end to end with one act_elementwise per element
-// (-DAMDQB_QB_HIST_TWO_PHASE=0, benchmarks only; bench/results/h200_2026-11-30_s6/call3). In the
-// scalar form of session 5 (8 elements per step) the same change had measured slower.
+// (-DAMDQB_QB_HIST_TWO_PHASE=0, benchmarks only; bench/results/h200_2026-11-30_s6/call3). The
+// scalar form (8 elements per step) keeps one act_elementwise per element: there the same change
+// had measured slower (122 vs 111 us, bench/results/h200_2026-11-29_s5/call10).
 #ifndef AMDQB_QB_HIST_TWO_PHASE
 #define AMDQB_QB_HIST_TWO_PHASE 1
 #endif
@@ -968,26 +968,26 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i
       z[u] = *reinterpret_cast<const load_t*>(logits + (t + u * step) * E + col);
       a[u] = alpha[t + u * step];
     }
-#if AMDQB_QB_HIST_TWO_PHASE
-    in_t flat[UNROLL * VEC];
-    float sc[UNROLL * VEC];
+    if (AMDQB_QB_HIST_TWO_PHASE && VEC == 4) {  // compile-time
+      in_t flat[UNROLL * VEC];
+      float sc[UNROLL * VEC];
 #pragma unroll
-    for (int i = 0; i < UNROLL * VEC; ++i) flat[i] = hist_raw(z[i / VEC], i % VEC);
-    activate(flat, [](int) { return true; }, sc);
+      for (int i = 0; i < UNROLL * VEC; ++i) flat[i] = hist_raw(z[i / VEC], i % VEC);
+      activate(flat, [](int) { return true; }, sc);
 #pragma unroll
-    for (int i = 0; i < UNROLL * VEC; ++i)
-      atomic_add_shared(&lh[(i % VEC) * num_bins + qb_bin(a[i / VEC] - sc[i], lower, scale,
-                                                          num_bins)],
-                        1);
-#else
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u)
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) {
-        const float sv = act_elementwise(hist_element(z[u], v));
-        atomic_add_shared(&lh[v * num_bins + qb_bin(a[u] - sv, lower, scale, num_bins)], 1);
+      for (int i = 0; i < UNROLL * VEC; ++i) {
+        const int bin = qb_bin(a[i / VEC] - sc[i], lower, scale, num_bins);
+        atomic_add_shared(&lh[(i % VEC) * num_bins + bin], 1);
       }
-#endif
+    } else {
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          const float sv = act_elementwise(hist_element(z[u], v));
+          atomic_add_shared(&lh[v * num_bins + qb_bin(a[u] - sv, lower, scale, num_bins)], 1);
+        }
+    }
   }
   for (; t < t1; t += step) {
     const load_t z = *reinterpret_cast<const load_t*>(logits + t * E + col);

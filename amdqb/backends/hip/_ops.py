@@ -444,8 +444,9 @@ def router_fwd(
 # the router's warp-per-token kernel. H200, 2026-11-30 (tune decode sweep,
 # bench/results/h200_2026-11-30_s6/call2/tune.md, E=896 k=16, graph replay): block / warp per
 # token = 3.9/6.0, 4.1/6.9, 4.5/7.6, 6.4/7.8, 8.7/7.8, 10.2/7.9 us at T = 1, 64, 256, 512, 768,
-# 1024. (The dedicated biased_topk kernel this one replaced took 3.6 / 4.3 us at T = 1 / 256 in
-# session 5: the shared kernel's epilogue costs ~0.3 us more; not yet traced.)
+# 1024. The dedicated biased_topk kernel this one replaced took 3.60 / 3.61 / 3.71 / 4.32 us at
+# T = 1 / 8 / 64 / 256 (session 5 bench); the shared kernel 3.84 / 3.88 / 4.01 / 4.36 (session 6
+# bench, call5): 0.2-0.3 us more at T <= 64, not yet traced.
 DECODE_MAX_TOKENS = 512
 
 

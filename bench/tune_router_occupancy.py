@@ -1,4 +1,4 @@
-"""Tuning sweeps of two hip compile-time constants on the GPU at hand:
+"""Tuning sweeps of the hip kernels' compile-time constants and launch shapes on the GPU at hand, e.g.
 the router's register cap (``AMDQB_ROUTER_MIN_BLOCKS`` in router.hip) and the lds route kernel's
 routes per thread (``AMDQB_ROUTE_ITEMS`` in route.hip, hence its tile and grid size).
 
@@ -13,11 +13,14 @@ checks every variant's rows against the oracle, then times lds (per tile size) a
 M=8192, k=16, E=896, uniform and all-one-expert ids, masked layout. The align sweep does the same
 for the deterministic tile (``AMDQB_DET_ITEMS``: 32-route chunks per tile of the align passes) at
 M in {2517, 8192}; the decode sweep times biased_topk's one-block-per-token kernel against the
-router's one-warp-per-token form over T, which sets ``_ops.DECODE_MAX_TOKENS``; the qbhist sweep
-times the QB two-kernel mode per launch shape of its histogram pass (``_ops.QB_HIST_BLOCK``,
-``QB_HIST_BLOCKS_PER_CU``).
+router's one-warp-per-token form over T, and the router's two forms (no QB, fused QB) against the
+two-kernel mode, which set ``_ops.DECODE_MAX_TOKENS``, ``ROUTER_DECODE_MAX_TOKENS``,
+``ROUTER_DECODE_FUSED_MAX_TOKENS`` and the auto mode's switch; the qbhist sweep times the QB
+two-kernel mode per launch shape of its histogram pass (``_ops.QB_HIST_BLOCK``,
+``QB_HIST_BLOCKS_PER_CU``, ``QB_HIST_VEC``); the stages sweep cuts the warp router after each
+stage (``AMDQB_ROUTER_STOP``) and times the selection / histogram variants kept as defines.
 
-    python -m bench.tune_router_occupancy --parts route,align,decode,qbhist
+    python -m bench.tune_router_occupancy --parts route,align,decode,qbhist,stages
 """
 
 from __future__ import annotations

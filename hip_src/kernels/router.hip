@@ -717,9 +717,10 @@ AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int 
 // compare-exchange stages sort them.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     amdqb_router_decode(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
-                        int normalize, float scale, in_t* probs, void* map, int map_kind,
-                        int qb_mode, int* hist, const float* bounds, int num_bins,
+                        int normalize, int softmax_pre, float scale, in_t* probs, void* map,
+                        int map_kind, int qb_mode, int* hist, const float* bounds, int num_bins,
                         float* alpha_out, float* w_out, int* id_out) {
+  (void)softmax_pre;  // amdqb_router's signature; the op sends softmax scores to amdqb_router
   AMDQB_SHARED(i32, sh_ckey, DEC_WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, DEC_WARPS * CAP);
   AMDQB_SHARED(i32, sh_skey, DEC_WARPS * CAP);  // each warp's Top-n (local ids)

@@ -274,30 +274,6 @@ def _launch_router(
     _check_selection(topk, nsel, num_experts)
     dev = _dev(logits)
     spec = _router_spec(logits, score_function)
-    if score_function != "softmax" and tokens <= decode_max_tokens:
-        args = [
-            _ptr(logits),
-            arg_i32(tokens),
-            _ptr(expert_bias),
-            arg_i32(topk),
-            arg_i32(nsel),
-            arg_i32(1 if normalize else 0),
-            arg_f32(scale),
-            _ptr(probs),
-            _ptr(map_out),
-            arg_i32(map_kind),
-            arg_i32(qb_mode),
-            _ptr(hist),
-            _ptr(bounds),
-            arg_i32(num_bins),
-            _ptr(alpha),
-            _ptr(w_out),
-            _ptr(id_out),
-        ]
-        k = rt.kernel(dev, spec, "amdqb_router_decode")
-        rt.launch(k, tokens, decode_threads(num_experts), 0, args)
-        return
-    k = rt.kernel(dev, spec, "amdqb_router")
     args = [
         _ptr(logits),
         arg_i32(tokens),
@@ -318,7 +294,12 @@ def _launch_router(
         _ptr(w_out),
         _ptr(id_out),
     ]
-    rt.launch(k, _router_grid(rt, k, dev, tokens), _spec.ROUTER_BLOCK, 0, args)
+    if score_function != "softmax" and tokens <= decode_max_tokens:
+        k = rt.kernel(dev, spec, "amdqb_router_decode")
+        rt.launch(k, tokens, decode_threads(num_experts), 0, args)
+    else:
+        k = rt.kernel(dev, spec, "amdqb_router")
+        rt.launch(k, _router_grid(rt, k, dev, tokens), _spec.ROUTER_BLOCK, 0, args)
 
 
 # Launch shape of the two-kernel histogram pass: threads per block, and blocks per CU the token

@@ -1,6 +1,6 @@
-"""Tuning sweeps of the hip kernels' compile-time constants and launch shapes on the GPU at hand, e.g.
-the router's register cap (``AMDQB_ROUTER_MIN_BLOCKS`` in router.hip) and the lds route kernel's
-routes per thread (``AMDQB_ROUTE_ITEMS`` in route.hip, hence its tile and grid size).
+"""Tuning sweeps of the hip kernels' compile-time constants and launch shapes on the GPU at hand:
+e.g. the router's register cap (``AMDQB_ROUTER_MIN_BLOCKS`` in router.hip) and the lds route
+kernel's routes per thread (``AMDQB_ROUTE_ITEMS`` in route.hip, hence its tile and grid size).
 
     python -m bench.tune_router_occupancy [--json PATH]
 

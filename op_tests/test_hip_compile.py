@@ -209,6 +209,11 @@ def test_qb_two_kernel_histogram_uses_lds_atomics(amd_builds, arch):
     assert count(hist, LDS_ATOMIC) >= 1
     assert count(hist, GLOBAL_ATOMIC) == 1  # the flush of non-zero bins
     assert count(hist, BARRIER) == 2
+    # the vector form reads 4 experts' logits with one load: 16 bytes of fp32, 8 of bf16
+    wide = {"float32": r"global_load_(dwordx4|b128)\b", "bfloat16": r"global_load_(dwordx2|b64)\b"}
+    for dtype, pattern in wide.items():
+        lines = amd_builds[(_spec.router_module(896, dtype, "sigmoid"), arch)]["funcs"]
+        assert count(lines["amdqb_qb_hist"]["lines"], re.compile(pattern)) >= 1, (dtype, arch)
     router = amd_builds[(spec, arch)]["funcs"]["amdqb_router"]
     # fused_atomic epilogue: one global atomic per (token, expert), unrolled over the lane's row.
     assert count(router["lines"], GLOBAL_ATOMIC) == -(-896 // 32)

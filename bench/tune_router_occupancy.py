@@ -130,7 +130,7 @@ def router_caps(dev, cfg) -> Report:
     bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
     amdqb.mark_qb_bin_bounds_validated(bounds)
     hist = torch.zeros(e, b, dtype=torch.int32, device=dev)
-    data = {t: torch.randn(t, e, generator=g).to(dev) for t in (8, 256, 1024, 4096, 16384)}
+    data = {t: torch.randn(t, e, generator=g).to(dev) for t in (8, 256, 1024, 4096, 8192, 16384)}
     impls = {}
     for cap in CAPS:
         z = data[4096]
@@ -401,14 +401,15 @@ def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
 def qb_hist_shapes(
     dev,
     cfg,
-    shapes=((256, 4, 1), (256, 4, 4), (512, 2, 4), (1024, 1, 1), (1024, 1, 4), (1024, 2, 4)),
-    tokens=(4096, 16384),
+    shapes=((1024, 0, 4), (1024, 1, 4), (1024, 2, 4), (512, 2, 4), (256, 4, 4)),
+    tokens=(1024, 4096, 8192, 16384),
     k=16,
     e=896,
     b=1000,
 ) -> Report:
     """QB two_kernel end to end per launch shape of the histogram pass (threads per block, blocks
-    per CU the token slices aim for); every shape's histogram checked against the default's."""
+    per CU the token slices aim for -- 0: one token slice, each bin flushed by one block --,
+    experts per load); every shape's histogram checked against the default's."""
     from amdqb.backends.hip import _ops
 
     report = Report("qb_hist_launch_shapes", environment(dev))

@@ -418,10 +418,13 @@ def qb_hist_shapes(
     bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
     amdqb.mark_qb_bin_bounds_validated(bounds)
 
-    def shaped(block, per_cu, vec, fn):
+    def shaped(block, per_cu, vec, fn, plain=False):
         return _patched(
             fn,
-            _router_defines(("AMDQB_QB_HIST_MAX_BLOCK", str(max(256, block)))),
+            _router_defines(
+                ("AMDQB_QB_HIST_MAX_BLOCK", str(max(256, block))),
+                ("AMDQB_QB_HIST_PLAIN_FLUSH", "1" if plain else "0"),
+            ),
             (_ops, "QB_HIST_BLOCK", block),
             (_ops, "QB_HIST_BLOCKS_PER_CU", per_cu),
             (_ops, "QB_HIST_VEC", vec),
@@ -437,14 +440,25 @@ def qb_hist_shapes(
         want = torch.zeros_like(hist)
         qb(want)
         impls = {}
-        for block, per_cu, vec in shapes:
+        # one token slice (per_cu 0) also with the plain (non-atomic) flush of its sole owner
+        variants = [(*shape, False) for shape in shapes]
+        variants += [(*shape, True) for shape in shapes if shape[1] == 0]
+        for block, per_cu, vec, plain in variants:
+            name = f"{block}x{per_cu}x{vec}" + ("+plain_flush" if plain else "")
             got = torch.zeros_like(hist)
-            shaped(block, per_cu, vec, lambda got=got: qb(got))()
-            assert torch.equal(got, want), f"histogram differs at {block}x{per_cu}x{vec}"
-            impls[f"{block}x{per_cu}x{vec}"] = shaped(block, per_cu, vec, qb)
+            shaped(block, per_cu, vec, lambda got=got: qb(got), plain)()
+            assert torch.equal(got, want), f"histogram differs at {name}"
+            impls[name] = shaped(block, per_cu, vec, qb, plain)
         for name, us in time_alternating(impls, dev, cfg).items():
-            block, per_cu, vec = name.split("x")
-            report.add(T=t, block=int(block), blocks_per_cu=int(per_cu), vec=int(vec), us=us)
+            block, per_cu, vec = name.split("+")[0].split("x")
+            report.add(
+                T=t,
+                block=int(block),
+                blocks_per_cu=int(per_cu),
+                vec=int(vec),
+                flush="plain" if "+" in name else "atomic",
+                us=us,
+            )
     return report
 
 

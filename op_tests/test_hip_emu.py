@@ -266,13 +266,14 @@ def run_router(
     num_bins=1000,
     pre=False,
     scaling=None,
+    hist=None,
 ):
     t, e = logits.shape
     probs = torch.full((t, e), 7.0, dtype=logits.dtype)
     map_out, kind = alloc_map(t, e, k, fmt)
-    hist = bounds = None
+    bounds = None
     if qb_mode is not None:
-        hist = torch.zeros(e, num_bins, dtype=torch.int32)
+        hist = torch.zeros(e, num_bins, dtype=torch.int32) if hist is None else hist
         bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
     _ops.router_fwd(
         rt,
@@ -388,6 +389,33 @@ def test_qb_two_kernel_histogram_launch_shapes(monkeypatch, block, per_cu, vec, 
     launches = [x for x in rt.launches if x[0] == "amdqb_qb_hist"]
     assert launches[-1][2] == block
     assert chosen == [1 if misaligned else vec]
+
+
+def test_qb_two_kernel_histogram_one_slice_plain_flush(monkeypatch):
+    """One token slice per expert group (QB_HIST_BLOCKS_PER_CU = 0) with the benchmark-only plain
+    flush (AMDQB_QB_HIST_PLAIN_FLUSH): every bin's sole owner adds without atomics; the histogram
+    accumulates onto the existing counts exactly as the atomic flush does."""
+    rt = emu()
+    base = _spec.router_module
+    monkeypatch.setattr(
+        _spec,
+        "router_module",
+        lambda *a: _spec.ModuleSpec(
+            base(*a).kernel_file, base(*a).defines + (("AMDQB_QB_HIST_PLAIN_FLUSH", "1"),)
+        ),
+    )
+    monkeypatch.setattr(_ops, "QB_HIST_BLOCKS_PER_CU", 0)
+    e, t = 20, 300
+    logits = make_logits(t, e, "normal", 7, torch.float32)
+    bias = torch.linspace(-0.1, 0.1, e)
+    once = check_router(rt, logits, 4, "idx32", bias=bias, qb_mode="two_kernel", num_bins=61)
+    launches = [x for x in rt.launches if x[0] == "amdqb_qb_hist"]
+    assert launches[-1][1][1] == 1, "one token slice"
+    # a second call adds onto the first call's counts
+    probs, rmap, kind, hist, bounds = run_router(
+        rt, logits, 4, "idx32", "sigmoid", bias, "two_kernel", num_bins=61, hist=once.clone()
+    )
+    assert torch.equal(hist, 2 * once)
 
 
 @pytest.mark.parametrize("wave", [32, 64])

@@ -1012,6 +1012,9 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i
 #ifndef AMDQB_QB_HIST_MIN_BLOCKS
 #define AMDQB_QB_HIST_MIN_BLOCKS 2
 #endif
+#ifndef AMDQB_QB_HIST_PLAIN_FLUSH
+#define AMDQB_QB_HIST_PLAIN_FLUSH 0
+#endif
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST_MIN_BLOCKS)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
                   int num_bins, int experts_per_block, int tokens_per_slice, int vec, int* hist) {
@@ -1047,9 +1050,19 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   }
   block_sync();
 
+  // -DAMDQB_QB_HIST_PLAIN_FLUSH=1 (benchmarks only, not the default): with one token slice each
+  // bin has one owning block, which may add with a plain read-modify-write instead of an atomic.
+  // Not safe if another stream updates the same histogram concurrently -- hence measured first.
+  const bool sole_owner = AMDQB_QB_HIST_PLAIN_FLUSH && gridDim.y == 1;
   for (int i = tid; i < ne * num_bins; i += nt) {
     const int c = lh[i];
-    if (c != 0) atomic_add_global(&hist[(i64)(e0 + i / num_bins) * num_bins + i % num_bins], c);
+    int* dst = &hist[(i64)(e0 + i / num_bins) * num_bins + i % num_bins];
+    if (c != 0) {
+      if (sole_owner)
+        *dst += c;
+      else
+        atomic_add_global(dst, c);
+    }
   }
 }
 

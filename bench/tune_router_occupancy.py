@@ -384,11 +384,16 @@ def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
         impls["two_kernel:hist_one_phase"] = _patched(
             two_kernel, _router_defines(("AMDQB_QB_HIST_TWO_PHASE", "0"))
         )
+        # the approximate exponential changes the scores: checked against the oracle on its own
+        approx = _router_defines(("AMDQB_SIGMOID_APPROX_EXP", "1"))
+        impls["full:approx_exp"] = _patched(full, approx)
+        impls["two_kernel:approx_exp"] = _patched(two_kernel, approx)
+        _check_approx_exp(z, k, bias, bounds, impls["full:approx_exp"], hist)
         want = [x.clone() for x in full()]
         got = impls["full:select_by_key_id"]()
         assert all(torch.equal(a, b) for a, b in zip(got, want)), "selection variants differ"
         hists = []
-        for name in [n for n in impls if n.startswith("two_kernel")]:
+        for name in [n for n in impls if n.startswith("two_kernel") and "approx" not in n]:
             hist.zero_()
             impls[name]()
             hists.append(hist.clone())
@@ -396,6 +401,30 @@ def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
         for name, us in time_alternating(impls, dev, cfg).items():
             report.add(T=t, kernel=name, us=us)
     return report
+
+
+def _check_approx_exp(z, k, bias, bounds, router, hist):
+    """The AMDQB_SIGMOID_APPROX_EXP router's routes and QB histogram against the oracle fed with
+    that variant's own scores."""
+    from amdqb.backends import hip as hip_backend
+    from amdqb.backends.hip import _ops
+    from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
+
+    s = _ops.score_values(
+        hip_backend._rt(), z, "sigmoid", extra_defines=(("AMDQB_SIGMOID_APPROX_EXP", "1"),)
+    ).cpu()
+    _, rmap = router()
+    want = ref.fused_topk_with_score_function(z.cpu(), k, expert_bias=bias.cpu(), scores=s)[2]
+    assert torch.equal(rmap.cpu(), want), "approx_exp: routes differ from the oracle"
+    qb = dict(qb_histogram=hist, qb_bin_bounds=bounds, qb_histogram_mode="two_kernel")
+    hist.zero_()
+    _patched(
+        lambda: amdqb.fused_topk_with_score_function(z, k, expert_bias=bias, backend="hip", **qb),
+        _router_defines(("AMDQB_SIGMOID_APPROX_EXP", "1")),
+    )()
+    _, alpha = qb_cutoff_and_routes(s, bias.cpu(), k)
+    want_hist = qb_histogram_counts(s, alpha, bounds.cpu(), hist.shape[1])
+    assert torch.equal(hist.cpu(), want_hist), "approx_exp: histogram differs from the oracle"
 
 
 def qb_hist_shapes(

@@ -391,19 +391,47 @@ def test_qb_two_kernel_histogram_launch_shapes(monkeypatch, block, per_cu, vec, 
     assert chosen == [1 if misaligned else vec]
 
 
+def _router_built_with(monkeypatch, *defines):
+    """Every router module (router, scores, histogram kernels) built with extra -D defines."""
+    base = _spec.router_module
+
+    def router_module(*args):
+        spec = base(*args)
+        return _spec.ModuleSpec(spec.kernel_file, spec.defines + tuple(defines))
+
+    monkeypatch.setattr(_spec, "router_module", router_module)
+
+
+@pytest.mark.parametrize("wave", [32, 64])
+def test_router_and_qb_with_the_approximate_exponential(monkeypatch, wave):
+    """AMDQB_SIGMOID_APPROX_EXP (an experiment the tuner times): the router's routes, probs and
+    both QB modes' histograms still match the oracle given the kernel's own scores, including the
+    fused epilogue's fast bins (whose error bound the emulator stresses)."""
+    rt = emu(wave)
+    z = make_logits(64, 64, "normal", 1) * 8
+    exact = _ops.score_values(rt, z, "sigmoid")
+    _router_built_with(monkeypatch, ("AMDQB_SIGMOID_APPROX_EXP", "1"))
+    approx = _ops.score_values(rt, z, "sigmoid")
+    # the variant is built (2^(z * log2 e) rounds differently from expf somewhere) and stays close
+    assert not torch.equal(exact, approx)
+    torch.testing.assert_close(approx, torch.sigmoid(z), atol=1e-6, rtol=0)
+    for e, t, k, style in ((257, 19, 16, "normal"), (896, 6, 8, "nan_inf"), (64, 30, 4, "ties")):
+        logits = make_logits(t, e, style, e + k)
+        bias = torch.linspace(-0.1, 0.1, e) if style != "ties" else torch.zeros(e)
+        check_router(rt, logits, k, "bytemap", bias=bias)
+        hists = [
+            check_router(rt, logits, k, "idx32", bias=bias, qb_mode=m, num_bins=97)
+            for m in ("two_kernel", "fused_atomic")
+        ]
+        assert torch.equal(hists[0], hists[1])
+
+
 def test_qb_two_kernel_histogram_one_slice_plain_flush(monkeypatch):
     """One token slice per expert group (QB_HIST_BLOCKS_PER_CU = 0) with the benchmark-only plain
     flush (AMDQB_QB_HIST_PLAIN_FLUSH): every bin's sole owner adds without atomics; the histogram
     accumulates onto the existing counts exactly as the atomic flush does."""
     rt = emu()
-    base = _spec.router_module
-    monkeypatch.setattr(
-        _spec,
-        "router_module",
-        lambda *a: _spec.ModuleSpec(
-            base(*a).kernel_file, base(*a).defines + (("AMDQB_QB_HIST_PLAIN_FLUSH", "1"),)
-        ),
-    )
+    _router_built_with(monkeypatch, ("AMDQB_QB_HIST_PLAIN_FLUSH", "1"))
     monkeypatch.setattr(_ops, "QB_HIST_BLOCKS_PER_CU", 0)
     e, t = 20, 300
     logits = make_logits(t, e, "normal", 7, torch.float32)

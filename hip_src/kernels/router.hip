@@ -96,7 +96,24 @@ AMDQB_DEVICE in_t from_f32(float x) { return float_to_bf16(x); }
 // exponent range ptxas sends to its fast path includes it). sigmoid_fast_ok(d) says when it
 // applies: false for d >= 2^126 (z below about -87.3) and NaN, where the division is used.
 // -DAMDQB_SIGMOID_DIVISION_ONLY=1 turns the fast path off (the test that compares the two).
-AMDQB_DEVICE float sigmoid_divisor(float z) { return 1.0f + expf(-z); }
+// -DAMDQB_SIGMOID_APPROX_EXP=1 (an experiment, not the default until timed on a GPU): e^-z as the
+// hardware 2^x of -z * log2(e) (ex2.approx.ftz / v_exp_f32), the lowering of Triton's tl.exp that
+// the Triton backend uses, instead of the library expf's range-reduced form (several instructions
+// per expert in the router and in the histogram pass). Scores then lie a few 2^-22 from the true
+// sigmoid (the argument's rounding, |z| * 2^-24 relative, and the 2^x's error, scaled by
+// s (1 - s) <= 1/4) instead of a few ulp; selection, ties and the QB bins stay exact given the
+// kernel's scores (the contract), and kSigmoidApproxErr still bounds |sigmoid_approx - this|: both
+// share the 2^x value.
+#ifndef AMDQB_SIGMOID_APPROX_EXP
+#define AMDQB_SIGMOID_APPROX_EXP 0
+#endif
+AMDQB_DEVICE float sigmoid_divisor(float z) {
+#if AMDQB_SIGMOID_APPROX_EXP
+  return 1.0f + approx_exp2(z * -1.44269504088896341f);
+#else
+  return 1.0f + expf(-z);
+#endif
+}
 AMDQB_DEVICE bool sigmoid_fast_ok(float d) {
 #if defined(AMDQB_CUDA) && !defined(AMDQB_SIGMOID_DIVISION_ONLY)
   return d < 8.50705917e37f;  // 2^126

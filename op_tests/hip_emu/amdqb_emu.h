@@ -159,6 +159,7 @@ struct Pool {
   std::vector<std::thread> workers;
   long long gen = 0;
   int active = 0, remaining = 0;
+  int limit = 1 << 30;  // workers with an index at or above it exit (shrink)
   std::function<void(int)> task;
 
   void loop(int idx) {
@@ -169,6 +170,7 @@ struct Pool {
         std::unique_lock<std::mutex> l(mu);
         cv.wait(l, [&] { return gen != seen; });
         seen = gen;
+        if (idx >= limit) return;
         if (idx >= active) continue;
         t = task;
       }
@@ -192,6 +194,22 @@ struct Pool {
     cv.notify_all();
     std::unique_lock<std::mutex> l(mu);
     done_cv.wait(l, [&] { return remaining == 0; });
+  }
+  // Joins the workers beyond `keep`. Every emulator library has its own pool, so a 1024-thread
+  // block left idle in each would exhaust the process's threads (pid_max) over a test run.
+  void shrink(int keep) {
+    if ((int)workers.size() <= keep) return;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      limit = keep;
+      active = 0;
+      ++gen;
+    }
+    cv.notify_all();
+    for (size_t i = (size_t)keep; i < workers.size(); ++i) workers[i].join();
+    workers.erase(workers.begin() + keep, workers.end());
+    std::lock_guard<std::mutex> l(mu);
+    limit = 1 << 30;
   }
 };
 
@@ -258,6 +276,7 @@ struct Pool {
           });                                                                                      \
           g_block = nullptr;                                                                       \
         }                                                                                          \
+    g_pool->shrink(256); /* keep the common block size's workers */                                \
     {                                                                                              \
       std::lock_guard<std::mutex> lock(done_mu);                                                   \
       done = true;                                                                                 \

@@ -678,6 +678,20 @@ def test_biased_topk(score, t):
     torch.testing.assert_close(w.cpu(), want_w, atol=1e-6, rtol=1e-4)
 
 
+def _count_decode_launches(monkeypatch):
+    """A list whose last entry counts the launches of the decode form (its block size comes from
+    decode_threads); the caller appends a 0 to start each count."""
+    forms = [0]
+    threads = _ops.decode_threads
+
+    def counted(num_experts):
+        forms[-1] += 1
+        return threads(num_experts)
+
+    monkeypatch.setattr(_ops, "decode_threads", counted)
+    return forms
+
+
 @gpu
 @pytest.mark.parametrize(
     "e,k,dtype,style",
@@ -694,10 +708,13 @@ def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, e, k,
     ids and the same weight bits."""
     logits = make_logits(37, e, style, e, dtype).to(DEV)
     bias = (torch.randint(-2, 3, (e,)) * 0.125).float().to(DEV)
+    forms = _count_decode_launches(monkeypatch)
     outs = []
     for limit in (1 << 30, 0):
         monkeypatch.setattr(_ops, "DECODE_MAX_TOKENS", limit)
+        forms.append(0)
         outs.append(amdqb.biased_topk(logits, k, bias, scaling_factor=1.5, backend="hip"))
+    assert forms[1:] == [1, 0], "the two forms did not both run"
     (w1, i1), (w2, i2) = outs
     assert torch.equal(i1, i2)
     assert torch.equal(w1.view(torch.int32), w2.view(torch.int32))
@@ -722,10 +739,12 @@ def test_router_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, e, k, dtyp
     bias = (torch.randint(-2, 3, (e,)) * 0.125).float().to(DEV)
     bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
     amdqb.mark_qb_bin_bounds_validated(bounds)
+    forms = _count_decode_launches(monkeypatch)
     outs = []
     for limit in (1 << 30, 0):
         monkeypatch.setattr(_ops, "ROUTER_DECODE_MAX_TOKENS", limit)
         monkeypatch.setattr(_ops, "ROUTER_DECODE_FUSED_MAX_TOKENS", limit)
+        forms.append(0)
         kw = {}
         if qb is not None:
             hist = torch.zeros(e, 300, dtype=torch.int32, device=DEV)
@@ -734,6 +753,7 @@ def test_router_decode_kernel_is_bitwise_the_warp_kernel(monkeypatch, e, k, dtyp
             logits, k, expert_bias=bias, scaling_factor=1.5, backend="hip", **kw
         )
         outs.append((probs, rmap, kw.get("qb_histogram")))
+    assert forms[1:] == [1, 0], "the two forms did not both run"
     (p1, m1, h1), (p2, m2, h2) = outs
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(p1.view(bits), p2.view(bits))

@@ -399,11 +399,12 @@ AMDQB_DEVICE void exact_nth(const i32 (&key)[V], int n, int lane, i32& out_key, 
   out_id = found;
 }
 
-template <int V>
-AMDQB_DEVICE int count_at_or_ahead(const i32 (&key)[V], int lane, i32 bk, i32 bid) {
+// How many of the lane's experts satisfy pred(key, id).
+template <int V, typename Pred>
+AMDQB_DEVICE int count_candidates(const i32 (&key)[V], int lane, Pred pred) {
   int c = 0;
 #pragma unroll
-  for (int j = 0; j < V; ++j) c += at_or_ahead(key[j], j * 32 + lane, bk, bid) ? 1 : 0;
+  for (int j = 0; j < V; ++j) c += pred(key[j], j * 32 + lane) ? 1 : 0;
   return c;
 }
 
@@ -459,27 +460,25 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuf
   } else {
     exact_nth(key, n, lane, bk, bid);
   }
+  // (bk, bid) by reference: the overflow path below moves them to the exact n-th
+  const auto by_order = [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); };
 #if AMDQB_SELECT_BY_KEY
-  auto by_key = [&](i32 k, i32) { return k >= bk; };
-  int c = 0;
-#pragma unroll
-  for (int j = 0; j < V; ++j) c += key[j] >= bk ? 1 : 0;
+  const auto first = [&](i32 k, i32) { return k >= bk; };
 #else
-  auto by_key = [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); };
-  int c = count_at_or_ahead(key, lane, bk, bid);
+  const auto first = by_order;
 #endif
+  int c = count_candidates(key, lane, first);
   int incl = warp_inclusive_sum_i32(c);
   int total = shfl_i32(incl, 31);
   if (total > CAP) {  // warp-uniform; rare for real router logits
     AMDQB_TRACE_OVERFLOW();
     exact_nth(key, n, lane, bk, bid);
-    c = count_at_or_ahead(key, lane, bk, bid);
+    c = count_candidates(key, lane, by_order);
     incl = warp_inclusive_sum_i32(c);
     total = shfl_i32(incl, 31);  // == n
-    append_candidates(key, lane, incl - c, b,
-                      [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); });
+    append_candidates(key, lane, incl - c, b, by_order);
   } else {
-    append_candidates(key, lane, incl - c, b, by_key);
+    append_candidates(key, lane, incl - c, b, first);
   }
   warp_sync();
 #pragma unroll
@@ -496,6 +495,62 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuf
     }
   }
   warp_sync();
+}
+
+// Whether a router call writes outputs over every expert (dense probs, byte or bit map).
+AMDQB_DEVICE bool has_dense_outputs(const in_t* probs, int map_kind) {
+  return probs != nullptr || map_kind == kByteMap || map_kind == kBitMap;
+}
+
+// The outputs over every expert of token t from this thread's experts e = base(j) + lane
+// (valid(j): e < E; base(j) a multiple of 32): probs zeroed for the non-members (members are
+// written once per rank by write_route: one division per route, not per expert), the byte map,
+// and the bit map from one ballot per 32 experts. Members: at or ahead of the k-th, (ck, cid).
+template <int V, typename Base, typename Valid>
+AMDQB_DEVICE void write_dense_outputs(const i32 (&key)[V], Base base, Valid valid, int lane,
+                                      i64 t, i32 ck, i32 cid, in_t* probs, void* map,
+                                      int map_kind) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int e = base(j) + lane;
+    const bool member = valid(j) && at_or_ahead(key[j], e, ck, cid);
+    if (valid(j) && !member && probs != nullptr) probs[t * E + e] = from_f32(0.0f);
+    if (valid(j) && map_kind == kByteMap) static_cast<u8*>(map)[t * E + e] = member ? 1 : 0;
+    if (map_kind == kBitMap) {
+      const u32 bits = ballot32(member);  // bit l = expert base(j) + l
+      const int byte = base(j) / 8 + lane;
+      if (lane < 4 && byte < NBYTES)
+        static_cast<u8*>(map)[t * NBYTES + byte] = (u8)((bits >> (8 * lane)) & 0xffu);
+    }
+  }
+}
+
+// Route r of token t (expert id, weight wr) into probs, the index map and the weight / id outputs.
+AMDQB_DEVICE void write_route(i64 t, int topk, int r, i32 id, float wr, in_t* probs, void* map,
+                              int map_kind, float* w_out, int* id_out) {
+  const i64 o = t * topk + r;
+  if (probs != nullptr) probs[t * E + id] = from_f32(wr);
+  if (map_kind == kIdx16) static_cast<i16*>(map)[o] = (i16)id;
+  if (map_kind == kIdx32) static_cast<i32*>(map)[o] = id;
+  if (map_kind == kIdx64) static_cast<i64*>(map)[o] = (i64)id;
+  if (w_out != nullptr) {
+    w_out[o] = wr;
+    id_out[o] = id;
+  }
+}
+
+// Fused QB: one device atomic per (token, expert) into hist, the bin derived from the logit.
+template <int V, typename Base, typename Valid>
+AMDQB_DEVICE void add_fused_bins(const in_t (&raw)[V], Base base, Valid valid, int lane,
+                                 const QbCut& cut, float lower, float scale, int num_bins,
+                                 int* hist) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (valid(j)) {
+      const int bin = qb_bin_of_logit(cut, to_f32(raw[j]), lower, scale, num_bins);
+      atomic_add_global(&hist[(i64)(base(j) + lane) * num_bins + bin], 1);
+    }
+  }
 }
 
 }  // namespace
@@ -609,39 +664,15 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
     };
     AMDQB_ROUTER_STAGE(3, denom + (float)ck)
 
-    if (probs != nullptr || map_kind == kByteMap || map_kind == kBitMap) {
-#pragma unroll
-      for (int j = 0; j < VPL; ++j) {
-        const int e = j * 32 + lane;
-        const bool valid = valid_slot(j, lane);
-        const bool member = valid && at_or_ahead(key[j], e, ck, cid);
-        // members' probs are written below, once per rank: one division per route, not per expert
-        if (valid && !member && probs != nullptr) probs[t * E + e] = from_f32(0.0f);
-        if (valid && map_kind == kByteMap) static_cast<u8*>(map)[t * E + e] = member ? 1 : 0;
-        if (map_kind == kBitMap) {
-          const u32 bits = ballot32(member);  // bit l = expert j*32 + l
-          const int byte = j * 4 + lane;
-          if (lane < 4 && byte < NBYTES)
-            static_cast<u8*>(map)[t * NBYTES + byte] = (u8)((bits >> (8 * lane)) & 0xffu);
-        }
-      }
-    }
+    const auto base = [](int j) { return j * 32; };
+    const auto valid = [&](int j) { return valid_slot(j, lane); };
+    if (has_dense_outputs(probs, map_kind))
+      write_dense_outputs(key, base, valid, lane, t, ck, cid, probs, map, map_kind);
 #pragma unroll
     for (int q = 0; q < CAP / 32; ++q) {
       const int r = lane + 32 * q;
-      if (r < topk) {
-        const i64 o = t * topk + r;
-        const i32 id = b.sid[r];
-        const float wr = weight(b.ss[r]);
-        if (probs != nullptr) probs[t * E + id] = from_f32(wr);
-        if (map_kind == kIdx16) static_cast<i16*>(map)[o] = (i16)id;
-        if (map_kind == kIdx32) static_cast<i32*>(map)[o] = id;
-        if (map_kind == kIdx64) static_cast<i64*>(map)[o] = (i64)id;
-        if (w_out != nullptr) {
-          w_out[o] = wr;
-          id_out[o] = id;
-        }
-      }
+      if (r < topk)
+        write_route(t, topk, r, b.sid[r], weight(b.ss[r]), probs, map, map_kind, w_out, id_out);
     }
 
     if (qb_mode != kQbNone) {
@@ -653,14 +684,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
         const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
         in_t raw[VPL];  // QB is sigmoid-only: the bin needs the logit alone
         load_row(row, lane, raw);
-#pragma unroll
-        for (int j = 0; j < VPL; ++j) {
-          const int e = j * 32 + lane;
-          if (valid_slot(j, lane)) {
-            const int bin = qb_bin_of_logit(cut, to_f32(raw[j]), qb_lower, qb_scale, num_bins);
-            atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
-          }
-        }
+        add_fused_bins(raw, base, valid, lane, cut, qb_lower, qb_scale, num_bins, hist);
       }
     }
     warp_sync();  // the next token reuses this warp's buffers
@@ -785,8 +809,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 
   // Only the outputs over every expert (dense probs / maps, the fused histogram) need the whole
   // block after the selection; otherwise warp 0 finishes alone (no barrier after the last round).
-  const bool block_outputs =
-      probs != nullptr || map_kind == kByteMap || map_kind == kBitMap || qb_mode == kQbFused;
+  const bool block_outputs = has_dense_outputs(probs, map_kind) || qb_mode == kQbFused;
   if (DEC_WARPS > 1 && nsel <= 32) {  // uniform
     // Merge tree. Lists live in (src_k, src_i) at stride CAP; round r writes (dst_k, dst_i), and
     // the two swap: the barrier opening each round orders the reads of one round before the
@@ -870,41 +893,20 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 #pragma unroll
     for (int q = 0; q < CAP / 32; ++q) {
       const int r = lane + 32 * q;
-      if (r < topk) {
-        const i64 o = t * topk + r;
-        const float wr = (normalize ? v[q] / denom : v[q]) * scale;
-        if (probs != nullptr) probs[t * E + id[q]] = from_f32(wr);
-        if (map_kind == kIdx16) static_cast<i16*>(map)[o] = (i16)id[q];
-        if (map_kind == kIdx32) static_cast<i32*>(map)[o] = id[q];
-        if (map_kind == kIdx64) static_cast<i64*>(map)[o] = (i64)id[q];
-        if (w_out != nullptr) {
-          w_out[o] = wr;
-          id_out[o] = id[q];
-        }
-      }
+      if (r < topk)
+        write_route(t, topk, r, id[q], (normalize ? v[q] / denom : v[q]) * scale, probs, map,
+                    map_kind, w_out, id_out);
     }
   }
 
-  // Dense outputs: zero probs for the non-members (members are written above, once per rank) and
-  // the byte / bit maps, each thread for its own experts (coalesced across the block).
-  if (probs != nullptr || map_kind == kByteMap || map_kind == kBitMap) {
-    // The k-th selected: every expert's membership is a compare against its key, computed from
-    // the same biased score as the selection's.
+  // Dense outputs, each thread for its own experts (coalesced across the block). Membership is a
+  // compare against the k-th selected's key, computed from the same biased score as the
+  // selection's.
+  const auto base = [&](int j) { return j * DEC_THREADS + w * 32; };
+  if (has_dense_outputs(probs, map_kind)) {
     const i32 cid = sh_top[topk - 1];
-    const i32 ck = order_key(sh_biased[cid]);
-#pragma unroll
-    for (int j = 0; j < DEC_EPT; ++j) {
-      const int e = j * DEC_THREADS + tid;
-      const bool member = valid(j) && at_or_ahead(key[j], e, ck, cid);
-      if (valid(j) && !member && probs != nullptr) probs[t * E + e] = from_f32(0.0f);
-      if (valid(j) && map_kind == kByteMap) static_cast<u8*>(map)[t * E + e] = member ? 1 : 0;
-      if (map_kind == kBitMap) {
-        const u32 bits = ballot32(member);  // bit l = expert j * DEC_THREADS + w * 32 + l
-        const int byte = (j * DEC_THREADS + w * 32) / 8 + lane;
-        if (lane < 4 && byte < NBYTES)
-          static_cast<u8*>(map)[t * NBYTES + byte] = (u8)((bits >> (8 * lane)) & 0xffu);
-      }
-    }
+    write_dense_outputs(key, base, valid, lane, t, order_key(sh_biased[cid]), cid, probs, map,
+                        map_kind);
   }
 
   if (qb_mode != kQbNone) {
@@ -914,15 +916,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     } else {
       const float lower = bounds[0];
       const float qscale = (float)num_bins / (bounds[1] - lower);
-      const QbCut cut = qb_cut(alpha, lower, qscale);
-#pragma unroll
-      for (int j = 0; j < DEC_EPT; ++j) {
-        const int e = j * DEC_THREADS + tid;
-        if (valid(j)) {
-          const int bin = qb_bin_of_logit(cut, to_f32(raw[j]), lower, qscale, num_bins);
-          atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
-        }
-      }
+      add_fused_bins(raw, base, valid, lane, qb_cut(alpha, lower, qscale), lower, qscale,
+                     num_bins, hist);
     }
   }
 }

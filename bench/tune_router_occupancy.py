@@ -63,8 +63,7 @@ def _router_defines(*defines):
     base = _spec.router_module
 
     def router_module(*args):
-        spec = base(*args)
-        return _spec.ModuleSpec(spec.kernel_file, spec.defines + tuple(defines))
+        return base(*args).with_defines(*defines)
 
     return (_spec, "router_module", router_module)
 
@@ -76,7 +75,7 @@ def _capped(cap, fn):
 
 def _route_module(define, value):
     """A patch of ``_spec.ROUTE_MODULE`` built with one compile-time define."""
-    return (_spec, "ROUTE_MODULE", _spec.ModuleSpec("route.hip", ((define, str(value)),)))
+    return (_spec, "ROUTE_MODULE", _spec.ROUTE_MODULE.with_defines((define, str(value))))
 
 
 def main(argv=None) -> int:

@@ -396,8 +396,7 @@ def _router_built_with(monkeypatch, *defines):
     base = _spec.router_module
 
     def router_module(*args):
-        spec = base(*args)
-        return _spec.ModuleSpec(spec.kernel_file, spec.defines + tuple(defines))
+        return base(*args).with_defines(*defines)
 
     monkeypatch.setattr(_spec, "router_module", router_module)
 

@@ -305,7 +305,7 @@ def _launch_router(
 # Launch shape of the two-kernel histogram pass: threads per block, and blocks per CU the token
 # slices aim for. Every block zeroes and flushes its [experts, B] LDS histogram (one global atomic
 # per non-zero bin), so fewer, larger blocks flush less; more blocks keep more loads in flight.
-# bench/tune_router_occupancy.py (part qbhist) sweeps both; these are the measured defaults of
+# bench/tune_router_occupancy.py (part qbhist) sweeps both; the defaults are its measurements on the
 # H200, 2026-11-30 (bench/results/h200_2026-11-30_s6/call2/tune.md, QB two-kernel end to end,
 # E=896 k=16 B=1000; threads x blocks per CU x experts per load): at T=16384 256x4x1 124.0,
 # 256x4x4 114.6, 512x2x4 111.6, 1024x1x1 111.5, 1024x1x4 108.2, 1024x2x4 115.6 us; at T=4096 all
@@ -505,9 +505,7 @@ def score_values(rt, logits2d, score_function, extra_defines=()):
     out = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
     if tokens:
         dev = _dev(logits2d)
-        spec = _router_spec(logits2d, score_function)
-        if extra_defines:
-            spec = _spec.ModuleSpec(spec.kernel_file, spec.defines + tuple(extra_defines))
+        spec = _router_spec(logits2d, score_function).with_defines(*extra_defines)
         k = rt.kernel(dev, spec, "amdqb_scores")
         rt.launch(
             k,

@@ -68,6 +68,11 @@ class ModuleSpec:
     kernel_file: str  # file name under hip_src/kernels
     defines: tuple[tuple[str, str], ...] = ()
 
+    def with_defines(self, *defines: tuple[str, str]) -> "ModuleSpec":
+        """The same module with more ``(name, value)`` compile-time constants (tests and tuning
+        sweeps build variants this way)."""
+        return ModuleSpec(self.kernel_file, self.defines + tuple(defines))
+
     def define_flags(self) -> list[str]:
         return [f"-D{name}={value}" for name, value in self.defines]
 

@@ -387,7 +387,9 @@ def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
         approx = _router_defines(("AMDQB_SIGMOID_APPROX_EXP", "1"))
         impls["full:approx_exp"] = _patched(full, approx)
         impls["two_kernel:approx_exp"] = _patched(two_kernel, approx)
-        _check_approx_exp(z, k, bias, bounds, impls["full:approx_exp"], hist)
+        _check_approx_exp(
+            z, k, bias, bounds, impls["full:approx_exp"], impls["two_kernel:approx_exp"], hist
+        )
         want = [x.clone() for x in full()]
         got = impls["full:select_by_key_id"]()
         assert all(torch.equal(a, b) for a, b in zip(got, want)), "selection variants differ"
@@ -402,9 +404,9 @@ def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
     return report
 
 
-def _check_approx_exp(z, k, bias, bounds, router, hist):
-    """The AMDQB_SIGMOID_APPROX_EXP router's routes and QB histogram against the oracle fed with
-    that variant's own scores."""
+def _check_approx_exp(z, k, bias, bounds, router, two_kernel, hist):
+    """The AMDQB_SIGMOID_APPROX_EXP router's routes and its QB two-kernel histogram (``two_kernel``
+    adds into ``hist``) against the oracle fed with that variant's own scores."""
     from amdqb.backends import hip as hip_backend
     from amdqb.backends.hip import _ops
     from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
@@ -415,12 +417,8 @@ def _check_approx_exp(z, k, bias, bounds, router, hist):
     _, rmap = router()
     want = ref.fused_topk_with_score_function(z.cpu(), k, expert_bias=bias.cpu(), scores=s)[2]
     assert torch.equal(rmap.cpu(), want), "approx_exp: routes differ from the oracle"
-    qb = dict(qb_histogram=hist, qb_bin_bounds=bounds, qb_histogram_mode="two_kernel")
     hist.zero_()
-    _patched(
-        lambda: amdqb.fused_topk_with_score_function(z, k, expert_bias=bias, backend="hip", **qb),
-        _router_defines(("AMDQB_SIGMOID_APPROX_EXP", "1")),
-    )()
+    two_kernel()
     _, alpha = qb_cutoff_and_routes(s, bias.cpu(), k)
     want_hist = qb_histogram_counts(s, alpha, bounds.cpu(), hist.shape[1])
     assert torch.equal(hist.cpu(), want_hist), "approx_exp: histogram differs from the oracle"

@@ -691,21 +691,23 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
   }
 }
 
-// Decode form of biased_topk (element-wise scores: sigmoid, sqrtsoftplus): one block of DEC_WARPS
-// logical warps per token, so that the token's dependent chain (loads, activations, selection) is
-// spread over the block instead of one warp -- at decode sizes that chain is the whole kernel time.
-// Thread (w, lane) holds the DEC_EPT experts e = j * DEC_THREADS + w * 32 + lane, j < DEC_EPT.
+// Decode form of the router and of biased_topk (element-wise scores: sigmoid, sqrtsoftplus): one
+// block of DEC_WARPS logical warps per token, so that the token's dependent chain (loads,
+// activations, selection) is spread over the block instead of one warp -- at decode sizes that
+// chain is the whole kernel time. Thread (w, lane) holds the DEC_EPT experts
+// e = j * DEC_THREADS + w * 32 + lane, j < DEC_EPT.
 //   1. each warp selects its own Top-n with select_top (its local ids j * 32 + lane are ordered as
 //      the global ids, so the warp's selection order is the token's);
-//   2. the warps' sorted lists are merged. n <= 16: a tree of bitonic merges, ceil(log2(warps))
-//      rounds; in each, warp i holds lists 2i and 2i + 1 in lanes 0-15 and (reversed) 16-31 --
-//      a bitonic sequence -- and five compare-exchange stages sort the 32 (the H200 timing of the
-//      alternative below at n = 16, 7 warps: 2.4 us of the kernel's 5.3). n > 16: by rank, an
-//      entry's rank in the union being its position in its own list plus, for every other list,
-//      the number of entries ahead of it there (a binary search). (value, id) pairs are distinct,
-//      so both give the one selection order;
-//   3. warp 0 writes the k routes: weights from the same scores and the same sequential sum as
-//      amdqb_router, so both kernels give identical bits.
+//   2. the warps' sorted lists are merged. n <= 32: a tree of bitonic merges, ceil(log2(warps))
+//      rounds; in each, warp i takes lists 2i and 2i + 1, lane l keeping the better of A[l] and
+//      B[31 - l] (the top half of their bitonic merge), and five compare-exchange stages sort
+//      them (the H200 timing of the alternative below at n = 16, 7 warps: 2.4 us of the kernel's
+//      5.3). n > 32: by rank, an entry's rank in the union being its position in its own list
+//      plus, for every other list, the number of entries ahead of it there (a binary search).
+//      (value, id) pairs are distinct, so both give the one selection order;
+//   3. warp 0 writes the k routes (weights from the same scores and the same sequential sum as
+//      amdqb_router, so both kernels give identical bits); the dense outputs and the fused QB
+//      bins are written by every thread for its own experts.
 #ifndef AMDQB_DECODE_EPW
 #define AMDQB_DECODE_EPW 128  // experts per warp (_ops.DECODE_EPW, which says why)
 #endif
@@ -753,9 +755,7 @@ AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int 
 
 // The router in its decode form: amdqb_router's arguments and outputs (probs, every routing map,
 // weights/ids, QB cutoff or fused histogram), bit for bit, for the element-wise scores (the op
-// sends softmax to amdqb_router). Merge tree for n <= 32: lane l holds the better of A[l] and
-// B[31 - l] -- the top half of the bitonic merge of two sorted lists of 32 -- and five
-// compare-exchange stages sort them.
+// sends softmax to amdqb_router).
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     amdqb_router_decode(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
                         int normalize, int softmax_pre, float scale, in_t* probs, void* map,

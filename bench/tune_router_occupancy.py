@@ -17,7 +17,8 @@ router's one-warp-per-token form over T, and the router's two forms (no QB, fuse
 two-kernel mode, which set ``_ops.DECODE_MAX_TOKENS``, ``ROUTER_DECODE_MAX_TOKENS``,
 ``ROUTER_DECODE_FUSED_MAX_TOKENS`` and the auto mode's switch; the qbhist sweep times the QB
 two-kernel mode per launch shape of its histogram pass (``_ops.QB_HIST_BLOCK``,
-``QB_HIST_BLOCKS_PER_CU``, ``QB_HIST_VEC``); the stages sweep cuts the warp router after each
+``QB_HIST_BLOCKS_PER_CU``, ``QB_HIST_MAX_EXPERTS_PER_BLOCK``, and the defines
+``AMDQB_QB_HIST_MIN_BLOCKS`` / ``AMDQB_QB_HIST_UNROLL``); the stages sweep cuts the warp router after each
 stage (``AMDQB_ROUTER_STOP``) and times the selection / histogram variants kept as defines.
 
     python -m bench.tune_router_occupancy --parts route,align,decode,qbhist,stages
@@ -367,75 +368,50 @@ def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
         impls = {"full": full}
         for stop in range(4):
             impls[f"stop{stop}"] = _patched(full, _router_defines(("AMDQB_ROUTER_STOP", str(stop))))
-        # candidates by (key, id) as before session 6; the histogram's sigmoid one element at a time
-        by_key_id = _router_defines(("AMDQB_SELECT_BY_KEY", "0"))
-        impls["full:select_by_key_id"] = _patched(full, by_key_id)
         impls["two_kernel"] = two_kernel
-        impls["two_kernel:select_by_key_id"] = _patched(two_kernel, by_key_id)
-        # the histogram pass with registers for 2 resident blocks per SM, and 2 tokens per step
-        for unroll, blocks in ((4, 2), (2, 2), (2, 1), (8, 1)):
-            impls[f"two_kernel:hist_unroll{unroll}_min_blocks{blocks}"] = _patched(
-                two_kernel,
-                _router_defines(
-                    ("AMDQB_QB_HIST_MIN_BLOCKS", str(blocks)), ("AMDQB_QB_HIST_UNROLL", str(unroll))
-                ),
-            )
+        # the sigmoid's e^-z through the library expf (the default before session 7): other scores
+        # (a few 2^-22 apart), so compared by time only
+        library = _router_defines(("AMDQB_SIGMOID_APPROX_EXP", "0"))
+        impls["full:library_exp"] = _patched(full, library)
+        impls["two_kernel:library_exp"] = _patched(two_kernel, library)
+        # the histogram's sigmoid one element at a time
         impls["two_kernel:hist_one_phase"] = _patched(
             two_kernel, _router_defines(("AMDQB_QB_HIST_TWO_PHASE", "0"))
         )
-        # the approximate exponential changes the scores: checked against the oracle on its own
-        approx = _router_defines(("AMDQB_SIGMOID_APPROX_EXP", "1"))
-        impls["full:approx_exp"] = _patched(full, approx)
-        impls["two_kernel:approx_exp"] = _patched(two_kernel, approx)
-        _check_approx_exp(
-            z, k, bias, bounds, impls["full:approx_exp"], impls["two_kernel:approx_exp"], hist
-        )
-        want = [x.clone() for x in full()]
-        got = impls["full:select_by_key_id"]()
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), "selection variants differ"
         hists = []
-        for name in [n for n in impls if n.startswith("two_kernel") and "approx" not in n]:
+        for name in ("two_kernel", "two_kernel:hist_one_phase"):
             hist.zero_()
             impls[name]()
             hists.append(hist.clone())
-        assert all(torch.equal(h, hists[0]) for h in hists), "histogram variants differ"
+        assert torch.equal(hists[0], hists[1]), "histogram variants differ"
         for name, us in time_alternating(impls, dev, cfg).items():
             report.add(T=t, kernel=name, us=us)
     return report
 
 
-def _check_approx_exp(z, k, bias, bounds, router, two_kernel, hist):
-    """The AMDQB_SIGMOID_APPROX_EXP router's routes and its QB two-kernel histogram (``two_kernel``
-    adds into ``hist``) against the oracle fed with that variant's own scores."""
-    from amdqb.backends import hip as hip_backend
-    from amdqb.backends.hip import _ops
-    from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
-
-    s = _ops.score_values(
-        hip_backend._rt(), z, "sigmoid", extra_defines=(("AMDQB_SIGMOID_APPROX_EXP", "1"),)
-    ).cpu()
-    _, rmap = router()
-    want = ref.fused_topk_with_score_function(z.cpu(), k, expert_bias=bias.cpu(), scores=s)[2]
-    assert torch.equal(rmap.cpu(), want), "approx_exp: routes differ from the oracle"
-    hist.zero_()
-    two_kernel()
-    _, alpha = qb_cutoff_and_routes(s, bias.cpu(), k)
-    want_hist = qb_histogram_counts(s, alpha, bounds.cpu(), hist.shape[1])
-    assert torch.equal(hist.cpu(), want_hist), "approx_exp: histogram differs from the oracle"
-
-
 def qb_hist_shapes(
     dev,
     cfg,
-    shapes=((1024, 0, 4), (1024, 1, 4), (1024, 2, 4), (512, 2, 4), (256, 4, 4)),
+    shapes=(
+        (1024, 0, 8, 2, 2),
+        (1024, 0, 8, 1, 2),
+        (1024, 0, 8, 1, 4),
+        (1024, 1, 8, 2, 2),
+        (1024, 0, 4, 2, 2),
+        (1024, 0, 4, 1, 2),
+        (512, 0, 4, 2, 2),
+        (512, 0, 4, 4, 2),
+    ),
     tokens=(1024, 4096, 8192, 16384),
     k=16,
     e=896,
     b=1000,
 ) -> Report:
-    """QB two_kernel end to end per launch shape of the histogram pass (threads per block, blocks
-    per CU the token slices aim for -- 0: one token slice, each bin flushed by one block --,
-    experts per load); every shape's histogram checked against the default's."""
+    """QB two_kernel end to end per launch shape of the histogram pass: threads per block, blocks
+    per CU the token slices aim for (0: one token slice, each bin flushed by one block), the most
+    experts per block, the resident blocks per SM its registers must allow
+    (``AMDQB_QB_HIST_MIN_BLOCKS``) and tokens per step (``AMDQB_QB_HIST_UNROLL``); every shape's
+    histogram checked against the default's."""
     from amdqb.backends.hip import _ops
 
     report = Report("qb_hist_launch_shapes", environment(dev))
@@ -444,16 +420,18 @@ def qb_hist_shapes(
     bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
     amdqb.mark_qb_bin_bounds_validated(bounds)
 
-    def shaped(block, per_cu, vec, fn, plain=False):
+    def shaped(shape, fn):
+        block, per_cu, epb, min_blocks, unroll = shape
         return _patched(
             fn,
             _router_defines(
                 ("AMDQB_QB_HIST_MAX_BLOCK", str(max(256, block))),
-                ("AMDQB_QB_HIST_PLAIN_FLUSH", "1" if plain else "0"),
+                ("AMDQB_QB_HIST_MIN_BLOCKS", str(min_blocks)),
+                ("AMDQB_QB_HIST_UNROLL", str(unroll)),
             ),
             (_ops, "QB_HIST_BLOCK", block),
             (_ops, "QB_HIST_BLOCKS_PER_CU", per_cu),
-            (_ops, "QB_HIST_VEC", vec),
+            (_ops, "QB_HIST_MAX_EXPERTS_PER_BLOCK", epb),
         )
 
     for t in tokens:
@@ -466,23 +444,21 @@ def qb_hist_shapes(
         want = torch.zeros_like(hist)
         qb(want)
         impls = {}
-        # one token slice (per_cu 0) also with the plain (non-atomic) flush of its sole owner
-        variants = [(*shape, False) for shape in shapes]
-        variants += [(*shape, True) for shape in shapes if shape[1] == 0]
-        for block, per_cu, vec, plain in variants:
-            name = f"{block}x{per_cu}x{vec}" + ("+plain_flush" if plain else "")
+        for shape in shapes:
+            name = "x".join(map(str, shape))
             got = torch.zeros_like(hist)
-            shaped(block, per_cu, vec, lambda got=got: qb(got), plain)()
+            shaped(shape, lambda got=got: qb(got))()
             assert torch.equal(got, want), f"histogram differs at {name}"
-            impls[name] = shaped(block, per_cu, vec, qb, plain)
+            impls[name] = shaped(shape, qb)
         for name, us in time_alternating(impls, dev, cfg).items():
-            block, per_cu, vec = name.split("+")[0].split("x")
+            block, per_cu, epb, min_blocks, unroll = map(int, name.split("x"))
             report.add(
                 T=t,
-                block=int(block),
-                blocks_per_cu=int(per_cu),
-                vec=int(vec),
-                flush="plain" if "+" in name else "atomic",
+                block=block,
+                blocks_per_cu=per_cu,
+                experts_per_block=epb,
+                min_blocks=min_blocks,
+                unroll=unroll,
                 us=us,
             )
     return report

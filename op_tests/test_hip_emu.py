@@ -359,23 +359,29 @@ def test_qb_two_kernel_histogram_long_token_slices(dtype):
 
 
 @pytest.mark.parametrize(
-    "block,per_cu,vec,dtype",
+    "block,per_cu,epb,vec,dtype",
     [
-        (512, 1, 4, torch.float32),
-        (1024, 1, 4, torch.bfloat16),
-        (128, 8, 4, torch.float32),
-        (256, 4, 1, torch.float32),
+        (512, 1, 8, 4, torch.float32),
+        (1024, 1, 8, 4, torch.bfloat16),
+        (1024, 0, 8, 4, torch.float32),
+        (1024, 0, 4, 4, torch.float32),
+        (128, 8, 8, 4, torch.float32),
+        (256, 4, 8, 1, torch.float32),
     ],
 )
 @pytest.mark.parametrize("misaligned", [False, True])
-def test_qb_two_kernel_histogram_launch_shapes(monkeypatch, block, per_cu, vec, dtype, misaligned):
+def test_qb_two_kernel_histogram_launch_shapes(
+    monkeypatch, block, per_cu, epb, vec, dtype, misaligned
+):
     """The histogram pass gives the oracle's histogram for the launch shapes the tuner sweeps
-    (_ops.QB_HIST_BLOCK threads, token slices aimed at QB_HIST_BLOCKS_PER_CU blocks per CU,
-    QB_HIST_VEC experts per vector load); logits one element off the vector alignment take the
-    scalar loads. E = 20: the last block of 8 experts holds 4."""
+    (_ops.QB_HIST_BLOCK threads, token slices aimed at QB_HIST_BLOCKS_PER_CU blocks per CU -- 0:
+    one slice --, QB_HIST_MAX_EXPERTS_PER_BLOCK, QB_HIST_VEC experts per vector load); logits one
+    element off the vector alignment take the scalar loads. E = 20: the last block of 8 experts
+    holds 4."""
     rt = emu()
     monkeypatch.setattr(_ops, "QB_HIST_BLOCK", block)
     monkeypatch.setattr(_ops, "QB_HIST_BLOCKS_PER_CU", per_cu)
+    monkeypatch.setattr(_ops, "QB_HIST_MAX_EXPERTS_PER_BLOCK", epb)
     monkeypatch.setattr(_ops, "QB_HIST_VEC", vec)
     chosen = []
     pick = _ops._qb_hist_vec
@@ -388,6 +394,9 @@ def test_qb_two_kernel_histogram_launch_shapes(monkeypatch, block, per_cu, vec, 
     check_router(rt, logits, 4, "idx32", bias=bias, qb_mode="two_kernel", num_bins=61)
     launches = [x for x in rt.launches if x[0] == "amdqb_qb_hist"]
     assert launches[-1][2] == block
+    assert launches[-1][1][0] == -(-e // epb), "expert groups"
+    if per_cu == 0:
+        assert launches[-1][1][1] == 1, "one token slice"
     assert chosen == [1 if misaligned else vec]
 
 
@@ -402,18 +411,21 @@ def _router_built_with(monkeypatch, *defines):
 
 
 @pytest.mark.parametrize("wave", [32, 64])
-def test_router_and_qb_with_the_approximate_exponential(monkeypatch, wave):
-    """AMDQB_SIGMOID_APPROX_EXP (an experiment the tuner times): the router's routes, probs and
-    both QB modes' histograms still match the oracle given the kernel's own scores, including the
-    fused epilogue's fast bins (whose error bound the emulator stresses)."""
+def test_router_and_qb_with_the_library_exponential(monkeypatch, wave):
+    """The sigmoid's e^-z comes from the hardware 2^x by default (AMDQB_SIGMOID_APPROX_EXP=1);
+    built with the library expf instead (=0, the form before session 7, kept for comparisons) the
+    router's routes, probs and both QB modes' histograms still match the oracle given the kernel's
+    own scores, including the fused epilogue's fast bins (whose error bound the emulator
+    stresses). Both forms lie within 1e-6 of torch.sigmoid."""
     rt = emu(wave)
     z = make_logits(64, 64, "normal", 1) * 8
-    exact = _ops.score_values(rt, z, "sigmoid")
-    _router_built_with(monkeypatch, ("AMDQB_SIGMOID_APPROX_EXP", "1"))
     approx = _ops.score_values(rt, z, "sigmoid")
-    # the variant is built (2^(z * log2 e) rounds differently from expf somewhere) and stays close
-    assert not torch.equal(exact, approx)
-    torch.testing.assert_close(approx, torch.sigmoid(z), atol=1e-6, rtol=0)
+    _router_built_with(monkeypatch, ("AMDQB_SIGMOID_APPROX_EXP", "0"))
+    library = _ops.score_values(rt, z, "sigmoid")
+    # the variant is built (2^(z * log2 e) rounds differently from expf somewhere)
+    assert not torch.equal(library, approx)
+    for s in (approx, library):
+        torch.testing.assert_close(s, torch.sigmoid(z), atol=1e-6, rtol=0)
     for e, t, k, style in ((257, 19, 16, "normal"), (896, 6, 8, "nan_inf"), (64, 30, 4, "ties")):
         logits = make_logits(t, e, style, e + k)
         bias = torch.linspace(-0.1, 0.1, e) if style != "ties" else torch.zeros(e)
@@ -425,12 +437,10 @@ def test_router_and_qb_with_the_approximate_exponential(monkeypatch, wave):
         assert torch.equal(hists[0], hists[1])
 
 
-def test_qb_two_kernel_histogram_one_slice_plain_flush(monkeypatch):
-    """One token slice per expert group (QB_HIST_BLOCKS_PER_CU = 0) with the benchmark-only plain
-    flush (AMDQB_QB_HIST_PLAIN_FLUSH): every bin's sole owner adds without atomics; the histogram
-    accumulates onto the existing counts exactly as the atomic flush does."""
+def test_qb_two_kernel_histogram_one_slice_accumulates(monkeypatch):
+    """One token slice per expert group (QB_HIST_BLOCKS_PER_CU = 0, the default): every block
+    flushes its bins once; the histogram accumulates onto the existing counts."""
     rt = emu()
-    _router_built_with(monkeypatch, ("AMDQB_QB_HIST_PLAIN_FLUSH", "1"))
     monkeypatch.setattr(_ops, "QB_HIST_BLOCKS_PER_CU", 0)
     e, t = 20, 300
     logits = make_logits(t, e, "normal", 7, torch.float32)

@@ -413,9 +413,9 @@ AMDQB_DEVICE u16 float_to_bf16(float f) {
 // Hardware 2^x / reciprocal (sm_90: MUFU.EX2 / MUFU.RCP; AMD: v_exp_f32 / v_rcp_f32), each within
 // a few 2^-22 relative of the true value on normal inputs; denormal inputs and results flush to
 // zero (an absolute error below 2^-126). Issued as the bare instructions: the library forms
-// (__expf, __fdividef) add denormal range fix-ups that a bounded fast path does not need. Never
-// used for a stored result: callers bound the error and fall back to the exact formula where the
-// bound leaves any doubt.
+// (__expf, __fdividef) add denormal range fix-ups that a bounded fast path does not need. Callers
+// either bound the error and fall back to an exact formula where the bound leaves any doubt, or
+// (the router's sigmoid, approx_exp2) define their result through the instruction and say so.
 AMDQB_DEVICE float approx_exp2(float x) {
 #if defined(AMDQB_CUDA)
   float y;

@@ -87,25 +87,26 @@ AMDQB_DEVICE in_t from_f32(float x) { return float_to_bf16(x); }
 
 [[maybe_unused]] AMDQB_DEVICE float neg_inf() { return bits_float(0xff800000u); }
 
-// Sigmoid 1 / (1 + expf(-z)) with an IEEE division, in two steps so that callers can keep the
-// common case free of branches. On NVIDIA, ptxas expands the division into a fast path -- the
-// hardware reciprocal and one Newton step, used when the divisor's exponent is in range -- and a
-// CALL to a slow path; with one call per expert the scheduler cannot interleave the experts'
-// arithmetic (28 call sites per token at E = 896). sigmoid_fast writes that fast path out: the
-// same instructions, so the same bits, for every divisor d = 1 + expf(-z) in [1, 2^126) (the
-// exponent range ptxas sends to its fast path includes it). sigmoid_fast_ok(d) says when it
-// applies: false for d >= 2^126 (z below about -87.3) and NaN, where the division is used.
-// -DAMDQB_SIGMOID_DIVISION_ONLY=1 turns the fast path off (the test that compares the two).
-// -DAMDQB_SIGMOID_APPROX_EXP=1 (an experiment, not the default until timed on a GPU): e^-z as the
-// hardware 2^x of -z * log2(e) (ex2.approx.ftz / v_exp_f32), the lowering of Triton's tl.exp that
-// the Triton backend uses, instead of the library expf's range-reduced form (several instructions
-// per expert in the router and in the histogram pass). Scores then lie a few 2^-22 from the true
-// sigmoid (the argument's rounding, |z| * 2^-24 relative, and the 2^x's error, scaled by
-// s (1 - s) <= 1/4) instead of a few ulp; selection, ties and the QB bins stay exact given the
-// kernel's scores (the contract), and kSigmoidApproxErr still bounds |sigmoid_approx - this|: both
-// share the 2^x value.
+// Sigmoid 1 / (1 + e^-z) with an IEEE division, in two steps so that callers can keep the common
+// case free of branches. e^-z is the hardware 2^x of -z * log2(e) (ex2.approx.ftz / v_exp_f32),
+// the lowering of Triton's tl.exp that the Triton backend uses: scores lie a few 2^-22 from the
+// true sigmoid (the argument's rounding, |z| * 2^-24 relative, and the 2^x's error, scaled by
+// s (1 - s) <= 1/4), within 1e-6 of torch.sigmoid; selection, ties and the QB bins are exact given
+// these scores (the contract), and every kernel of the module computes the same ones. The library
+// expf (-DAMDQB_SIGMOID_APPROX_EXP=0, kept for comparisons) is a few ulp from the true value but
+// costs ~6 more instructions per element: H200, graph replay, E=896 k=16 (bench/results/
+// h200_2026-11-30_s7/call1/tune.md), router 57.9 vs 61.1 us at T=16384 and 17.0 vs 18.0 at 4096,
+// QB two-kernel 93.2 vs 97.0 and 29.3 vs 30.1.
+// On NVIDIA, ptxas expands the division into a fast path -- the hardware reciprocal and one
+// Newton step, used when the divisor's exponent is in range -- and a CALL to a slow path; with one
+// call per expert the scheduler cannot interleave the experts' arithmetic (28 call sites per token
+// at E = 896). sigmoid_fast writes that fast path out: the same instructions, so the same bits, for
+// every divisor d = 1 + e^-z in [1, 2^126) (the exponent range ptxas sends to its fast path
+// includes it). sigmoid_fast_ok(d) says when it applies: false for d >= 2^126 (z below about
+// -87.3) and NaN, where the division is used. -DAMDQB_SIGMOID_DIVISION_ONLY=1 turns the fast path
+// off (the test that compares the two).
 #ifndef AMDQB_SIGMOID_APPROX_EXP
-#define AMDQB_SIGMOID_APPROX_EXP 0
+#define AMDQB_SIGMOID_APPROX_EXP 1
 #endif
 AMDQB_DEVICE float sigmoid_divisor(float z) {
 #if AMDQB_SIGMOID_APPROX_EXP
@@ -145,18 +146,17 @@ AMDQB_DEVICE float act_elementwise(float z) {
 #endif
 }
 
-// A floored bin position clamped to [0, num_bins - 1]; NaN -> bin 0.
+// floor(x) clamped to [0, num_bins - 1]; NaN -> bin 0. fmaxf returns the number when x is NaN
+// (IEEE maxNum; x is an arithmetic result, never a signalling NaN), and clamping before the floor
+// gives the same integer (both bounds are integers), so the floor and the conversion can be one
+// instruction (sm_90: F2I.FLOOR; 3 instructions where the compare-and-select form took 8).
 AMDQB_DEVICE int clamp_bin(float x, int num_bins) {
-  if (x != x) x = 0.0f;
-  const float hi = (float)(num_bins - 1);
-  x = x < 0.0f ? 0.0f : x;
-  x = x > hi ? hi : x;
-  return (int)x;
+  return (int)floorf(fminf(fmaxf(x, 0.0f), (float)(num_bins - 1)));
 }
 
 // QB bin of a required bias r (TE's arithmetic: multiply by the fp32 scale, no reciprocal width).
 AMDQB_DEVICE int qb_bin(float r, float lower, float scale, int num_bins) {
-  return clamp_bin(floorf((r - lower) * scale), num_bins);
+  return clamp_bin((r - lower) * scale, num_bins);
 }
 
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
@@ -222,7 +222,7 @@ AMDQB_DEVICE bool qb_bin_fast(const QbCut& c, float z, float scale, int num_bins
   const float x = fmaf(-sigmoid_approx(z), scale, c.pos0);
   const float lo = floorf(x - c.margin);
   if (lo == floorf(x + c.margin)) {
-    bin = (int)fminf(fmaxf(lo, 0.0f), (float)(num_bins - 1));
+    bin = clamp_bin(lo, num_bins);
     return true;
   }
 #else
@@ -966,21 +966,27 @@ AMDQB_DEVICE float hist_element(const in_x4& q, int v) { return to_f32(q.v[v]); 
 #endif
 
 template <int VEC, int UNROLL>
-AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i64 t1, i64 step,
-                                int col, int* lh, float lower, float scale, int num_bins) {
+AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int count, int step,
+                                int* lh, float lower, float scale, int num_bins) {
+  // count tokens of this thread, step rows apart; logits and alpha point at the first one. The
+  // pointers advance by a precomputed stride (a 64-bit index recomputed per load cost more
+  // instructions than the element's arithmetic on sm_90).
   // UNROLL tokens per step: their logit and cutoff loads are issued back to back before any LDS
   // atomic, so each thread keeps that many global loads in flight (one at a time left the kernel
   // latency-bound: ncu on the H200 showed 14% DRAM throughput, 67% of cycles with no eligible
   // warp). The per-element arithmetic is unchanged, and counts do not depend on order.
   typedef typename HistLoad<VEC>::type load_t;
-  for (; t + (UNROLL - 1) * step < t1; t += UNROLL * step) {
+  const i64 row_step = (i64)step * E;
+  for (; count >= UNROLL; count -= UNROLL) {
     load_t z[UNROLL];
     float a[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      z[u] = *reinterpret_cast<const load_t*>(logits + (t + u * step) * E + col);
-      a[u] = alpha[t + u * step];
+      z[u] = *reinterpret_cast<const load_t*>(logits + u * row_step);
+      a[u] = alpha[u * step];
     }
+    logits += UNROLL * row_step;
+    alpha += UNROLL * step;
     if (AMDQB_QB_HIST_TWO_PHASE && VEC == 4) {  // compile-time
       in_t flat[UNROLL * VEC];
       float sc[UNROLL * VEC];
@@ -1002,9 +1008,9 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i
         }
     }
   }
-  for (; t < t1; t += step) {
-    const load_t z = *reinterpret_cast<const load_t*>(logits + t * E + col);
-    const float a = alpha[t];
+  for (; count > 0; --count, logits += row_step, alpha += step) {
+    const load_t z = *reinterpret_cast<const load_t*>(logits);
+    const float a = *alpha;
 #pragma unroll
     for (int v = 0; v < VEC; ++v)
       atomic_add_shared(&lh[v * num_bins + qb_bin(a - act_elementwise(hist_element(z, v)), lower,
@@ -1023,9 +1029,6 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, i64 t, i
 #endif
 #ifndef AMDQB_QB_HIST_MIN_BLOCKS
 #define AMDQB_QB_HIST_MIN_BLOCKS 2
-#endif
-#ifndef AMDQB_QB_HIST_PLAIN_FLUSH
-#define AMDQB_QB_HIST_PLAIN_FLUSH 0
 #endif
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST_MIN_BLOCKS)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
@@ -1048,33 +1051,30 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   const int sub = tid % per_row;
   const int rows_per_pass = nt / per_row;
   const int tt = tid / per_row;
-  if (tt < rows_per_pass && sub * vec < ne) {
+  if (tt < rows_per_pass && sub * vec < ne && t0 + tt < t1) {
     const i64 t = t0 + tt;
+    const int count = (int)((t1 - t - 1) / rows_per_pass) + 1;  // this thread's tokens
     int* h = lh + sub * vec * num_bins;
+    const in_t* first = logits + t * E + e0 + sub * vec;
     // QB is sigmoid-only at the op level: other scores build the scalar form alone (the vector
     // form of sqrtsoftplus's longer activation needs scratch on gfx942).
     if (vec == 4 && AMDQB_SCORE == AMDQB_SCORE_SIGMOID)  // uniform
-      qb_hist_slice<4, AMDQB_QB_HIST_UNROLL>(logits, alpha, t, t1, rows_per_pass, e0 + sub * 4,
-                                             h, lower, scale, num_bins);
+      qb_hist_slice<4, AMDQB_QB_HIST_UNROLL>(first, alpha + t, count, rows_per_pass, h, lower,
+                                             scale, num_bins);
     else
-      qb_hist_slice<1, 8>(logits, alpha, t, t1, rows_per_pass, e0 + sub, h, lower, scale,
-                          num_bins);
+      qb_hist_slice<1, 8>(first, alpha + t, count, rows_per_pass, h, lower, scale, num_bins);
   }
   block_sync();
 
-  // -DAMDQB_QB_HIST_PLAIN_FLUSH=1 (benchmarks only, not the default): with one token slice each
-  // bin has one owning block, which may add with a plain read-modify-write instead of an atomic.
-  // Not safe if another stream updates the same histogram concurrently -- hence measured first.
-  const bool sole_owner = AMDQB_QB_HIST_PLAIN_FLUSH && gridDim.y == 1;
+  // Non-zero bins only, each with one global atomic. A plain read-modify-write by the sole owner
+  // of a bin (one token slice) measured slower on the H200 (T=1024 / 16384: 15.5 / 98.9 vs 14.3 /
+  // 96.0 us, bench/results/h200_2026-11-30_s7/call1/tune.md): an atomic add returns nothing to wait
+  // for, a read-modify-write waits for its load.
+  int* block_hist = hist + (i64)e0 * num_bins;  // rows e0 .. e0 + ne - 1 are contiguous
   for (int i = tid; i < ne * num_bins; i += nt) {
     const int c = lh[i];
-    int* dst = &hist[(i64)(e0 + i / num_bins) * num_bins + i % num_bins];
-    if (c != 0) {
-      if (sole_owner)
-        *dst += c;
-      else
-        atomic_add_global(dst, c);
-    }
+    int* dst = block_hist + i;
+    if (c != 0) atomic_add_global(dst, c);
   }
 }
 

@@ -302,16 +302,19 @@ def _launch_router(
         rt.launch(k, _router_grid(rt, k, dev, tokens), _spec.ROUTER_BLOCK, 0, args)
 
 
-# Launch shape of the two-kernel histogram pass: threads per block, and blocks per CU the token
-# slices aim for. Every block zeroes and flushes its [experts, B] LDS histogram (one global atomic
-# per non-zero bin), so fewer, larger blocks flush less; more blocks keep more loads in flight.
-# bench/tune_router_occupancy.py (part qbhist) sweeps both; the defaults are its measurements on the
-# H200, 2026-11-30 (bench/results/h200_2026-11-30_s6/call2/tune.md, QB two-kernel end to end,
-# E=896 k=16 B=1000; threads x blocks per CU x experts per load): at T=16384 256x4x1 124.0,
-# 256x4x4 114.6, 512x2x4 111.6, 1024x1x1 111.5, 1024x1x4 108.2, 1024x2x4 115.6 us; at T=4096 all
-# within 35.9-39.9 us (1024x1x4: 36.5).
+# Launch shape of the two-kernel histogram pass: threads per block, the most experts per block
+# (one LDS histogram row of B bins each), and blocks per CU the token slices aim for (0: one token
+# slice). Every block zeroes and flushes its [experts, B] LDS histogram (one global atomic per
+# non-zero bin), so fewer, larger blocks flush less; more blocks keep more loads in flight.
+# bench/tune_router_occupancy.py (part qbhist) sweeps them; the defaults are its measurements on the
+# H200 (QB two-kernel end to end, E=896 k=16 B=1000, 8 experts per block): one token slice against
+# one block per CU (two slices), 14.3 / 15.5 us at T=1024, 28.1 / 29.6 at 4096, 53.2 / 52.9 at
+# 8192, 96.0 / 96.5 at 16384 (bench/results/h200_2026-11-30_s7/call1/tune.md); earlier (s6/call2)
+# at T=16384: 256 threads x 4 blocks per CU x 1 expert per load 124.0, 256x4x4 114.6, 512x2x4
+# 111.6, 1024x1x1 111.5, 1024x1x4 108.2, 1024x2x4 115.6 us.
 QB_HIST_BLOCK = 1024
-QB_HIST_BLOCKS_PER_CU = 1
+QB_HIST_MAX_EXPERTS_PER_BLOCK = 8
+QB_HIST_BLOCKS_PER_CU = 0
 # Experts per thread of the histogram pass (one vector load of 4 logits) where E, the experts per
 # block and the logits' alignment allow it; 1 otherwise.
 QB_HIST_VEC = 4
@@ -319,11 +322,11 @@ QB_HIST_VEC = 4
 
 def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: int, cus: int):
     """(experts_per_block, token_slices, tokens_per_slice) of the two-kernel histogram."""
-    epb = 8
-    while epb > 1 and epb * num_bins * 4 > smem_budget:
-        epb //= 2
     if num_bins * 4 > smem_budget:
         raise ValueError(f"num_bins={num_bins} does not fit one LDS histogram row")
+    epb = QB_HIST_MAX_EXPERTS_PER_BLOCK
+    while epb > 1 and epb * num_bins * 4 > smem_budget:
+        epb //= 2
     gx = _cdiv(num_experts, epb)
     slices = max(1, min(_cdiv(QB_HIST_BLOCKS_PER_CU * cus, gx), _cdiv(tokens, 256)))
     per = _cdiv(tokens, slices)

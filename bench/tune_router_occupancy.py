@@ -259,6 +259,8 @@ class _FirstLaunches:
         if self.seen <= self.n:
             self.rt.launch(*args)
 
+    launch_dependent = launch
+
 
 def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024), k=16, e=896) -> Report:
     from amdqb.backends.hip import _ops
@@ -346,10 +348,12 @@ def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024), k=16, e=896) -> 
     return report
 
 
-def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
+def router_stages(dev, cfg, tokens=(1024, 4096, 16384), k=16, e=896) -> Report:
     """The warp-per-token router (no QB; probs and byte map, as the bench) cut after each stage
     (``AMDQB_ROUTER_STOP``: 0 loads, 1 scores and keys, 2 selection, 3 cutoff and weights), and
     the QB two-kernel mode with it: where the time of each token's chain goes."""
+    from amdqb.backends.hip import _ops
+
     report = Report("router_stages", environment(dev))
     g = torch.Generator().manual_seed(0)
     bias = (torch.randn(e, generator=g) * 0.05).to(dev)
@@ -378,8 +382,12 @@ def router_stages(dev, cfg, tokens=(4096, 16384), k=16, e=896) -> Report:
         impls["two_kernel:hist_one_phase"] = _patched(
             two_kernel, _router_defines(("AMDQB_QB_HIST_TWO_PHASE", "0"))
         )
+        # the histogram pass as an ordinary launch instead of the router's dependent
+        impls["two_kernel:ordinary_launch"] = _patched(
+            two_kernel, (_ops, "QB_HIST_DEPENDENT_LAUNCH", False)
+        )
         hists = []
-        for name in ("two_kernel", "two_kernel:hist_one_phase"):
+        for name in ("two_kernel", "two_kernel:hist_one_phase", "two_kernel:ordinary_launch"):
             hist.zero_()
             impls[name]()
             hists.append(hist.clone())
@@ -393,14 +401,13 @@ def qb_hist_shapes(
     dev,
     cfg,
     shapes=(
-        (1024, 0, 8, 2, 2),
-        (1024, 0, 8, 1, 2),
-        (1024, 0, 8, 1, 4),
-        (1024, 1, 8, 2, 2),
-        (1024, 0, 4, 2, 2),
-        (1024, 0, 4, 1, 2),
-        (512, 0, 4, 2, 2),
-        (512, 0, 4, 4, 2),
+        (1024, 1, 8, 1, 2),
+        (1024, 1, 8, 1, 4),
+        (1024, 2, 8, 2, 2),
+        (512, 2, 8, 2, 2),
+        (512, 2, 4, 2, 2),
+        (1024, 1, 4, 1, 2),
+        (256, 4, 8, 4, 2),
     ),
     tokens=(1024, 4096, 8192, 16384),
     k=16,
@@ -408,8 +415,8 @@ def qb_hist_shapes(
     b=1000,
 ) -> Report:
     """QB two_kernel end to end per launch shape of the histogram pass: threads per block, blocks
-    per CU the token slices aim for (0: one token slice, each bin flushed by one block), the most
-    experts per block, the resident blocks per SM its registers must allow
+    per CU (each an equal share of the (expert group, token) plane), the most experts per block,
+    the resident blocks per SM its registers must allow
     (``AMDQB_QB_HIST_MIN_BLOCKS``) and tokens per step (``AMDQB_QB_HIST_UNROLL``); every shape's
     histogram checked against the default's."""
     from amdqb.backends.hip import _ops

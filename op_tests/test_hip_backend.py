@@ -341,11 +341,33 @@ def test_mapped_libraries_reads_proc_maps():
 
 def test_qb_hist_config_fits_the_budget():
     for bins in (2, 1000, 4000, 12288):
-        epb, slices, per = _ops.qb_hist_config(896, bins, 4096, 48 * 1024, 132)
-        assert epb * bins * 4 <= 48 * 1024 and epb >= 1
-        assert slices * per >= 4096 and (slices - 1) * per < 4096
+        for tokens in (1, 300, 4096):
+            epb, blocks, per = _ops.qb_hist_config(896, bins, tokens, 48 * 1024, 132)
+            assert epb * bins * 4 <= 48 * 1024 and epb >= 1
+            units = -(-896 // epb) * tokens  # (expert group, token) units, every one covered once
+            assert blocks * per >= units and (blocks - 1) * per < units
+            assert blocks <= 132 * _ops.QB_HIST_BLOCKS_PER_CU
     with pytest.raises(ValueError):
         _ops.qb_hist_config(896, 13000, 16, 48 * 1024, 132)
+
+
+def test_router_register_cap_at_few_tokens():
+    """NVIDIA builds the router for 2 resident blocks per SM up to ROUTER_FEW_TOKENS tokens when
+    256 < E <= 1024 (the default build spills there); elsewhere, and where minimum blocks do not
+    cap registers (AMD, the emulator), the default module."""
+
+    class Rt:
+        caps_registers_by_blocks = True
+
+    def cap(e, tokens, rt=Rt()):
+        spec = _ops._router_spec(torch.empty(0, e), "sigmoid", rt, tokens)
+        return dict(spec.defines).get("AMDQB_ROUTER_MIN_BLOCKS")
+
+    few = str(_ops.ROUTER_FEW_TOKENS_MIN_BLOCKS)
+    assert cap(896, 1) == few and cap(896, _ops.ROUTER_FEW_TOKENS) == few
+    assert cap(896, _ops.ROUTER_FEW_TOKENS + 1) is None
+    assert cap(256, 64) is None and cap(2048, 64) is None
+    assert cap(896, 64, rt=object()) is None
 
 
 def test_router_grid_is_one_wave_of_resident_blocks():
@@ -819,6 +841,40 @@ def test_router_graph_capture_replays(mode):
         assert torch.equal(hist.cpu(), qb_histogram_counts(s, alpha, bounds.cpu(), b))
         want = torch.zeros(t, e, dtype=torch.bool).scatter_(1, idx_ref, True)
         assert torch.equal(rmap.cpu(), want)
+
+
+@gpu
+def test_qb_histogram_pass_is_a_dependent_launch_on_sm90(monkeypatch):
+    """On NVIDIA sm_90+ the histogram pass goes out as a programmatic dependent launch. The runtime
+    falls back to ordinary launches for good if the bindings or the driver refuse one; this test
+    makes such a fallback visible. The histogram equals the ordinary launch's and the oracle's
+    (graph replay: test_router_graph_capture_replays)."""
+    tc = _runtime.get_runtime().toolchain
+    if tc.name != "nvrtc" or torch.cuda.get_device_capability(DEV)[0] < 9:
+        pytest.skip("programmatic dependent launch is an NVIDIA sm_90+ feature")
+    e, k, t, b = 896, 16, 3000, 1000
+    logits = make_logits(t, e, "normal", 4).to(DEV)
+    bias = torch.linspace(-0.2, 0.2, e, device=DEV)
+    bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+    hists = []
+    for dependent in (True, False):
+        monkeypatch.setattr(_ops, "QB_HIST_DEPENDENT_LAUNCH", dependent)
+        hist = torch.zeros(e, b, dtype=torch.int32, device=DEV)
+        amdqb.fused_topk_with_score_function(
+            logits,
+            k,
+            expert_bias=bias,
+            qb_histogram=hist,
+            qb_bin_bounds=bounds,
+            qb_histogram_mode="two_kernel",
+            backend="hip",
+        )
+        hists.append(hist.cpu())
+    assert tc._pdl not in (None, False), "the dependent launch fell back to cuLaunchKernel"
+    assert torch.equal(hists[0], hists[1])
+    s = hip_backend.score_values(logits, "sigmoid").cpu()
+    _, alpha = qb_cutoff_and_routes(s, bias.cpu(), k)
+    assert torch.equal(hists[0], qb_histogram_counts(s, alpha, bounds.cpu(), b))
 
 
 @gpu

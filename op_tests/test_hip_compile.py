@@ -208,7 +208,7 @@ def test_qb_two_kernel_histogram_uses_lds_atomics(amd_builds, arch):
     hist = amd_builds[(spec, arch)]["funcs"]["amdqb_qb_hist"]["lines"]
     assert count(hist, LDS_ATOMIC) >= 1
     assert count(hist, GLOBAL_ATOMIC) == 1  # the flush of non-zero bins
-    assert count(hist, BARRIER) == 2
+    assert count(hist, BARRIER) == 3  # zeroed; counted; flushed (per expert-group segment)
     # the vector form reads 4 experts' logits with one load: 16 bytes of fp32, 8 of bf16
     wide = {"float32": r"global_load_(dwordx4|b128)\b", "bfloat16": r"global_load_(dwordx2|b64)\b"}
     for dtype, pattern in wide.items():
@@ -223,7 +223,8 @@ def test_qb_two_kernel_histogram_uses_lds_atomics(amd_builds, arch):
 @needs_clang
 def test_decode_and_histogram_kernels_use_no_scratch(amd_builds):
     """The decode-form Top-k (one block per token) and the QB histogram pass keep their per-thread
-    arrays in registers on every AMD target, for every router module (E up to 2048)."""
+    arrays in registers on every AMD target, for every router module (E up to 2048; the histogram
+    pass has a body in the sigmoid modules only)."""
     for (spec, arch), build in amd_builds.items():
         if spec.kernel_file != "router.hip":
             continue
@@ -353,6 +354,8 @@ class RecordingRuntime:
 
     def launch(self, kernel, grid, block, smem, args):
         self.calls.setdefault(kernel, set()).add(tuple(type(a) for a in args))
+
+    launch_dependent = launch
 
     def num_cus(self, device_index):
         return 4

@@ -292,6 +292,24 @@ AMDQB_DEVICE void warp_sync() {
 #endif
 }
 
+// Programmatic dependent launch (NVIDIA sm_90+; nothing elsewhere). A kernel launched with the
+// runtime's launch_dependent may start while the kernel before it in the stream is still running:
+// it must call wait_for_prior_grid() before it touches that kernel's outputs (the wait returns once
+// the prior grid has completed and its writes are visible); what earlier kernels wrote is complete
+// already, since the prior kernel itself started after them. allow_dependent_launch() lets the
+// dependent grid's blocks be scheduled as soon as this grid's blocks have all issued it (without
+// it, as they exit). Both are no-ops for ordinary launches.
+AMDQB_DEVICE void wait_for_prior_grid() {
+#if defined(AMDQB_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+AMDQB_DEVICE void allow_dependent_launch() {
+#if defined(AMDQB_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
 AMDQB_DEVICE void block_sync() {
 #if defined(AMDQB_CUDA)
   __syncthreads();

@@ -588,6 +588,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
   const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
                       sh_ss + w * CAP};
   const bool post_softmax = AMDQB_SCORE == AMDQB_SCORE_SOFTMAX && !softmax_pre;
+  // The QB histogram pass that may follow is launched as a dependent: its blocks take the SMs
+  // this persistent grid's blocks leave, and zero their LDS while the last tokens finish.
+  allow_dependent_launch();
 
   float qb_lower = 0.0f, qb_scale = 0.0f;
   if (qb_mode == kQbFused) {
@@ -922,10 +925,15 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   }
 }
 
-// QB two-kernel histogram: grid (ceil(E / experts_per_block), token slices). Each block builds an
-// LDS histogram [experts_per_block, B] of its (expert, token) slice from the recomputed scores and
-// the router's cutoffs, then flushes the non-zero bins with global atomics. Threads map to
-// (token, expert) with the expert fastest, so a warp reads runs of consecutive logits.
+// QB two-kernel histogram. The work is the (expert group, token) plane, expert groups of
+// experts_per_block experts, flattened group-major into groups * T units; block b takes the
+// contiguous units [b * units_per_block, (b + 1) * units_per_block) -- the end of one group's
+// tokens and the start of the next one's, every block the same amount of work whatever E, T and
+// the number of CUs (whole groups per block left 20 of the H200's 132 SMs idle at E = 896). For each
+// group segment it builds an LDS histogram [experts_per_block, B] from the recomputed scores and
+// the router's cutoffs, then flushes the non-zero bins with global atomics (zeroing them for the
+// next segment on the way). Threads map to (token, expert) with the expert fastest, so a warp
+// reads runs of consecutive logits.
 // Bins here come from the exact formula: the approximate-sigmoid fast path of the fused epilogue
 // (qb_bin_fast) needs per-token constants, and loading them (8 or 16 bytes per element instead of
 // the 4-byte cutoff) made this pass slower on the H200 (ncu at T=16384, E=896: 47 us with the
@@ -1021,26 +1029,30 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int coun
 }  // namespace
 
 // Tokens per step of the vector form (4 experts each), and the resident blocks per SM the
-// compiler must allow (NVIDIA). H200 (bench/results/h200_2026-11-30_s6/call4, QB two-kernel end
-// to end at T=4096 / 16384): 2 tokens, 2 blocks 30.7 / 96.8 us; 4 tokens, 1 block 32.8 / 96.9;
-// 2 tokens, 1 block 32.4 / 99.6; 4 tokens, 2 blocks (spills) 39.3 / 121.8; 8 tokens 34.5 / 114.0.
+// compiler must allow (NVIDIA). H200, QB two-kernel end to end (E=896, 1024 threads, 8 experts
+// per block): one block per SM (64 registers, no spill) against two (32 registers, spills) at
+// T = 1024 / 4096 / 8192 / 16384: 12.8 / 25.8 / 49.6 / 89.8 vs 13.2 / 26.9 / 51.3 / 93.1 us with
+// one expert group per block (bench/results/h200_2026-11-30_s7/call2/tune.md); 4 tokens per step
+// 12.9 / 26.5 / 51.2 / 91.0. Earlier (s6/call4, 2 blocks, T=4096 / 16384): 2 tokens 30.7 / 96.8,
+// 8 tokens 34.5 / 114.0.
 #ifndef AMDQB_QB_HIST_UNROLL
 #define AMDQB_QB_HIST_UNROLL 2
 #endif
 #ifndef AMDQB_QB_HIST_MIN_BLOCKS
-#define AMDQB_QB_HIST_MIN_BLOCKS 2
+#define AMDQB_QB_HIST_MIN_BLOCKS 1
 #endif
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST_MIN_BLOCKS)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
-                  int num_bins, int experts_per_block, int tokens_per_slice, int vec, int* hist) {
+                  int num_bins, int experts_per_block, i64 units_per_block, int vec, int* hist) {
+#if AMDQB_SCORE == AMDQB_SCORE_SIGMOID  // QB is sigmoid-only (the op refuses other scores)
   AMDQB_DYN_SHARED(lh);
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int epb = experts_per_block;
-  const int e0 = (int)blockIdx.x * epb;
-  const int ne = E - e0 < epb ? E - e0 : epb;
-  const i64 t0 = (i64)blockIdx.y * tokens_per_slice;
-  const i64 t1 = t0 + tokens_per_slice < num_tokens ? t0 + tokens_per_slice : (i64)num_tokens;
+  const i64 groups = (E + epb - 1) / epb;
+  const i64 units = groups * num_tokens;
+  i64 w = (i64)blockIdx.x * units_per_block;
+  const i64 w_end = w + units_per_block < units ? w + units_per_block : units;
 
   for (int i = tid; i < epb * num_bins; i += nt) lh[i] = 0;
   block_sync();
@@ -1051,31 +1063,47 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   const int sub = tid % per_row;
   const int rows_per_pass = nt / per_row;
   const int tt = tid / per_row;
-  if (tt < rows_per_pass && sub * vec < ne && t0 + tt < t1) {
-    const i64 t = t0 + tt;
-    const int count = (int)((t1 - t - 1) / rows_per_pass) + 1;  // this thread's tokens
-    int* h = lh + sub * vec * num_bins;
-    const in_t* first = logits + t * E + e0 + sub * vec;
-    // QB is sigmoid-only at the op level: other scores build the scalar form alone (the vector
-    // form of sqrtsoftplus's longer activation needs scratch on gfx942).
-    if (vec == 4 && AMDQB_SCORE == AMDQB_SCORE_SIGMOID)  // uniform
-      qb_hist_slice<4, AMDQB_QB_HIST_UNROLL>(first, alpha + t, count, rows_per_pass, h, lower,
-                                             scale, num_bins);
-    else
-      qb_hist_slice<1, 8>(first, alpha + t, count, rows_per_pass, h, lower, scale, num_bins);
+  // Launched as the router's dependent (NVIDIA): the zeroing above overlaps the router's tail; the
+  // cutoffs are the router's output. (The bounds and logits come from earlier kernels.)
+  wait_for_prior_grid();
+  while (w < w_end) {  // one segment of one expert group per trip (uniform over the block)
+    const int g = (int)(w / num_tokens);
+    const i64 t0 = w - (i64)g * num_tokens;
+    const i64 t1 = t0 + (w_end - w) < num_tokens ? t0 + (w_end - w) : (i64)num_tokens;
+    w += t1 - t0;
+    const int e0 = g * epb;
+    const int ne = E - e0 < epb ? E - e0 : epb;
+    if (tt < rows_per_pass && sub * vec < ne && t0 + tt < t1) {
+      const i64 t = t0 + tt;
+      const int count = (int)((t1 - t - 1) / rows_per_pass) + 1;  // this thread's tokens
+      int* h = lh + sub * vec * num_bins;
+      const in_t* first = logits + t * E + e0 + sub * vec;
+      if (vec == 4)  // uniform
+        qb_hist_slice<4, AMDQB_QB_HIST_UNROLL>(first, alpha + t, count, rows_per_pass, h, lower,
+                                               scale, num_bins);
+      else
+        qb_hist_slice<1, 8>(first, alpha + t, count, rows_per_pass, h, lower, scale, num_bins);
+    }
+    block_sync();
+    // Non-zero bins only, each with one global atomic, zeroed for the next segment by the thread
+    // that read them. A plain read-modify-write by the sole owner of a bin measured slower on the
+    // H200 (T=1024 / 16384: 15.5 / 98.9 vs 14.3 / 96.0 us, bench/results/h200_2026-11-30_s7/
+    // call1/tune.md): an atomic add returns nothing to wait for, a read-modify-write waits for
+    // its load.
+    int* group_hist = hist + (i64)e0 * num_bins;  // rows e0 .. e0 + ne - 1 are contiguous
+    for (int i = tid; i < ne * num_bins; i += nt) {
+      const int c = lh[i];
+      if (c != 0) {
+        atomic_add_global(group_hist + i, c);
+        lh[i] = 0;
+      }
+    }
+    block_sync();
   }
-  block_sync();
-
-  // Non-zero bins only, each with one global atomic. A plain read-modify-write by the sole owner
-  // of a bin (one token slice) measured slower on the H200 (T=1024 / 16384: 15.5 / 98.9 vs 14.3 /
-  // 96.0 us, bench/results/h200_2026-11-30_s7/call1/tune.md): an atomic add returns nothing to wait
-  // for, a read-modify-write waits for its load.
-  int* block_hist = hist + (i64)e0 * num_bins;  // rows e0 .. e0 + ne - 1 are contiguous
-  for (int i = tid; i < ne * num_bins; i += nt) {
-    const int c = lh[i];
-    int* dst = block_hist + i;
-    if (c != 0) atomic_add_global(dst, c);
-  }
+#else
+  (void)logits, (void)num_tokens, (void)alpha, (void)bounds, (void)num_bins;
+  (void)experts_per_block, (void)units_per_block, (void)vec, (void)hist;
+#endif
 }
 
 // fp32 scores exactly as amdqb_router computes them (softmax: over E), for tests and the oracle

@@ -44,6 +44,7 @@ class EmuRuntime:
         )
         self._libs = {}
         self.launches = []  # (kernel name, grid, block, smem) of every launch
+        self.dependent_launches = []  # names of the kernels launched with launch_dependent
 
     def _library(self, spec: _spec.ModuleSpec, which: str | None = None):
         if which is None:
@@ -107,6 +108,11 @@ class EmuRuntime:
         params = _spec.KernelParams(args)
         self.launches.append((kernel.name, tuple(grid), block, smem))
         kernel.fn(grid[0], grid[1], grid[2], block, smem, params.address)
+
+    def launch_dependent(self, kernel, grid, block, smem, args):
+        """No overlap to model: the emulator runs grids one after another."""
+        self.launch(kernel, grid, block, smem, args)
+        self.dependent_launches.append(kernel.name)
 
     def num_cus(self, device_index):
         return self.cus

@@ -208,8 +208,28 @@ def align_block_size(
 # ------------------------------------------------------------------------------------------------
 # Routers
 # ------------------------------------------------------------------------------------------------
-def _router_spec(logits, score_function):
-    return _spec.router_module(logits.shape[1], _DTYPE_NAMES[logits.dtype], score_function)
+# The router's register cap at few tokens (NVIDIA; AMD's launch bounds do not cap registers by
+# blocks per CU). For 256 < E <= 1024 router.hip asks for 3 resident blocks per SM, which makes
+# ptxas spill a few words; up to ROUTER_FEW_TOKENS tokens the grid has little use for a third
+# block and the build for 2 blocks (no spill) is faster. H200, E=896 k=16, graph replay, cap 2 /
+# cap 3 (bench/results/h200_2026-11-30_s7/call2/tune.md): no QB 7.59 / 7.80 us at T=1024, 15.97 /
+# 16.80 at 4096, 34.43 / 34.53 at 8192, 62.54 / 57.99 at 16384; QB two-kernel 12.88 / 13.22,
+# 26.78 / 27.39, 52.28 / 51.28, 96.33 / 92.89. Both builds compute the same bits.
+ROUTER_FEW_TOKENS = 4096
+ROUTER_FEW_TOKENS_MIN_BLOCKS = 2
+
+
+def _router_spec(logits, score_function, rt=None, tokens=None):
+    spec = _spec.router_module(logits.shape[1], _DTYPE_NAMES[logits.dtype], score_function)
+    if (
+        tokens is not None
+        and tokens <= ROUTER_FEW_TOKENS
+        and 256 < logits.shape[1] <= 1024
+        and getattr(rt, "caps_registers_by_blocks", False)
+        and all(name != "AMDQB_ROUTER_MIN_BLOCKS" for name, _ in spec.defines)  # tuner builds
+    ):
+        spec = spec.with_defines(("AMDQB_ROUTER_MIN_BLOCKS", str(ROUTER_FEW_TOKENS_MIN_BLOCKS)))
+    return spec
 
 
 def _router_grid(rt, kernel, dev, tokens):
@@ -273,7 +293,7 @@ def _launch_router(
     tokens, num_experts = logits.shape
     _check_selection(topk, nsel, num_experts)
     dev = _dev(logits)
-    spec = _router_spec(logits, score_function)
+    spec = _router_spec(logits, score_function, rt, tokens)
     args = [
         _ptr(logits),
         arg_i32(tokens),
@@ -303,34 +323,42 @@ def _launch_router(
 
 
 # Launch shape of the two-kernel histogram pass: threads per block, the most experts per block
-# (one LDS histogram row of B bins each), and blocks per CU the token slices aim for (0: one token
-# slice). Every block zeroes and flushes its [experts, B] LDS histogram (one global atomic per
+# (one LDS histogram row of B bins each), and blocks per CU (the grid: that many per CU, each an
+# equal share of the (expert group, token) plane, at least QB_HIST_MIN_UNITS tokens of one group).
+# A block flushes its LDS histogram once per expert group it touches (one global atomic per
 # non-zero bin), so fewer, larger blocks flush less; more blocks keep more loads in flight.
 # bench/tune_router_occupancy.py (part qbhist) sweeps them; the defaults are its measurements on the
-# H200 (QB two-kernel end to end, E=896 k=16 B=1000, 8 experts per block): one token slice against
-# one block per CU (two slices), 14.3 / 15.5 us at T=1024, 28.1 / 29.6 at 4096, 53.2 / 52.9 at
-# 8192, 96.0 / 96.5 at 16384 (bench/results/h200_2026-11-30_s7/call1/tune.md); earlier (s6/call2)
-# at T=16384: 256 threads x 4 blocks per CU x 1 expert per load 124.0, 256x4x4 114.6, 512x2x4
-# 111.6, 1024x1x1 111.5, 1024x1x4 108.2, 1024x2x4 115.6 us.
+# H200 (QB two-kernel end to end, E=896 k=16 B=1000, 8 experts per block). With whole groups per
+# block: one token slice against two, 14.3 / 15.5 us at T=1024, 28.1 / 29.6 at 4096, 53.2 / 52.9
+# at 8192, 96.0 / 96.5 at 16384 (bench/results/h200_2026-11-30_s7/call1/tune.md); 4 experts per
+# block (224 groups) 13.4 / 30.8 / 55.3 / 100.8 vs 8 experts 13.2 / 26.9 / 51.3 / 93.1 (call2);
+# earlier (s6/call2) at T=16384: 256 threads x 4 blocks per CU x 1 expert per load 124.0, 256x4x4
+# 114.6, 512x2x4 111.6, 1024x1x1 111.5, 1024x1x4 108.2, 1024x2x4 115.6 us.
 QB_HIST_BLOCK = 1024
 QB_HIST_MAX_EXPERTS_PER_BLOCK = 8
-QB_HIST_BLOCKS_PER_CU = 0
+QB_HIST_BLOCKS_PER_CU = 1
+QB_HIST_MIN_UNITS = 256
+# The histogram pass is launched as the router's dependent (runtime.launch_dependent: NVIDIA's
+# programmatic dependent launch, an ordinary launch elsewhere), so that its blocks start and zero
+# their LDS histograms while the router's last tokens finish.
+QB_HIST_DEPENDENT_LAUNCH = True
 # Experts per thread of the histogram pass (one vector load of 4 logits) where E, the experts per
 # block and the logits' alignment allow it; 1 otherwise.
 QB_HIST_VEC = 4
 
 
 def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: int, cus: int):
-    """(experts_per_block, token_slices, tokens_per_slice) of the two-kernel histogram."""
+    """(experts_per_block, blocks, units_per_block) of the two-kernel histogram: a block takes
+    ``units_per_block`` consecutive (expert group, token) units of the group-major plane."""
     if num_bins * 4 > smem_budget:
         raise ValueError(f"num_bins={num_bins} does not fit one LDS histogram row")
     epb = QB_HIST_MAX_EXPERTS_PER_BLOCK
     while epb > 1 and epb * num_bins * 4 > smem_budget:
         epb //= 2
-    gx = _cdiv(num_experts, epb)
-    slices = max(1, min(_cdiv(QB_HIST_BLOCKS_PER_CU * cus, gx), _cdiv(tokens, 256)))
-    per = _cdiv(tokens, slices)
-    return epb, _cdiv(tokens, per), per
+    units = _cdiv(num_experts, epb) * tokens
+    blocks = max(1, min(QB_HIST_BLOCKS_PER_CU * cus, _cdiv(units, QB_HIST_MIN_UNITS)))
+    per = _cdiv(units, blocks)
+    return epb, _cdiv(units, per), per
 
 
 def _qb_hist_vec(logits, epb: int) -> int:
@@ -363,6 +391,8 @@ def router_fwd(
     if tokens == 0:
         return
     qb = qb_histogram is not None
+    if qb and score_function != "sigmoid":  # the op refuses it; this guards direct calls
+        raise ValueError(f"hip router: QB supports sigmoid only, got {score_function!r}")
     if qb and qb_mode == "auto":
         qb_mode = auto_qb_mode(tokens, num_experts)
     if qb and not qb_bin_bounds.is_contiguous():  # the kernels read bounds[0], bounds[1]
@@ -401,13 +431,14 @@ def router_fwd(
     )
     if alpha is not None:
         dev = _dev(logits)
-        epb, slices, per = qb_hist_config(
+        epb, blocks, per = qb_hist_config(
             num_experts, num_bins, tokens, rt.smem_budget(dev), rt.num_cus(dev)
         )
-        k = rt.kernel(dev, _router_spec(logits, score_function), "amdqb_qb_hist")
-        rt.launch(
+        k = rt.kernel(dev, _router_spec(logits, score_function, rt, tokens), "amdqb_qb_hist")
+        launch = rt.launch_dependent if QB_HIST_DEPENDENT_LAUNCH else rt.launch
+        launch(
             k,
-            (_cdiv(num_experts, epb), slices),
+            blocks,
             QB_HIST_BLOCK,
             4 * epb * num_bins,
             [
@@ -417,7 +448,7 @@ def router_fwd(
                 _ptr(qb_bin_bounds),
                 arg_i32(num_bins),
                 arg_i32(epb),
-                arg_i32(per),
+                arg_i64(per),
                 arg_i32(_qb_hist_vec(logits, epb)),
                 _ptr(qb_histogram),
             ],

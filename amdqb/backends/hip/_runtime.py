@@ -50,6 +50,11 @@ def _check(result, what: str):
     return values
 
 
+def _result_ok(result) -> bool:
+    err, _ = _split(result)
+    return err is None or int(err) == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # Bindings (imported lazily; availability() reports what is missing)
 # ------------------------------------------------------------------------------------------------
@@ -177,6 +182,11 @@ class _Toolchain:
 
     def launch(self, fn, grid, block, smem: int, device_index: int, params_address: int): ...
 
+    def launch_dependent(self, fn, grid, block, smem: int, device_index: int, params_address: int):
+        """A launch that may overlap the end of the stream's previous kernel (the kernel waits
+        for it where it must); toolchains without such launches make an ordinary one."""
+        self.launch(fn, grid, block, smem, device_index, params_address)
+
     def blocks_per_cu(self, fn, block: int, smem: int, device_index: int) -> int: ...
 
 
@@ -251,6 +261,7 @@ class NvrtcToolchain(_Toolchain):
         self._primary = {}
         self._streams = {}
         self._lock = threading.Lock()
+        self._pdl = None  # the launch attribute once built; False: dependent launches unavailable
 
     def compiler_id(self) -> str:
         return self.compiler.compiler_id()
@@ -297,18 +308,54 @@ class NvrtcToolchain(_Toolchain):
     def function(self, module, name):
         return _check(self.driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
-    def launch(self, fn, grid, block, smem, device_index, params_address):
-        self.ensure_context(device_index)
+    def _stream(self, device_index):
         handle = torch.cuda.current_stream(device_index).cuda_stream
         stream = self._streams.get(handle)
         if stream is None:
             stream = self._streams.setdefault(handle, self.driver.CUstream(handle))
+        return stream
+
+    def launch(self, fn, grid, block, smem, device_index, params_address):
+        self.ensure_context(device_index)
+        stream = self._stream(device_index)
         _check(
             self.driver.cuLaunchKernel(
                 fn, grid[0], grid[1], grid[2], block, 1, 1, smem, stream, params_address, 0
             ),
             "cuLaunchKernel",
         )
+
+    def launch_dependent(self, fn, grid, block, smem, device_index, params_address):
+        # Programmatic dependent launch (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        # sm_90+, captured into CUDA graphs as a programmatic edge). Bindings or drivers without
+        # it fall back to cuLaunchKernel for the rest of the process.
+        if self._pdl is not False and torch.cuda.get_device_capability(device_index)[0] >= 9:
+            self.ensure_context(device_index)
+            stream = self._stream(device_index)
+            try:
+                drv = self.driver
+                if self._pdl is None:
+                    attr = drv.CUlaunchAttribute()
+                    attr.id = (
+                        drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+                    )
+                    attr.value.programmaticStreamSerializationAllowed = 1
+                    self._pdl = attr
+                cfg = drv.CUlaunchConfig()
+                cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+                cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+                cfg.sharedMemBytes = smem
+                cfg.hStream = stream
+                cfg.attrs = [self._pdl]
+                cfg.numAttrs = 1
+                err = drv.cuLaunchKernelEx(cfg, fn, params_address, 0)
+            except (AttributeError, TypeError, ValueError):
+                self._pdl = False
+            else:
+                if _result_ok(err):
+                    return
+                self._pdl = False
+        self.launch(fn, grid, block, smem, device_index, params_address)
 
     def blocks_per_cu(self, fn, block, smem, device_index):
         self.ensure_context(device_index)
@@ -482,6 +529,24 @@ class GpuRuntime:
             return
         params = _spec.KernelParams(args)
         self.toolchain.launch(
+            kernel.fn, grid, int(block), int(smem), kernel.device_index, params.address
+        )
+
+    @property
+    def caps_registers_by_blocks(self) -> bool:
+        """Whether a kernel's minimum resident blocks per CU caps its registers (NVIDIA's launch
+        bounds; HIP's second launch-bounds argument means something else and is not passed)."""
+        return self.toolchain.name == "nvrtc"
+
+    def launch_dependent(self, kernel: Kernel, grid, block: int, smem: int, args) -> None:
+        """launch, but the kernel may start while the stream's previous kernel finishes (it calls
+        wait_for_prior_grid before reading that kernel's outputs): NVIDIA's programmatic dependent
+        launch; an ordinary launch elsewhere."""
+        grid = _spec.grid3(grid)
+        if min(grid) <= 0:
+            return
+        params = _spec.KernelParams(args)
+        self.toolchain.launch_dependent(
             kernel.fn, grid, int(block), int(smem), kernel.device_index, params.address
         )
 

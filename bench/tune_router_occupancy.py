@@ -382,12 +382,16 @@ def router_stages(dev, cfg, tokens=(1024, 4096, 16384), k=16, e=896) -> Report:
         impls["two_kernel:hist_one_phase"] = _patched(
             two_kernel, _router_defines(("AMDQB_QB_HIST_TWO_PHASE", "0"))
         )
+        # the histogram pass walking the tokens first to last
+        impls["two_kernel:hist_forward"] = _patched(
+            two_kernel, _router_defines(("AMDQB_QB_HIST_REVERSE", "0"))
+        )
         # the histogram pass as an ordinary launch instead of the router's dependent
         impls["two_kernel:ordinary_launch"] = _patched(
             two_kernel, (_ops, "QB_HIST_DEPENDENT_LAUNCH", False)
         )
         hists = []
-        for name in ("two_kernel", "two_kernel:hist_one_phase", "two_kernel:ordinary_launch"):
+        for name in [n for n in impls if n.startswith("two_kernel") and "library" not in n]:
             hist.zero_()
             impls[name]()
             hists.append(hist.clone())
@@ -401,13 +405,10 @@ def qb_hist_shapes(
     dev,
     cfg,
     shapes=(
+        (1024, 0, 8, 1, 2),
         (1024, 1, 8, 1, 2),
-        (1024, 1, 8, 1, 4),
-        (1024, 2, 8, 2, 2),
-        (512, 2, 8, 2, 2),
-        (512, 2, 4, 2, 2),
-        (1024, 1, 4, 1, 2),
-        (256, 4, 8, 4, 2),
+        (1024, 0, 8, 2, 2),
+        (512, 1, 8, 2, 2),
     ),
     tokens=(1024, 4096, 8192, 16384),
     k=16,
@@ -415,8 +416,8 @@ def qb_hist_shapes(
     b=1000,
 ) -> Report:
     """QB two_kernel end to end per launch shape of the histogram pass: threads per block, blocks
-    per CU (each an equal share of the (expert group, token) plane), the most experts per block,
-    the resident blocks per SM its registers must allow
+    per CU the token slices aim for (0: one token slice), the most experts per block, the resident
+    blocks per SM its registers must allow
     (``AMDQB_QB_HIST_MIN_BLOCKS``) and tokens per step (``AMDQB_QB_HIST_UNROLL``); every shape's
     histogram checked against the default's."""
     from amdqb.backends.hip import _ops

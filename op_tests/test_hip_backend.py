@@ -342,11 +342,9 @@ def test_mapped_libraries_reads_proc_maps():
 def test_qb_hist_config_fits_the_budget():
     for bins in (2, 1000, 4000, 12288):
         for tokens in (1, 300, 4096):
-            epb, blocks, per = _ops.qb_hist_config(896, bins, tokens, 48 * 1024, 132)
+            epb, slices, per = _ops.qb_hist_config(896, bins, tokens, 48 * 1024, 132)
             assert epb * bins * 4 <= 48 * 1024 and epb >= 1
-            units = -(-896 // epb) * tokens  # (expert group, token) units, every one covered once
-            assert blocks * per >= units and (blocks - 1) * per < units
-            assert blocks <= 132 * _ops.QB_HIST_BLOCKS_PER_CU
+            assert slices * per >= tokens and (slices - 1) * per < tokens
     with pytest.raises(ValueError):
         _ops.qb_hist_config(896, 13000, 16, 48 * 1024, 132)
 

@@ -364,7 +364,7 @@ def test_qb_two_kernel_histogram_long_token_slices(dtype):
         (512, 1, 8, 4, torch.float32),
         (1024, 1, 8, 4, torch.bfloat16),
         (1024, 0, 8, 4, torch.float32),
-        (1024, 2, 4, 4, torch.float32),
+        (1024, 0, 4, 4, torch.float32),
         (128, 8, 8, 4, torch.float32),
         (256, 4, 8, 1, torch.float32),
     ],
@@ -374,11 +374,10 @@ def test_qb_two_kernel_histogram_launch_shapes(
     monkeypatch, block, per_cu, epb, vec, dtype, misaligned
 ):
     """The histogram pass gives the oracle's histogram for the launch shapes the tuner sweeps
-    (_ops.QB_HIST_BLOCK threads, QB_HIST_BLOCKS_PER_CU blocks per CU -- 0: a single block --, each
-    an equal share of the (expert group, token) plane, QB_HIST_MAX_EXPERTS_PER_BLOCK,
-    QB_HIST_VEC experts per vector load); logits one element off the vector alignment take the
-    scalar loads. E = 20: the last group of 8 experts holds 4; 2 emulated CUs, so every shape
-    has blocks whose share spans two or more groups."""
+    (_ops.QB_HIST_BLOCK threads, token slices aimed at QB_HIST_BLOCKS_PER_CU blocks per CU -- 0:
+    one slice --, QB_HIST_MAX_EXPERTS_PER_BLOCK, QB_HIST_VEC experts per vector load); logits one
+    element off the vector alignment take the scalar loads. E = 20: the last block of 8 experts
+    holds 4."""
     rt = emu()
     monkeypatch.setattr(_ops, "QB_HIST_BLOCK", block)
     monkeypatch.setattr(_ops, "QB_HIST_BLOCKS_PER_CU", per_cu)
@@ -395,12 +394,9 @@ def test_qb_two_kernel_histogram_launch_shapes(
     check_router(rt, logits, 4, "idx32", bias=bias, qb_mode="two_kernel", num_bins=61)
     launches = [x for x in rt.launches if x[0] == "amdqb_qb_hist"]
     assert launches[-1][2] == block
-    groups = -(-e // epb)
-    blocks = launches[-1][1][0]
-    assert blocks == max(1, min(per_cu * rt.cus, -(-groups * t // _ops.QB_HIST_MIN_UNITS)))
-    per = -(-groups * t // blocks)
-    spans = [(b * per // t, (min((b + 1) * per, groups * t) - 1) // t) for b in range(blocks)]
-    assert any(first != last for first, last in spans), "a share spans two groups"
+    assert launches[-1][1][0] == -(-e // epb), "expert groups"
+    if per_cu == 0:
+        assert launches[-1][1][1] == 1, "one token slice"
     assert chosen == [1 if misaligned else vec]
 
 
@@ -441,16 +437,19 @@ def test_router_and_qb_with_the_library_exponential(monkeypatch, wave):
         assert torch.equal(hists[0], hists[1])
 
 
-def test_qb_two_kernel_histogram_accumulates(monkeypatch):
-    """Blocks whose shares start and end inside expert groups flush each group segment once; the
-    histogram accumulates onto the existing counts."""
+@pytest.mark.parametrize("reverse", ["1", "0"])
+def test_qb_two_kernel_histogram_accumulates(monkeypatch, reverse):
+    """One token slice per expert group (the default): every bin is flushed by one block; the
+    histogram accumulates onto the existing counts; tokens walked last to first (the default,
+    AMDQB_QB_HIST_REVERSE) or first to last give the oracle's counts."""
     rt = emu()
+    _router_built_with(monkeypatch, ("AMDQB_QB_HIST_REVERSE", reverse))
     e, t = 20, 300
     logits = make_logits(t, e, "normal", 7, torch.float32)
     bias = torch.linspace(-0.1, 0.1, e)
     once = check_router(rt, logits, 4, "idx32", bias=bias, qb_mode="two_kernel", num_bins=61)
     launches = [x for x in rt.launches if x[0] == "amdqb_qb_hist"]
-    assert launches[-1][1][0] == 2, "one block per emulated CU, 450 of the 900 units each"
+    assert launches[-1][1][:2] == (3, 1), "3 expert groups, one token slice"
     assert rt.dependent_launches[-1:] == ["amdqb_qb_hist"], "launched as the router's dependent"
     # a second call adds onto the first call's counts
     probs, rmap, kind, hist, bounds = run_router(

@@ -925,15 +925,18 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   }
 }
 
-// QB two-kernel histogram. The work is the (expert group, token) plane, expert groups of
-// experts_per_block experts, flattened group-major into groups * T units; block b takes the
-// contiguous units [b * units_per_block, (b + 1) * units_per_block) -- the end of one group's
-// tokens and the start of the next one's, every block the same amount of work whatever E, T and
-// the number of CUs (whole groups per block left 20 of the H200's 132 SMs idle at E = 896). For each
-// group segment it builds an LDS histogram [experts_per_block, B] from the recomputed scores and
-// the router's cutoffs, then flushes the non-zero bins with global atomics (zeroing them for the
-// next segment on the way). Threads map to (token, expert) with the expert fastest, so a warp
-// reads runs of consecutive logits.
+// QB two-kernel histogram: grid (ceil(E / experts_per_block), token slices). Each block builds an
+// LDS histogram [experts_per_block, B] of its (expert, token) slice from the recomputed scores and
+// the router's cutoffs, then flushes the non-zero bins with global atomics. Threads map to
+// (token, expert) with the expert fastest, so a warp reads runs of consecutive logits, and the
+// blocks of one slice walk the same token rows at about the same time (neighbouring blocks read
+// neighbouring 32-byte pieces of each row). Equal shares of the (group, token) plane per block,
+// which would keep all 132 SMs of an H200 busy at E = 896 instead of 112, measured slower: 14.1 /
+// 26.6 / 52.0 / 100.8 against 12.8 / 25.8 / 49.6 / 89.8 us for QB two-kernel at T = 1024 / 4096 /
+// 8192 / 16384 (bench/results/h200_2026-11-30_s7/call{2,3}): blocks starting mid-group read
+// their pieces of a row at different times, and shares spanning two groups flush twice.
+// Tokens are walked last to first (AMDQB_QB_HIST_REVERSE): the router before this pass ends on the
+// last tokens, whose logits the L2 cache may still hold when the logits exceed it.
 // Bins here come from the exact formula: the approximate-sigmoid fast path of the fused epilogue
 // (qb_bin_fast) needs per-token constants, and loading them (8 or 16 bytes per element instead of
 // the 4-byte cutoff) made this pass slower on the H200 (ncu at T=16384, E=896: 47 us with the
@@ -976,9 +979,9 @@ AMDQB_DEVICE float hist_element(const in_x4& q, int v) { return to_f32(q.v[v]); 
 template <int VEC, int UNROLL>
 AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int count, int step,
                                 int* lh, float lower, float scale, int num_bins) {
-  // count tokens of this thread, step rows apart; logits and alpha point at the first one. The
-  // pointers advance by a precomputed stride (a 64-bit index recomputed per load cost more
-  // instructions than the element's arithmetic on sm_90).
+  // count tokens of this thread, step rows apart (negative: downwards); logits and alpha point at
+  // the first one. The pointers advance by a precomputed stride (a 64-bit index recomputed per
+  // load cost more instructions than the element's arithmetic on sm_90).
   // UNROLL tokens per step: their logit and cutoff loads are issued back to back before any LDS
   // atomic, so each thread keeps that many global loads in flight (one at a time left the kernel
   // latency-bound: ncu on the H200 showed 14% DRAM throughput, 67% of cycles with no eligible
@@ -1041,18 +1044,21 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int coun
 #ifndef AMDQB_QB_HIST_MIN_BLOCKS
 #define AMDQB_QB_HIST_MIN_BLOCKS 1
 #endif
+#ifndef AMDQB_QB_HIST_REVERSE
+#define AMDQB_QB_HIST_REVERSE 1
+#endif
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST_MIN_BLOCKS)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
-                  int num_bins, int experts_per_block, i64 units_per_block, int vec, int* hist) {
+                  int num_bins, int experts_per_block, int tokens_per_slice, int vec, int* hist) {
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID  // QB is sigmoid-only (the op refuses other scores)
   AMDQB_DYN_SHARED(lh);
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int epb = experts_per_block;
-  const i64 groups = (E + epb - 1) / epb;
-  const i64 units = groups * num_tokens;
-  i64 w = (i64)blockIdx.x * units_per_block;
-  const i64 w_end = w + units_per_block < units ? w + units_per_block : units;
+  const int e0 = (int)blockIdx.x * epb;
+  const int ne = E - e0 < epb ? E - e0 : epb;
+  const i64 t0 = (i64)blockIdx.y * tokens_per_slice;
+  const i64 t1 = t0 + tokens_per_slice < num_tokens ? t0 + tokens_per_slice : (i64)num_tokens;
 
   for (int i = tid; i < epb * num_bins; i += nt) lh[i] = 0;
   block_sync();
@@ -1066,43 +1072,33 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   // Launched as the router's dependent (NVIDIA): the zeroing above overlaps the router's tail; the
   // cutoffs are the router's output. (The bounds and logits come from earlier kernels.)
   wait_for_prior_grid();
-  while (w < w_end) {  // one segment of one expert group per trip (uniform over the block)
-    const int g = (int)(w / num_tokens);
-    const i64 t0 = w - (i64)g * num_tokens;
-    const i64 t1 = t0 + (w_end - w) < num_tokens ? t0 + (w_end - w) : (i64)num_tokens;
-    w += t1 - t0;
-    const int e0 = g * epb;
-    const int ne = E - e0 < epb ? E - e0 : epb;
-    if (tt < rows_per_pass && sub * vec < ne && t0 + tt < t1) {
-      const i64 t = t0 + tt;
-      const int count = (int)((t1 - t - 1) / rows_per_pass) + 1;  // this thread's tokens
-      int* h = lh + sub * vec * num_bins;
-      const in_t* first = logits + t * E + e0 + sub * vec;
-      if (vec == 4)  // uniform
-        qb_hist_slice<4, AMDQB_QB_HIST_UNROLL>(first, alpha + t, count, rows_per_pass, h, lower,
-                                               scale, num_bins);
-      else
-        qb_hist_slice<1, 8>(first, alpha + t, count, rows_per_pass, h, lower, scale, num_bins);
-    }
-    block_sync();
-    // Non-zero bins only, each with one global atomic, zeroed for the next segment by the thread
-    // that read them. A plain read-modify-write by the sole owner of a bin measured slower on the
-    // H200 (T=1024 / 16384: 15.5 / 98.9 vs 14.3 / 96.0 us, bench/results/h200_2026-11-30_s7/
-    // call1/tune.md): an atomic add returns nothing to wait for, a read-modify-write waits for
-    // its load.
-    int* group_hist = hist + (i64)e0 * num_bins;  // rows e0 .. e0 + ne - 1 are contiguous
-    for (int i = tid; i < ne * num_bins; i += nt) {
-      const int c = lh[i];
-      if (c != 0) {
-        atomic_add_global(group_hist + i, c);
-        lh[i] = 0;
-      }
-    }
-    block_sync();
+  if (tt < rows_per_pass && sub * vec < ne && t0 + tt < t1) {
+    const int count = (int)((t1 - t0 - tt - 1) / rows_per_pass) + 1;  // this thread's tokens
+    // first token and stride of the walk: t0 + tt upwards, or its last token downwards
+    const i64 t = AMDQB_QB_HIST_REVERSE ? t0 + tt + (i64)(count - 1) * rows_per_pass : t0 + tt;
+    const int step = AMDQB_QB_HIST_REVERSE ? -rows_per_pass : rows_per_pass;
+    int* h = lh + sub * vec * num_bins;
+    const in_t* first = logits + t * E + e0 + sub * vec;
+    if (vec == 4)  // uniform
+      qb_hist_slice<4, AMDQB_QB_HIST_UNROLL>(first, alpha + t, count, step, h, lower, scale,
+                                             num_bins);
+    else
+      qb_hist_slice<1, 8>(first, alpha + t, count, step, h, lower, scale, num_bins);
+  }
+  block_sync();
+
+  // Non-zero bins only, each with one global atomic. A plain read-modify-write by the sole owner
+  // of a bin (one token slice) measured slower on the H200 (T=1024 / 16384: 15.5 / 98.9 vs 14.3 /
+  // 96.0 us, bench/results/h200_2026-11-30_s7/call1/tune.md): an atomic add returns nothing to wait
+  // for, a read-modify-write waits for its load.
+  int* block_hist = hist + (i64)e0 * num_bins;  // rows e0 .. e0 + ne - 1 are contiguous
+  for (int i = tid; i < ne * num_bins; i += nt) {
+    const int c = lh[i];
+    if (c != 0) atomic_add_global(block_hist + i, c);
   }
 #else
   (void)logits, (void)num_tokens, (void)alpha, (void)bounds, (void)num_bins;
-  (void)experts_per_block, (void)units_per_block, (void)vec, (void)hist;
+  (void)experts_per_block, (void)tokens_per_slice, (void)vec, (void)hist;
 #endif
 }
 

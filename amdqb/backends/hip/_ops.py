@@ -323,21 +323,34 @@ def _launch_router(
 
 
 # Launch shape of the two-kernel histogram pass: threads per block, the most experts per block
-# (one LDS histogram row of B bins each), and blocks per CU (the grid: that many per CU, each an
-# equal share of the (expert group, token) plane, at least QB_HIST_MIN_UNITS tokens of one group).
-# A block flushes its LDS histogram once per expert group it touches (one global atomic per
+# (one LDS histogram row of B bins each), and blocks per CU the token slices aim for (0: one token
+# slice). Every block zeroes and flushes its [experts, B] LDS histogram (one global atomic per
 # non-zero bin), so fewer, larger blocks flush less; more blocks keep more loads in flight.
 # bench/tune_router_occupancy.py (part qbhist) sweeps them; the defaults are its measurements on the
-# H200 (QB two-kernel end to end, E=896 k=16 B=1000, 8 experts per block). With whole groups per
-# block: one token slice against two, 14.3 / 15.5 us at T=1024, 28.1 / 29.6 at 4096, 53.2 / 52.9
-# at 8192, 96.0 / 96.5 at 16384 (bench/results/h200_2026-11-30_s7/call1/tune.md); 4 experts per
-# block (224 groups) 13.4 / 30.8 / 55.3 / 100.8 vs 8 experts 13.2 / 26.9 / 51.3 / 93.1 (call2);
-# earlier (s6/call2) at T=16384: 256 threads x 4 blocks per CU x 1 expert per load 124.0, 256x4x4
-# 114.6, 512x2x4 111.6, 1024x1x1 111.5, 1024x1x4 108.2, 1024x2x4 115.6 us.
+# H200 (QB two-kernel end to end, E=896 k=16 B=1000, 8 experts per block): one token slice against
+# two, 14.3 / 15.5 us at T=1024, 28.1 / 29.6 at 4096, 53.2 / 52.9 at 8192, 96.0 / 96.5 at 16384
+# (bench/results/h200_2026-11-30_s7/call1/tune.md); 4 experts per block (224 groups) 13.4 / 30.8 /
+# 55.3 / 100.8 against 8: 13.2 / 26.9 / 51.3 / 93.1 (call2); earlier (s6/call2) at T=16384: 256
+# threads x 4 blocks per CU x 1 expert per load 124.0, 256x4x4 114.6, 512x2x4 111.6, 1024x1x1
+# 111.5, 1024x1x4 108.2, 1024x2x4 115.6 us.
 QB_HIST_BLOCK = 1024
 QB_HIST_MAX_EXPERTS_PER_BLOCK = 8
-QB_HIST_BLOCKS_PER_CU = 1
-QB_HIST_MIN_UNITS = 256
+QB_HIST_BLOCKS_PER_CU = 0
+
+
+def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: int, cus: int):
+    """(experts_per_block, token_slices, tokens_per_slice) of the two-kernel histogram."""
+    if num_bins * 4 > smem_budget:
+        raise ValueError(f"num_bins={num_bins} does not fit one LDS histogram row")
+    epb = QB_HIST_MAX_EXPERTS_PER_BLOCK
+    while epb > 1 and epb * num_bins * 4 > smem_budget:
+        epb //= 2
+    gx = _cdiv(num_experts, epb)
+    slices = max(1, min(_cdiv(QB_HIST_BLOCKS_PER_CU * cus, gx), _cdiv(tokens, 256)))
+    per = _cdiv(tokens, slices)
+    return epb, _cdiv(tokens, per), per
+
+
 # The histogram pass is launched as the router's dependent (runtime.launch_dependent: NVIDIA's
 # programmatic dependent launch, an ordinary launch elsewhere), so that its blocks start and zero
 # their LDS histograms while the router's last tokens finish.
@@ -345,20 +358,6 @@ QB_HIST_DEPENDENT_LAUNCH = True
 # Experts per thread of the histogram pass (one vector load of 4 logits) where E, the experts per
 # block and the logits' alignment allow it; 1 otherwise.
 QB_HIST_VEC = 4
-
-
-def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: int, cus: int):
-    """(experts_per_block, blocks, units_per_block) of the two-kernel histogram: a block takes
-    ``units_per_block`` consecutive (expert group, token) units of the group-major plane."""
-    if num_bins * 4 > smem_budget:
-        raise ValueError(f"num_bins={num_bins} does not fit one LDS histogram row")
-    epb = QB_HIST_MAX_EXPERTS_PER_BLOCK
-    while epb > 1 and epb * num_bins * 4 > smem_budget:
-        epb //= 2
-    units = _cdiv(num_experts, epb) * tokens
-    blocks = max(1, min(QB_HIST_BLOCKS_PER_CU * cus, _cdiv(units, QB_HIST_MIN_UNITS)))
-    per = _cdiv(units, blocks)
-    return epb, _cdiv(units, per), per
 
 
 def _qb_hist_vec(logits, epb: int) -> int:
@@ -431,14 +430,14 @@ def router_fwd(
     )
     if alpha is not None:
         dev = _dev(logits)
-        epb, blocks, per = qb_hist_config(
+        epb, slices, per = qb_hist_config(
             num_experts, num_bins, tokens, rt.smem_budget(dev), rt.num_cus(dev)
         )
         k = rt.kernel(dev, _router_spec(logits, score_function, rt, tokens), "amdqb_qb_hist")
         launch = rt.launch_dependent if QB_HIST_DEPENDENT_LAUNCH else rt.launch
         launch(
             k,
-            blocks,
+            (_cdiv(num_experts, epb), slices),
             QB_HIST_BLOCK,
             4 * epb * num_bins,
             [
@@ -448,7 +447,7 @@ def router_fwd(
                 _ptr(qb_bin_bounds),
                 arg_i32(num_bins),
                 arg_i32(epb),
-                arg_i64(per),
+                arg_i32(per),
                 arg_i32(_qb_hist_vec(logits, epb)),
                 _ptr(qb_histogram),
             ],

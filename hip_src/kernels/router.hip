@@ -936,7 +936,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 // 8192 / 16384 (bench/results/h200_2026-11-30_s7/call{2,3}): blocks starting mid-group read
 // their pieces of a row at different times, and shares spanning two groups flush twice.
 // Tokens are walked last to first (AMDQB_QB_HIST_REVERSE): the router before this pass ends on the
-// last tokens, whose logits the L2 cache may still hold when the logits exceed it.
+// last tokens, whose logits the L2 cache may still hold when the logits exceed it. H200, QB
+// two-kernel at T = 1024 / 4096 / 16384: 11.8 / 24.2 / 85.4 us, first to last 11.7 / 24.4 / 89.1
+// (bench/results/h200_2026-11-30_s7/call4/tune.md).
 // Bins here come from the exact formula: the approximate-sigmoid fast path of the fused epilogue
 // (qb_bin_fast) needs per-token constants, and loading them (8 or 16 bytes per element instead of
 // the 4-byte cutoff) made this pass slower on the H200 (ncu at T=16384, E=896: 47 us with the
@@ -1036,7 +1038,8 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int coun
 // per block): one block per SM (64 registers, no spill) against two (32 registers, spills) at
 // T = 1024 / 4096 / 8192 / 16384: 12.8 / 25.8 / 49.6 / 89.8 vs 13.2 / 26.9 / 51.3 / 93.1 us with
 // one expert group per block (bench/results/h200_2026-11-30_s7/call2/tune.md); 4 tokens per step
-// 12.9 / 26.5 / 51.2 / 91.0. Earlier (s6/call4, 2 blocks, T=4096 / 16384): 2 tokens 30.7 / 96.8,
+// 12.9 / 26.5 / 51.2 / 91.0. As committed (dependent launch, reverse walk; call4): 11.7 / 24.0 /
+// 48.3 / 85.2 vs 14.2 / 32.1 / 57.9 / 105.1 with two blocks per SM. Earlier (s6/call4, 2 blocks, T=4096 / 16384): 2 tokens 30.7 / 96.8,
 // 8 tokens 34.5 / 114.0.
 #ifndef AMDQB_QB_HIST_UNROLL
 #define AMDQB_QB_HIST_UNROLL 2
@@ -1070,7 +1073,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   const int rows_per_pass = nt / per_row;
   const int tt = tid / per_row;
   // Launched as the router's dependent (NVIDIA): the zeroing above overlaps the router's tail; the
-  // cutoffs are the router's output. (The bounds and logits come from earlier kernels.)
+  // cutoffs are the router's output. (The bounds and logits come from earlier kernels.) H200, QB
+  // two-kernel at T = 1024 / 4096 / 16384: 11.8 / 24.2 / 85.4 us, as an ordinary launch 12.7 /
+  // 25.0 / 85.5 (bench/results/h200_2026-11-30_s7/call4/tune.md).
   wait_for_prior_grid();
   if (tt < rows_per_pass && sub * vec < ne && t0 + tt < t1) {
     const int count = (int)((t1 - t0 - tt - 1) / rows_per_pass) + 1;  // this thread's tokens

@@ -328,8 +328,10 @@ def _launch_router(
 # non-zero bin), so fewer, larger blocks flush less; more blocks keep more loads in flight.
 # bench/tune_router_occupancy.py (part qbhist) sweeps them; the defaults are its measurements on the
 # H200 (QB two-kernel end to end, E=896 k=16 B=1000, 8 experts per block): one token slice against
-# two, 14.3 / 15.5 us at T=1024, 28.1 / 29.6 at 4096, 53.2 / 52.9 at 8192, 96.0 / 96.5 at 16384
-# (bench/results/h200_2026-11-30_s7/call1/tune.md); 4 experts per block (224 groups) 13.4 / 30.8 /
+# two, 11.7 / 14.1 us at T=1024, 24.0 / 27.0 at 4096, 48.3 / 53.0 at 8192, 85.2 / 91.0 at 16384
+# with the pass as committed (bench/results/h200_2026-11-30_s7/call4/tune.md; 512 threads, two
+# slices: 11.8 / 24.7 / 49.2 / 86.7); before its register cap was lifted, 14.3 / 15.5, 28.1 /
+# 29.6, 53.2 / 52.9, 96.0 / 96.5 (call1); 4 experts per block (224 groups) 13.4 / 30.8 /
 # 55.3 / 100.8 against 8: 13.2 / 26.9 / 51.3 / 93.1 (call2); earlier (s6/call2) at T=16384: 256
 # threads x 4 blocks per CU x 1 expert per load 124.0, 256x4x4 114.6, 512x2x4 111.6, 1024x1x1
 # 111.5, 1024x1x4 108.2, 1024x2x4 115.6 us.
@@ -353,7 +355,8 @@ def qb_hist_config(num_experts: int, num_bins: int, tokens: int, smem_budget: in
 
 # The histogram pass is launched as the router's dependent (runtime.launch_dependent: NVIDIA's
 # programmatic dependent launch, an ordinary launch elsewhere), so that its blocks start and zero
-# their LDS histograms while the router's last tokens finish.
+# their LDS histograms while the router's last tokens finish: 11.8 / 24.2 / 85.4 us against 12.7 /
+# 25.0 / 85.5 for QB two-kernel at T = 1024 / 4096 / 16384 on the H200 (call4/tune.md).
 QB_HIST_DEPENDENT_LAUNCH = True
 # Experts per thread of the histogram pass (one vector load of 4 logits) where E, the experts per
 # block and the logits' alignment allow it; 1 otherwise.

@@ -18,8 +18,10 @@ two-kernel mode, which set ``_ops.DECODE_MAX_TOKENS``, ``ROUTER_DECODE_MAX_TOKEN
 ``ROUTER_DECODE_FUSED_MAX_TOKENS`` and the auto mode's switch; the qbhist sweep times the QB
 two-kernel mode per launch shape of its histogram pass (``_ops.QB_HIST_BLOCK``,
 ``QB_HIST_BLOCKS_PER_CU``, ``QB_HIST_MAX_EXPERTS_PER_BLOCK``, and the defines
-``AMDQB_QB_HIST_MIN_BLOCKS`` / ``AMDQB_QB_HIST_UNROLL``); the stages sweep cuts the warp router after each
-stage (``AMDQB_ROUTER_STOP``) and times the selection / histogram variants kept as defines.
+``AMDQB_QB_HIST_MIN_BLOCKS`` / ``AMDQB_QB_HIST_UNROLL``); the stages sweep cuts the warp router
+after each stage (``AMDQB_ROUTER_STOP``) and times the sigmoid / histogram variants kept as
+defines (library exponential, one-phase sigmoid, forward token walk) and the histogram pass as an
+ordinary launch.
 
     python -m bench.tune_router_occupancy --parts route,align,decode,qbhist,stages
 """
@@ -395,7 +397,7 @@ def router_stages(dev, cfg, tokens=(1024, 4096, 16384), k=16, e=896) -> Report:
             hist.zero_()
             impls[name]()
             hists.append(hist.clone())
-        assert torch.equal(hists[0], hists[1]), "histogram variants differ"
+        assert all(torch.equal(h, hists[0]) for h in hists), "histogram variants differ"
         for name, us in time_alternating(impls, dev, cfg).items():
             report.add(T=t, kernel=name, us=us)
     return report
@@ -417,9 +419,8 @@ def qb_hist_shapes(
 ) -> Report:
     """QB two_kernel end to end per launch shape of the histogram pass: threads per block, blocks
     per CU the token slices aim for (0: one token slice), the most experts per block, the resident
-    blocks per SM its registers must allow
-    (``AMDQB_QB_HIST_MIN_BLOCKS``) and tokens per step (``AMDQB_QB_HIST_UNROLL``); every shape's
-    histogram checked against the default's."""
+    blocks per SM its registers must allow (``AMDQB_QB_HIST_MIN_BLOCKS``) and tokens per step
+    (``AMDQB_QB_HIST_UNROLL``); every shape's histogram checked against the default's."""
     from amdqb.backends.hip import _ops
 
     report = Report("qb_hist_launch_shapes", environment(dev))

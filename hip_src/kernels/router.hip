@@ -1039,8 +1039,8 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int coun
 // T = 1024 / 4096 / 8192 / 16384: 12.8 / 25.8 / 49.6 / 89.8 vs 13.2 / 26.9 / 51.3 / 93.1 us with
 // one expert group per block (bench/results/h200_2026-11-30_s7/call2/tune.md); 4 tokens per step
 // 12.9 / 26.5 / 51.2 / 91.0. As committed (dependent launch, reverse walk; call4): 11.7 / 24.0 /
-// 48.3 / 85.2 vs 14.2 / 32.1 / 57.9 / 105.1 with two blocks per SM. Earlier (s6/call4, 2 blocks, T=4096 / 16384): 2 tokens 30.7 / 96.8,
-// 8 tokens 34.5 / 114.0.
+// 48.3 / 85.2 vs 14.2 / 32.1 / 57.9 / 105.1 with two blocks per SM. Earlier (s6/call4, 2 blocks,
+// T=4096 / 16384): 2 tokens 30.7 / 96.8, 8 tokens 34.5 / 114.0.
 #ifndef AMDQB_QB_HIST_UNROLL
 #define AMDQB_QB_HIST_UNROLL 2
 #endif

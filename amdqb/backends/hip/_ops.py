@@ -250,7 +250,9 @@ def auto_qb_mode(tokens: int, num_experts: int) -> str:
     histograms beyond. Measured on an H200 (E=896 k=16, graph replay; the fused mode in its
     block-per-token form up to T=1024), fused / two-kernel: 5.1/10.1 us at T=64, 7.2/11.1 at 256,
     10.4/13.8 at 512 (bench/results/h200_2026-11-30_s6/call2/tune.md); with the histogram pass
-    as committed, 7.2/9.7 at 256, 17.1/15.7 at 1024, 62.9/29.7 at 4096 (call5/bench.md)."""
+    as committed, 7.1/8.8 at 256, 16.7/11.7 at 1024, 59.3/23.9 at 4096
+    (bench/results/h200_2026-11-30_s7/call6/bench.md). Not re-measured at 512 since the pass
+    got faster: the switch may now sit lower."""
     return "fused_atomic" if tokens * num_experts <= AUTO_FUSED_MAX_UPDATES else "two_kernel"
 
 

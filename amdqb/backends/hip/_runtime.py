@@ -50,6 +50,9 @@ def _check(result, what: str):
     return values
 
 
+_PDL_ATTRIBUTE = "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"
+
+
 def _result_ok(result) -> bool:
     err, _ = _split(result)
     return err is None or int(err) == 0
@@ -336,9 +339,7 @@ class NvrtcToolchain(_Toolchain):
                 drv = self.driver
                 if self._pdl is None:
                     attr = drv.CUlaunchAttribute()
-                    attr.id = (
-                        drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-                    )
+                    attr.id = getattr(drv.CUlaunchAttributeID, _PDL_ATTRIBUTE)
                     attr.value.programmaticStreamSerializationAllowed = 1
                     self._pdl = attr
                 cfg = drv.CUlaunchConfig()

@@ -229,6 +229,13 @@ def align_tiles(dev, cfg, items=(32,), ms=(2517, 8192), k=16, e=896, block=64) -
             impls[f"passes{n_passes}"] = lambda n_passes=n_passes: _ops.align_block_size(
                 _FirstLaunches(_rt(), n_passes), ids, block, e, *outs
             )
+        # the passes as ordinary launches instead of dependents of the pass before
+        impls["ordinary_launch"] = _patched(
+            lambda: amdqb.moe_align_block_size(ids, block, e, backend="hip"),
+            (_ops, "DET_DEPENDENT_LAUNCH", False),
+        )
+        for a, b in zip(impls["ordinary_launch"](), want):
+            assert torch.equal(a.cpu(), b), f"align ordinary launches M={m}: differs"
         # ... and the rank pass cut after stage k (AMDQB_ALIGN_STOP)
         for k_stop in range(-1, 4):
             impls[f"rank_stop{k_stop}"] = _patched(
@@ -238,6 +245,8 @@ def align_tiles(dev, cfg, items=(32,), ms=(2517, 8192), k=16, e=896, block=64) -
         for name, us in time_alternating(impls, dev, cfg).items():
             if name.startswith("passes"):
                 report.add(M=m, det_items=f"{_spec.DET_ITEMS}, first {name[6:]} pass(es)", us=us)
+            elif name == "ordinary_launch":
+                report.add(M=m, det_items=f"{_spec.DET_ITEMS}, ordinary launches", us=us)
             elif name.startswith("rank_stop"):
                 report.add(
                     M=m, det_items=f"{_spec.DET_ITEMS}, rank pass to stage {name[9:]}", us=us

@@ -148,6 +148,7 @@ AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* til
   AMDQB_DYN_SHARED(hist);
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
+  allow_dependent_launch();  // the scan (pass 2) is launched as this pass's dependent
   if (fill != nullptr) {
     const i64 stride = (i64)gridDim.x * nt;
     for (i64 i = (i64)blockIdx.x * nt + tid; i < fill_len; i += stride) fill[i] = fill_val;
@@ -185,11 +186,13 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
   const int lane = lane_id();
   const i64 base = (i64)blockIdx.x * 32 * AMDQB_DET_ITEMS;
   const int* tb = tile_base + (i64)blockIdx.x * num_experts;
+  // The next chunk's id is loaded before this chunk is ranked: the walk is sequential, and a
+  // load per step would leave it one global round trip per chunk. The first one goes out before
+  // the wait for the scan (this pass is its dependent launch; the ids come from earlier kernels).
+  int e_next = base + lane < n ? expert_of(ids, base + lane, num_experts) : -1;
+  wait_for_prior_grid();
   for (int e = lane; e < num_experts; e += 32) next[e] = tb[e];
   warp_sync();
-  // The next chunk's id is loaded before this chunk is ranked: the walk is sequential, and a
-  // load per step would leave it one global round trip per chunk.
-  int e_next = base + lane < n ? expert_of(ids, base + lane, num_experts) : -1;
   for (int c = 0; c < AMDQB_DET_ITEMS; ++c) {
     const i64 i = base + (i64)c * 32 + lane;
     const int e = e_next;
@@ -258,6 +261,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
   const int t0 = g * per < num_tiles ? g * per : num_tiles;
   const int t1 = t0 + per < num_tiles ? t0 + per : num_tiles;
   auto at = [&](int t) -> int* { return tile_counts + (i64)t * num_experts + e; };
+  // Launched as the histogram pass's dependent, and the rank pass is launched as this one's: every
+  // block waits for the histograms (so the rank pass, waiting for this grid, also waits for them).
+  allow_dependent_launch();
+  wait_for_prior_grid();
 
   int c[SCAN_BATCH];
   int sum = 0;
@@ -426,15 +433,18 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   int* tile_ex = next + warps * num_experts;  // [TILE]: expert of each route (-1: dropped)
   const i64 tile0 = (i64)blockIdx.x * TILE;
   AMDQB_ALIGN_STAGE(-1, tile0)
-  // The tile's first slots of this thread's first PF experts, loaded now with everything else
+  // The tile's experts first: the ids come from earlier kernels, so they load while the scan this
+  // pass is launched after (as its dependent) finishes; its outputs (tile_base, totals) after the
+  // wait. The tile's first slots of this thread's first PF experts load now with everything else
   // rather than after three barriers (the rest, E > PF * blockDim.x, load where they are used).
+  for (int k = tid; k < TILE; k += nt)
+    tile_ex[k] = tile0 + k < n ? expert_of(ids, tile0 + k, num_experts) : -1;
+  wait_for_prior_grid();
   constexpr int PF = 4;
   const int* my_base = tile_base + (i64)blockIdx.x * num_experts;
   int tb[PF];
 #pragma unroll
   for (int u = 0; u < PF; ++u) tb[u] = tid + u * nt < num_experts ? my_base[tid + u * nt] : 0;
-  for (int k = tid; k < TILE; k += nt)
-    tile_ex[k] = tile0 + k < n ? expert_of(ids, tile0 + k, num_experts) : -1;
 
   // Padded starts (the op checked that the padded total fits int32): the padded counts staged in
   // LDS with every load in flight at once, then scanned in place (each thread's run of experts read

@@ -47,6 +47,17 @@ def _id_suffix(topk_ids) -> str:
 # ------------------------------------------------------------------------------------------------
 # Route rows
 # ------------------------------------------------------------------------------------------------
+# Passes 2 and 3 of the deterministic kernels (scan; rank or align rank) are launched as dependents
+# of the pass before (runtime.launch_dependent: NVIDIA's programmatic dependent launch, an ordinary
+# launch elsewhere): they start during the previous pass's tail, the rank passes load their ids
+# before they wait for the scan.
+DET_DEPENDENT_LAUNCH = True
+
+
+def _det_launch(rt):
+    return rt.launch_dependent if DET_DEPENDENT_LAUNCH else rt.launch
+
+
 def _tile_slot_bases(rt, topk_ids, num_experts, start, totals, fill=None):
     """Passes 1-2 of the deterministic kernels: per-tile histograms, then each tile's first slot
     per expert (exclusive scan over the tiles from ``start``, or 0; ``totals`` gets the ends).
@@ -72,7 +83,7 @@ def _tile_slot_bases(rt, topk_ids, num_experts, start, totals, fill=None):
         [_ptr(topk_ids), arg_i64(n), e_arg, _ptr(tile_counts), *fill_args],
     )
     k = rt.kernel(dev, _spec.ROUTE_MODULE, "amdqb_route_det_scan")
-    rt.launch(
+    _det_launch(rt)(
         k,
         _cdiv(num_experts, _spec.SCAN_EXPERTS),
         256,
@@ -100,7 +111,7 @@ def route_rows(
     if deterministic:
         tiles, tile_counts = _tile_slot_bases(rt, topk_ids, num_experts, counters, counters)
         k = rt.kernel(dev, spec, f"amdqb_route_det_rank_{suffix}")
-        rt.launch(
+        _det_launch(rt)(
             k,
             tiles,
             32,
@@ -185,7 +196,7 @@ def align_block_size(
     )
     warps = align_warps(num_experts)
     k = rt.kernel(dev, spec, f"amdqb_align_rank_{suffix}")
-    rt.launch(
+    _det_launch(rt)(
         k,
         tiles,
         32 * warps,

@@ -47,15 +47,23 @@ def _id_suffix(topk_ids) -> str:
 # ------------------------------------------------------------------------------------------------
 # Route rows
 # ------------------------------------------------------------------------------------------------
-# Passes 2 and 3 of the deterministic kernels (scan; rank or align rank) are launched as dependents
-# of the pass before (runtime.launch_dependent: NVIDIA's programmatic dependent launch, an ordinary
-# launch elsewhere): they start during the previous pass's tail, the rank passes load their ids
-# before they wait for the scan.
+# Passes 2 and 3 of the deterministic kernels (scan; rank or align rank) may be launched as
+# dependents of the pass before (runtime.launch_dependent: NVIDIA's programmatic dependent launch,
+# an ordinary launch elsewhere): they start during the previous pass's tail, the rank passes load
+# their ids before they wait for the scan. The rank pass only while its tiles fill at most half of
+# the CUs: its blocks are then placed while the scan still runs, and with a tile per CU some CUs
+# got two (the serial ranking walk doubled). H200, moe_align_block_size E=896 k=16 block 64, rank
+# pass dependent / ordinary (bench/results/h200_2026-11-30_s7/call7/tune.md): 9.4 / 11.0 us at
+# M=2517 (40 tiles), 15.2 / 11.6 at M=8192 (128 tiles); the scan as a dependent changed nothing
+# measurable (histogram + scan 4.95 vs 4.93 us at M=8192).
 DET_DEPENDENT_LAUNCH = True
 
 
-def _det_launch(rt):
-    return rt.launch_dependent if DET_DEPENDENT_LAUNCH else rt.launch
+def _det_launch(rt, tiles=None, dev=None):
+    """The launch of a scan (``tiles`` None) or rank pass (over ``tiles`` tiles)."""
+    if not DET_DEPENDENT_LAUNCH or (tiles is not None and 2 * tiles > rt.num_cus(dev)):
+        return rt.launch
+    return rt.launch_dependent
 
 
 def _tile_slot_bases(rt, topk_ids, num_experts, start, totals, fill=None):
@@ -111,7 +119,7 @@ def route_rows(
     if deterministic:
         tiles, tile_counts = _tile_slot_bases(rt, topk_ids, num_experts, counters, counters)
         k = rt.kernel(dev, spec, f"amdqb_route_det_rank_{suffix}")
-        _det_launch(rt)(
+        _det_launch(rt, tiles, dev)(
             k,
             tiles,
             32,
@@ -196,7 +204,7 @@ def align_block_size(
     )
     warps = align_warps(num_experts)
     k = rt.kernel(dev, spec, f"amdqb_align_rank_{suffix}")
-    _det_launch(rt)(
+    _det_launch(rt, tiles, dev)(
         k,
         tiles,
         32 * warps,

@@ -270,8 +270,8 @@ def auto_qb_mode(tokens: int, num_experts: int) -> str:
     block-per-token form up to T=1024), fused / two-kernel: 5.1/10.1 us at T=64, 7.2/11.1 at 256,
     10.4/13.8 at 512 (bench/results/h200_2026-11-30_s6/call2/tune.md); with the histogram pass
     as committed, 7.1/8.8 at 256, 16.7/11.7 at 1024, 59.3/23.9 at 4096
-    (bench/results/h200_2026-11-30_s7/call6/bench.md). Not re-measured at 512 since the pass
-    got faster: the switch may now sit lower."""
+    (bench/results/h200_2026-11-30_s7/call6/bench.md); tune decode (call7): 4.7/7.9 at 64,
+    6.9/8.8 at 256, 10.2/11.2 at 512, 17.8/11.8 at 1024."""
     return "fused_atomic" if tokens * num_experts <= AUTO_FUSED_MAX_UPDATES else "two_kernel"
 
 

@@ -273,6 +273,14 @@ def test_runtime_launch_passes_kernel_params(tmp_path, monkeypatch):
     tc.launch = launch
     rt.launch(k, (3, 2), 256, 128, [_spec.arg_i32(7), _spec.arg_f32(2.5)])
     assert seen["values"] == [7, 2.5] and seen["cfg"] == ((3, 2, 1), 256, 128, 0)
+    # dependent launches go to the toolchain's launch_dependent with the same arguments
+    seen.clear()
+    tc.launch_dependent = launch
+    rt.launch_dependent(k, 5, 64, 0, [_spec.arg_i32(-1), _spec.arg_f32(0.5)])
+    assert seen["values"] == [-1, 0.5] and seen["cfg"] == ((5, 1, 1), 64, 0, 0)
+    seen.clear()
+    rt.launch_dependent(k, (0, 2), 64, 0, [_spec.arg_i32(1), _spec.arg_f32(1.0)])
+    assert not seen, "an empty grid launches nothing"
     seen.clear()
     rt.launch(k, 0, 256, 0, [_spec.arg_i32(7)])  # empty grid: nothing launched
     assert not seen

@@ -525,13 +525,7 @@ class GpuRuntime:
             return k
 
     def launch(self, kernel: Kernel, grid, block: int, smem: int, args) -> None:
-        grid = _spec.grid3(grid)
-        if min(grid) <= 0:
-            return
-        params = _spec.KernelParams(args)
-        self.toolchain.launch(
-            kernel.fn, grid, int(block), int(smem), kernel.device_index, params.address
-        )
+        self._launch(self.toolchain.launch, kernel, grid, block, smem, args)
 
     @property
     def caps_registers_by_blocks(self) -> bool:
@@ -543,11 +537,15 @@ class GpuRuntime:
         """launch, but the kernel may start while the stream's previous kernel finishes (it calls
         wait_for_prior_grid before reading that kernel's outputs): NVIDIA's programmatic dependent
         launch; an ordinary launch elsewhere."""
+        self._launch(self.toolchain.launch_dependent, kernel, grid, block, smem, args)
+
+    @staticmethod
+    def _launch(toolchain_launch, kernel: Kernel, grid, block: int, smem: int, args) -> None:
         grid = _spec.grid3(grid)
         if min(grid) <= 0:
             return
-        params = _spec.KernelParams(args)
-        self.toolchain.launch_dependent(
+        params = _spec.KernelParams(args)  # alive until the launch has read the arguments
+        toolchain_launch(
             kernel.fn, grid, int(block), int(smem), kernel.device_index, params.address
         )
 

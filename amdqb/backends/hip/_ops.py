@@ -310,7 +310,7 @@ def _launch_router(
 ):
     """amdqb_router (one warp per token), or its decode form amdqb_router_decode (one block per
     token) for element-wise scores and at most ``decode_max_tokens`` tokens; same outputs, bit
-    for bit."""
+    for bit. Returns the module spec it launched from (the QB histogram pass comes from it too)."""
     tokens, num_experts = logits.shape
     _check_selection(topk, nsel, num_experts)
     dev = _dev(logits)
@@ -341,6 +341,7 @@ def _launch_router(
     else:
         k = rt.kernel(dev, spec, "amdqb_router")
         rt.launch(k, _router_grid(rt, k, dev, tokens), _spec.ROUTER_BLOCK, 0, args)
+    return spec
 
 
 # Launch shape of the two-kernel histogram pass: threads per block, the most experts per block
@@ -426,7 +427,7 @@ def router_fwd(
     alpha = None
     if qb and qb_mode == "two_kernel":  # the router's cutoff alpha of every token
         alpha = torch.empty(tokens, dtype=torch.float32, device=logits.device)
-    _launch_router(
+    spec = _launch_router(
         rt,
         logits,
         score_function,
@@ -457,7 +458,7 @@ def router_fwd(
         epb, slices, per = qb_hist_config(
             num_experts, num_bins, tokens, rt.smem_budget(dev), rt.num_cus(dev)
         )
-        k = rt.kernel(dev, _router_spec(logits, score_function, rt, tokens), "amdqb_qb_hist")
+        k = rt.kernel(dev, spec, "amdqb_qb_hist")
         launch = rt.launch_dependent if QB_HIST_DEPENDENT_LAUNCH else rt.launch
         launch(
             k,

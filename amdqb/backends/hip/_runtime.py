@@ -265,6 +265,7 @@ class NvrtcToolchain(_Toolchain):
         self._streams = {}
         self._lock = threading.Lock()
         self._pdl = None  # the launch attribute once built; False: dependent launches unavailable
+        self._sm90 = {}  # device index -> compute capability >= 9.0 (programmatic launches)
 
     def compiler_id(self) -> str:
         return self.compiler.compiler_id()
@@ -332,7 +333,10 @@ class NvrtcToolchain(_Toolchain):
         # Programmatic dependent launch (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
         # sm_90+, captured into CUDA graphs as a programmatic edge). Bindings or drivers without
         # it fall back to cuLaunchKernel for the rest of the process.
-        if self._pdl is not False and torch.cuda.get_device_capability(device_index)[0] >= 9:
+        sm90 = self._sm90.get(device_index)
+        if sm90 is None:  # asked once per device: this is every dependent launch's path
+            sm90 = self._sm90[device_index] = torch.cuda.get_device_capability(device_index)[0] >= 9
+        if self._pdl is not False and sm90:
             self.ensure_context(device_index)
             stream = self._stream(device_index)
             try:

@@ -35,7 +35,7 @@ import torch
 
 import amdqb
 from amdqb import dispatch, ref
-from amdqb.backends.hip import _spec
+from amdqb.backends.hip import _ops, _spec
 
 from .common import Report, TimingConfig, environment, time_alternating, write_json
 from .route import check_rows, make_ids
@@ -170,25 +170,49 @@ def router_caps(dev, cfg) -> Report:
     return report
 
 
-def route_tiles(dev, cfg, items=(3, 4, 5, 6, 8), m=8192, k=16, e=896) -> Report:
-    report = Report("route_lds_items", environment(dev))
+def route_tiles(
+    dev,
+    cfg,
+    shapes=((256, 4), (256, 5), (256, 8), (512, 4), (512, 8), (1024, 4), (1024, 8)),
+    m=8192,
+    k=16,
+    e=896,
+) -> Report:
+    """The lds kernel's tile (threads per block, routes per thread) against the atomic kernel,
+    and the current tile launched ordinarily (``ordinary``) or waiting for the kernel before it
+    only after its LDS histogram (``late_wait``: the ids read during the previous kernel, which is
+    only safe when that kernel did not write them; measured to see what the safe wait costs)."""
+    report = Report("route_lds_tiles", environment(dev))
     g = torch.Generator().manual_seed(0)
 
-    def variant(n, fn):
-        return _patched(fn, _route_module("AMDQB_ROUTE_ITEMS", n), (_spec, "ROUTE_ITEMS", n))
+    def variant(block, items, fn, *more):
+        module = _spec.ROUTE_MODULE.with_defines(
+            ("AMDQB_ROUTE_BLOCK", str(block)), ("AMDQB_ROUTE_ITEMS", str(items)), *more
+        )
+        return _patched(
+            fn,
+            (_spec, "ROUTE_MODULE", module),
+            (_spec, "ROUTE_BLOCK", block),
+            (_spec, "ROUTE_ITEMS", items),
+        )
 
     for dist in ("uniform", "one"):
         ids = make_ids(m, k, e, dist, g).to(dev)
         cap = m * k
+
+        def lds():
+            return amdqb.moe_route_rows(ids, e, capacity=cap, impl="lds", backend="hip")
+
         impls = {
             "atomic": lambda: amdqb.moe_route_rows(
                 ids, e, capacity=cap, impl="atomic", backend="hip"
             )
         }
-        for n in items:
-            impls[f"lds{n}"] = variant(
-                n, lambda: amdqb.moe_route_rows(ids, e, capacity=cap, impl="lds", backend="hip")
-            )
+        for block, items in shapes:
+            impls[f"lds{block}x{items}"] = variant(block, items, lds)
+        b0, i0 = _spec.ROUTE_BLOCK, _spec.ROUTE_ITEMS
+        impls[f"lds{b0}x{i0}_ordinary"] = _patched(lds, (_ops, "ROUTE_LDS_DEPENDENT_LAUNCH", False))
+        impls[f"lds{b0}x{i0}_late_wait"] = variant(b0, i0, lds, ("AMDQB_ROUTE_LDS_WAIT", "1"))
         for name, fn in impls.items():
             rows, counts = fn()
             check_rows(rows, counts, ids, e, cap)
@@ -222,7 +246,7 @@ def align_tiles(dev, cfg, items=(32,), ms=(2517, 8192), k=16, e=896, block=64) -
             for a, b in zip(got, want):
                 assert torch.equal(a.cpu(), b), f"align items={n} M={m}: differs from the oracle"
         # Marginal cost of each pass (default tile): the op's launches cut after the first n.
-        from amdqb.backends.hip import _ops, _rt
+        from amdqb.backends.hip import _rt
 
         outs = [torch.empty_like(x, device=dev) for x in want]
         for n_passes in (1, 2):
@@ -274,8 +298,6 @@ class _FirstLaunches:
 
 
 def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024), k=16, e=896) -> Report:
-    from amdqb.backends.hip import _ops
-
     report = Report("biased_topk_decode", environment(dev))
     g = torch.Generator().manual_seed(0)
     bias = (torch.randn(e, generator=g) * 0.05).to(dev)
@@ -363,7 +385,6 @@ def router_stages(dev, cfg, tokens=(1024, 4096, 16384), k=16, e=896) -> Report:
     """The warp-per-token router (no QB; probs and byte map, as the bench) cut after each stage
     (``AMDQB_ROUTER_STOP``: 0 loads, 1 scores and keys, 2 selection, 3 cutoff and weights), and
     the QB two-kernel mode with it: where the time of each token's chain goes."""
-    from amdqb.backends.hip import _ops
 
     report = Report("router_stages", environment(dev))
     g = torch.Generator().manual_seed(0)
@@ -430,7 +451,6 @@ def qb_hist_shapes(
     per CU the token slices aim for (0: one token slice), the most experts per block, the resident
     blocks per SM its registers must allow (``AMDQB_QB_HIST_MIN_BLOCKS``) and tokens per step
     (``AMDQB_QB_HIST_UNROLL``); every shape's histogram checked against the default's."""
-    from amdqb.backends.hip import _ops
 
     report = Report("qb_hist_launch_shapes", environment(dev))
     g = torch.Generator().manual_seed(0)

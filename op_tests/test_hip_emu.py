@@ -234,6 +234,7 @@ def test_det_scan_over_tile_groups(num_tiles):
 def test_route_lds_launch_shape():
     rt = emu()
     rt.launches.clear()
+    rt.dependent_launches.clear()
     ids = make_ids(1025, 16, 896, "uniform", 0)
     counters = torch.zeros(896, dtype=torch.int32)
     _ops.route_rows(
@@ -244,6 +245,32 @@ def test_route_lds_launch_shape():
     assert name == "amdqb_route_lds_i32"
     assert grid[0] == -(-ids.numel() // (_spec.ROUTE_BLOCK * _spec.ROUTE_ITEMS))
     assert smem == 4 * 896 and block == _spec.ROUTE_BLOCK
+    # a dependent of the op's zero fill (it waits for that kernel before any global read)
+    assert rt.dependent_launches == (
+        ["amdqb_route_lds_i32"] if _ops.ROUTE_LDS_DEPENDENT_LAUNCH else []
+    )
+
+
+@pytest.mark.parametrize("block,items", [(512, 8), (1024, 4)])
+def test_route_lds_other_tiles(monkeypatch, block, items):
+    """The tile shapes the tuner sweeps (bench/tune_router_occupancy.py route_tiles) are correct
+    builds too: several experts per thread in the reservation loop or fewer, partial last tile."""
+    rt = emu()
+    module = _spec.ROUTE_MODULE.with_defines(
+        ("AMDQB_ROUTE_BLOCK", str(block)), ("AMDQB_ROUTE_ITEMS", str(items))
+    )
+    monkeypatch.setattr(_spec, "ROUTE_MODULE", module)
+    monkeypatch.setattr(_spec, "ROUTE_BLOCK", block)
+    monkeypatch.setattr(_spec, "ROUTE_ITEMS", items)
+    for e, dist, m in ((896, "uniform", 700), (4096, "dropped", 300), (3, "one", 500)):
+        ids = make_ids(m, 16, e, dist, e)
+        for capacity in (None, max(1, m * 16 // (2 * e))):
+            c0 = torch.randint(0, 3, (e,), dtype=torch.int32)
+            counters = c0.clone()
+            rows = torch.full_like(ids, -7)
+            counts = torch.zeros(e, dtype=torch.int32)
+            _ops.route_rows(rt, ids, e, capacity, counters, rows, counts, False, "lds")
+            check_routes(ids, e, capacity, c0, rows, counts, counters)
 
 
 # ------------------------------------------------------------------------------------------------

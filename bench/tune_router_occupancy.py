@@ -173,21 +173,19 @@ def router_caps(dev, cfg) -> Report:
 def route_tiles(
     dev,
     cfg,
-    shapes=((256, 4), (256, 5), (256, 8), (512, 4), (512, 8), (1024, 4), (1024, 8)),
-    m=8192,
+    shapes=((256, 4), (256, 5), (512, 2), (512, 3), (512, 4), (512, 5), (1024, 2), (1024, 4)),
+    ms=(512, 2517, 8192),
     k=16,
     e=896,
 ) -> Report:
-    """The lds kernel's tile (threads per block, routes per thread) against the atomic kernel,
-    and the current tile launched ordinarily (``ordinary``) or waiting for the kernel before it
-    only after its LDS histogram (``late_wait``: the ids read during the previous kernel, which is
-    only safe when that kernel did not write them; measured to see what the safe wait costs)."""
+    """The lds kernel's tile (threads per block, routes per thread) against the atomic kernel, in
+    the masked layout the route benchmark times."""
     report = Report("route_lds_tiles", environment(dev))
     g = torch.Generator().manual_seed(0)
 
-    def variant(block, items, fn, *more):
+    def variant(block, items, fn):
         module = _spec.ROUTE_MODULE.with_defines(
-            ("AMDQB_ROUTE_BLOCK", str(block)), ("AMDQB_ROUTE_ITEMS", str(items)), *more
+            ("AMDQB_ROUTE_BLOCK", str(block)), ("AMDQB_ROUTE_ITEMS", str(items))
         )
         return _patched(
             fn,
@@ -196,29 +194,23 @@ def route_tiles(
             (_spec, "ROUTE_ITEMS", items),
         )
 
-    for dist in ("uniform", "one"):
-        ids = make_ids(m, k, e, dist, g).to(dev)
-        cap = m * k
+    for m in ms:
+        for dist in ("uniform", "one"):
+            ids = make_ids(m, k, e, dist, g).to(dev)
+            cap = m * k
 
-        def lds():
-            return amdqb.moe_route_rows(ids, e, capacity=cap, impl="lds", backend="hip")
+            def run(impl, ids=ids, cap=cap):
+                return amdqb.moe_route_rows(ids, e, capacity=cap, impl=impl, backend="hip")
 
-        impls = {
-            "atomic": lambda: amdqb.moe_route_rows(
-                ids, e, capacity=cap, impl="atomic", backend="hip"
-            )
-        }
-        for block, items in shapes:
-            impls[f"lds{block}x{items}"] = variant(block, items, lds)
-        b0, i0 = _spec.ROUTE_BLOCK, _spec.ROUTE_ITEMS
-        impls[f"lds{b0}x{i0}_ordinary"] = _patched(lds, (_ops, "ROUTE_LDS_DEPENDENT_LAUNCH", False))
-        impls[f"lds{b0}x{i0}_late_wait"] = variant(b0, i0, lds, ("AMDQB_ROUTE_LDS_WAIT", "1"))
-        for name, fn in impls.items():
-            rows, counts = fn()
-            check_rows(rows, counts, ids, e, cap)
-        times = time_alternating(impls, dev, cfg)
-        for name, us in times.items():
-            report.add(M=m, dist=dist, impl=name, us=us, x_vs_atomic=times["atomic"] / us)
+            impls = {"atomic": lambda run=run: run("atomic")}
+            for block, items in shapes:
+                impls[f"lds{block}x{items}"] = variant(block, items, lambda run=run: run("lds"))
+            for name, fn in impls.items():
+                rows, counts = fn()
+                check_rows(rows, counts, ids, e, cap)
+            times = time_alternating(impls, dev, cfg)
+            for name, us in times.items():
+                report.add(M=m, dist=dist, impl=name, us=us, x_vs_atomic=times["atomic"] / us)
     return report
 
 

@@ -22,9 +22,6 @@ using namespace amdqb;
 #ifndef AMDQB_ROUTE_BLOCK
 #define AMDQB_ROUTE_BLOCK 256  // threads per block of the lds kernel (= _spec.ROUTE_BLOCK)
 #endif
-#ifndef AMDQB_ROUTE_LDS_WAIT
-#define AMDQB_ROUTE_LDS_WAIT 0  // where the lds kernel waits for the kernel before it (see there)
-#endif
 #ifndef AMDQB_DET_ITEMS
 #define AMDQB_DET_ITEMS 32  // 32-route chunks per deterministic tile (_spec.DET_ITEMS says why)
 #endif
@@ -85,8 +82,7 @@ AMDQB_DEVICE void route_atomic(const IdT* ids, i64 n, int num_experts, int capac
 // then LDS-atomic ranks inside the interval. The interval also tells the block how many of its
 // routes the capacity accepts, which it adds to counts (a reduction whose result is unused: no
 // round trip), so no counter snapshot or finalize pass is needed. Three unconditional barriers,
-// no grid-wide sync. Dynamic shared memory: num_experts ints. May be launched as a dependent of
-// the kernel before it (it waits for it before it reads anything from global memory).
+// no grid-wide sync. Dynamic shared memory: num_experts ints.
 template <typename IdT>
 AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity, int* counters,
                             int* counts, int* rows) {
@@ -96,12 +92,6 @@ AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity
   const i64 base = (i64)blockIdx.x * nt * AMDQB_ROUTE_ITEMS;
 
   for (int e = tid; e < num_experts; e += nt) hist[e] = 0;
-  // Launched as a dependent of the kernel before it (the op's zero fill of counters / counts),
-  // whose tail overlaps the launch and the zeroing above. The ids wait too: that kernel need not be
-  // the fill (torch.compile may schedule the one that wrote the ids there).
-#if AMDQB_ROUTE_LDS_WAIT == 0
-  wait_for_prior_grid();
-#endif
   int ex[AMDQB_ROUTE_ITEMS];
 #pragma unroll
   for (int j = 0; j < AMDQB_ROUTE_ITEMS; ++j) {
@@ -113,9 +103,6 @@ AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity
 #pragma unroll
   for (int j = 0; j < AMDQB_ROUTE_ITEMS; ++j)
     if (ex[j] >= 0) atomic_add_shared(&hist[ex[j]], 1);
-#if AMDQB_ROUTE_LDS_WAIT == 1
-  wait_for_prior_grid();  // tuner variant only: the prior kernel must not have written the ids
-#endif
   block_sync();  // 2: tile histogram complete
 
   // RES_BATCH reservations per thread in flight at once: each returns its base from the L2, and

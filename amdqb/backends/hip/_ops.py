@@ -57,10 +57,6 @@ def _id_suffix(topk_ids) -> str:
 # M=2517 (40 tiles), 15.2 / 11.6 at M=8192 (128 tiles); the scan as a dependent changed nothing
 # measurable (histogram + scan 4.95 vs 4.93 us at M=8192).
 DET_DEPENDENT_LAUNCH = True
-# The lds route kernel as a dependent of the kernel before it (the op's zero fill of counters and
-# counts): its blocks are placed and zero their LDS histogram during that kernel's tail, and wait
-# for it before reading the ids (route.hip says why the ids too).
-ROUTE_LDS_DEPENDENT_LAUNCH = True
 
 
 def _det_launch(rt, tiles=None, dev=None):
@@ -133,7 +129,7 @@ def route_rows(
     elif lds:
         tile = _spec.ROUTE_BLOCK * _spec.ROUTE_ITEMS
         k = rt.kernel(dev, spec, f"amdqb_route_lds_{suffix}")
-        (rt.launch_dependent if ROUTE_LDS_DEPENDENT_LAUNCH else rt.launch)(
+        rt.launch(
             k,
             _cdiv(n, tile),
             _spec.ROUTE_BLOCK,

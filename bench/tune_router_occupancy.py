@@ -1,6 +1,6 @@
 """Tuning sweeps of the hip kernels' compile-time constants and launch shapes on the GPU at hand:
 e.g. the router's register cap (``AMDQB_ROUTER_MIN_BLOCKS`` in router.hip) and the lds route
-kernel's routes per thread (``AMDQB_ROUTE_ITEMS`` in route.hip, hence its tile and grid size).
+kernel's tile (``AMDQB_ROUTE_BLOCK`` threads x ``AMDQB_ROUTE_ITEMS`` routes in route.hip).
 
     python -m bench.tune_router_occupancy [--json PATH]
 
@@ -9,8 +9,10 @@ the compiler spill. For each cap (resident blocks per SM the compiler must allow
 the router with that define, checks routes/probs/histograms against the oracle, and times no-QB,
 QB two_kernel and biased_topk at the SPEC shapes (E=896, k=16, B=1000) in graph replay. The
 default in router.hip records the winner; this script is how it was chosen. The route sweep
-checks every variant's rows against the oracle, then times lds (per tile size) against atomic at
-M=8192, k=16, E=896, uniform and all-one-expert ids, masked layout. The align sweep does the same
+checks every variant's rows against the oracle, then times lds (per tile shape) against atomic at
+M in {512, 2517, 8192}, k=16, E=896, uniform and all-one-expert ids, masked layout; the gate sweep
+times both at small M for E in {256, 896, 2048} (the atomic / lds crossover behind the sm_90
+entry of the capacity gate). The align sweep does the same
 for the deterministic tile (``AMDQB_DET_ITEMS``: 32-route chunks per tile of the align passes) at
 M in {2517, 8192}; the decode sweep times biased_topk's one-block-per-token kernel against the
 router's one-warp-per-token form over T, and the router's two forms (no QB, fused QB) against the
@@ -23,7 +25,7 @@ after each stage (``AMDQB_ROUTER_STOP``) and times the sigmoid / histogram varia
 defines (library exponential, one-phase sigmoid, forward token walk) and the histogram pass as an
 ordinary launch.
 
-    python -m bench.tune_router_occupancy --parts route,align,decode,qbhist,stages
+    python -m bench.tune_router_occupancy --parts route,gate,align,decode,qbhist,stages
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument(
         "--parts",
-        default="router,route,align,decode,qbhist,stages",
+        default="router,route,gate,align,decode,qbhist,stages",
         help="comma-separated sweeps to run",
     )
     args = parser.parse_args(argv)
@@ -98,6 +100,7 @@ def main(argv=None) -> int:
         reports.append(router_caps(dev, cfg))
     sweeps = (
         ("route", route_tiles),
+        ("gate", route_gate),
         ("align", align_tiles),
         ("decode", decode_sweep),
         ("qbhist", qb_hist_shapes),
@@ -211,6 +214,43 @@ def route_tiles(
             times = time_alternating(impls, dev, cfg)
             for name, us in times.items():
                 report.add(M=m, dist=dist, impl=name, us=us, x_vs_atomic=times["atomic"] / us)
+    return report
+
+
+def route_gate(
+    dev, cfg, experts=(256, 896, 2048), ms=(8, 32, 64, 128, 256, 512, 1024, 2048), k=16
+) -> Report:
+    """atomic vs lds (the op's tile) at small M around the capacity gate, masked and compact
+    layouts, uniform ids: the crossover the dispatcher's sm_90 gate (ops/route.py) records."""
+    from amdqb.ops.route import lds_route_threshold
+
+    report = Report("route_gate", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    for e in experts:
+        for m in ms:
+            ids = make_ids(m, k, e, "uniform", g).to(dev)
+            for cap in (m * k, None):
+                impls = {
+                    impl: lambda impl=impl, ids=ids, cap=cap: amdqb.moe_route_rows(
+                        ids, e, capacity=cap, impl=impl, backend="hip"
+                    )
+                    for impl in ("atomic", "lds")
+                }
+                for fn in impls.values():
+                    rows, counts = fn()
+                    check_rows(rows, counts, ids, e, cap)
+                times = time_alternating(impls, dev, cfg)
+                report.add(
+                    E=e,
+                    M=m,
+                    layout="compact" if cap is None else "masked",
+                    atomic_us=times["atomic"],
+                    lds_us=times["lds"],
+                    atomic_over_lds=times["atomic"] / times["lds"],
+                    seed_gate_picks=(
+                        "lds" if m * k >= lds_route_threshold(e, "gfx1250") else "atomic"
+                    ),
+                )
     return report
 
 

@@ -17,10 +17,10 @@
 using namespace amdqb;
 
 #ifndef AMDQB_ROUTE_ITEMS
-#define AMDQB_ROUTE_ITEMS 5  // routes per thread of the lds kernel (_spec.ROUTE_ITEMS says why)
+#define AMDQB_ROUTE_ITEMS 2  // routes per thread of the lds kernel (_spec.ROUTE_ITEMS says why)
 #endif
 #ifndef AMDQB_ROUTE_BLOCK
-#define AMDQB_ROUTE_BLOCK 256  // threads per block of the lds kernel (= _spec.ROUTE_BLOCK)
+#define AMDQB_ROUTE_BLOCK 1024  // threads per block of the lds kernel (= _spec.ROUTE_BLOCK)
 #endif
 #ifndef AMDQB_DET_ITEMS
 #define AMDQB_DET_ITEMS 32  // 32-route chunks per deterministic tile (_spec.DET_ITEMS says why)
@@ -106,7 +106,8 @@ AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity
   block_sync();  // 2: tile histogram complete
 
   // RES_BATCH reservations per thread in flight at once: each returns its base from the L2, and
-  // one at a time would leave the thread a round trip per expert (E = 896: 4 per thread).
+  // one at a time would leave the thread a round trip per expert (E = 4096: 4 per thread of a
+  // 1024-thread block).
   constexpr int RES_BATCH = 4;
   for (int e0 = tid; e0 < num_experts; e0 += RES_BATCH * nt) {
     int c[RES_BATCH], at[RES_BATCH];

@@ -33,14 +33,19 @@ ROUTER_BLOCK = 32 * ROUTER_WARPS
 ROUTER_CAP = 64  # largest Top-n the router selects (n = k, or k + 1 under QB)
 # Resident blocks per CU assumed where a runtime cannot answer the occupancy query.
 FALLBACK_BLOCKS_PER_CU = 2
-# Routes per thread of the lds route kernel (AMDQB_ROUTE_ITEMS; tile = ROUTE_BLOCK * ROUTE_ITEMS).
-# H200, 2026-11-29, with the reservations batched 4 per thread (bench/tune_router_occupancy.py ->
-# bench/results/h200_2026-11-29_s5/call2/tune.md, M=8192 k=16 E=896, masked layout, graph replay):
-# items 3/4/5/6/8 = 5.48/5.30/5.18/5.11/5.31 us uniform, 4.12/3.91/3.99/4.35/4.92 us
-# all-one-expert (atomic: 17.5 / 100.8 us). Smaller tiles mean more blocks for a latency-bound
-# kernel and more interval reservations; 5 balances the two distributions.
-ROUTE_ITEMS = 5
-ROUTE_BLOCK = 256
+# Tile of the lds route kernel: ROUTE_BLOCK threads x ROUTE_ITEMS routes (AMDQB_ROUTE_BLOCK /
+# AMDQB_ROUTE_ITEMS in route.hip). The kernel is latency-bound (ncu, H200, 256 x 5 at M=8192
+# uniform: 2 warps per scheduler, one issue every 6.6 cycles, bench/results/h200_2026-11-30_s8/
+# call1/ncu.txt): more threads per block keep more loads and reservations in flight and leave each
+# thread fewer of the E reservations. H200, 2026-11-30, E=896 k=16 masked, graph replay
+# (bench/tune_router_occupancy.py --parts route -> bench/results/h200_2026-11-30_s8/call2/
+# tune.md), uniform at M = 8192 / 2517 / 512, then all-one-expert: 1024 x 2 4.23 / 3.70 / 3.52,
+# 4.37 / 4.35 / 4.30 us; 512 x 2 4.92 / 3.85 / 3.37, 3.82 / 3.68 / 3.63; 512 x 3 4.61 / 3.85 /
+# 3.51, 4.05 / 4.00 / 3.96; 256 x 5 (before) 5.01 / 4.15 / 3.88, 4.08 / 4.01 / 3.85; atomic 17.42
+# / 8.94 / 5.78, 100.96 / 34.38 / 10.86. Larger tiles lose on one expert (LDS atomics on one
+# address: 1024 x 4 5.72 us at M=8192).
+ROUTE_ITEMS = 2
+ROUTE_BLOCK = 1024
 # 32-route chunks per deterministic tile (AMDQB_DET_ITEMS). H200, 2026-11-29 (tune align sweep,
 # bench/results/h200_2026-11-29_s5/call1/tune.md, E=896 k=16 block 64, graph replay): align at
 # items 16/32/64 = 11.33/11.76/13.49 us (M=2517), 14.04/12.48/13.60 us (M=8192); with the later

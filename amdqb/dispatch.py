@@ -130,8 +130,9 @@ OP_PREFERENCE: dict[str, dict[str, object]] = {
     # size -- no-QB 7.8 vs 8.7 us (T=256), 19.3 vs 47.0 (4096), 67.8 vs 173.4 (16384); best QB
     # 12.6 vs 14.6, 37.3 vs 69.2, 111.1 vs 242.8. (Triton led below ~1024 tokens before session 4.)
     "router_fwd": {"sm_90": ("hip", "triton", "torch")},
-    # H200, 2026-11-29: the hip route kernels beat Triton's (session 4, M=8192 E=896 k=16 masked:
-    # uniform lds 5.9 vs 19.5 us, atomic 17.4 vs 17.6 us; all-one-expert lds 4.0 vs 13.4 us).
+    # H200: the hip route kernels beat Triton's (2026-11-30, bench/results/h200.json, M=8192
+    # E=896 k=16 masked: uniform lds 4.72 vs 19.35 us, atomic 17.47 vs 17.55 us; all-one-expert
+    # lds 4.47 vs 12.38 us; first measured 2026-11-29 with the same order).
     "route_rows": {"sm_90": ("hip", "triton", "torch")},
     # H200, 2026-11-29 (session 4, E=896 k=16 block 64): hip align 13.4 / 13.7 / 15.6 us vs
     # Triton 22.4 / 23.1 / 25.0 us at M = 512 / 2517 / 8192.

@@ -187,6 +187,14 @@ def test_route_gate_matches_seed_formula():
     assert route_impl(info, 512 * 16, 896)[0] == "lds"
     assert route_impl(info, 511 * 16, 896)[0] == "atomic"
     assert route_impl(info, 10**6, 4097)[0] == "atomic"
+    # sm_90 records its own measurement: lds ahead from the first route (no crossover measured)
+    h200 = dispatch.DeviceInfo("cuda:0", "nvidia", "H200", "sm_90", 32, 1 << 16, 132, "sm_90")
+    assert lds_route_threshold(896, "sm_90") == 0
+    assert route_impl(h200, 1, 896)[0] == "lds"
+    assert route_impl(h200, 10**6, 4097)[0] == "atomic"
+    # an architecture nobody measured takes the seed's gate
+    other = dispatch.DeviceInfo("cuda:0", "amd", "x", "gfx942", 64, 1 << 16, 304, "cdna")
+    assert route_impl(other, 511 * 16, 896)[0] == "atomic"
 
 
 def _router(**kw):

@@ -36,12 +36,13 @@ LDS_MAX_EXPERTS = 4096
 # (aiter PR, MI455). Other entries record their own measurement; see bench/results/.
 ROUTE_GATE_SCALE: dict[str, tuple[float, str]] = {
     "gfx1250": (1.0, "seed 004: measured on MI455/gfx1250 (aiter route-rows PR)"),
-    # H200 2026-11-29, bench/results/h200.json (hip backend, E=896, k=16, masked layout, lds tile
-    # of 5 routes per thread with batched reservations): atomic/lds = 1.51x at M=512, 2.11x at
-    # M=2517, 3.00x at M=8192 (uniform); 2.83x / 8.64x / 24.4x (all one expert). The seed's sweep
-    # puts the switch at M=512 for E=896, where lds already wins; the crossover lies below it
-    # (not measured there), so the gate stays the seed's rather than an extrapolation.
-    "sm_90": (1.0, "measured on an H200 (bench/results/h200.json): the seed's gate"),
+    # H200 2026-11-30 (bench/tune_router_occupancy.py --parts gate -> bench/results/
+    # h200_2026-11-30_s8/call3/tune.md; hip backend, lds tile 1024 x 2, k=16, uniform ids, graph
+    # replay): lds is ahead at every size measured, M = 8 ... 2048 for E = 256 / 896 / 2048, in
+    # both layouts -- atomic / lds = 1.50x masked, 1.20x compact at M=8, E=896 (4.91 / 3.26 us,
+    # 7.76 / 6.46 us), rising to 2.24x / 1.57x at M=2048; the atomic path's counter snapshot and
+    # finalize pass cost more than the reservations save. No crossover: lds from the first route.
+    "sm_90": (0.0, "measured on an H200: lds ahead at every size (tune gate sweep)"),
 }
 _DEFAULT_GATE = (1.0, "not measured on this architecture: the seed's gfx1250 gate")
 

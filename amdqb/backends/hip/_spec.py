@@ -43,7 +43,8 @@ FALLBACK_BLOCKS_PER_CU = 2
 # 4.37 / 4.35 / 4.30 us; 512 x 2 4.92 / 3.85 / 3.37, 3.82 / 3.68 / 3.63; 512 x 3 4.61 / 3.85 /
 # 3.51, 4.05 / 4.00 / 3.96; 256 x 5 (before) 5.01 / 4.15 / 3.88, 4.08 / 4.01 / 3.85; atomic 17.42
 # / 8.94 / 5.78, 100.96 / 34.38 / 10.86. Larger tiles lose on one expert (LDS atomics on one
-# address: 1024 x 4 5.72 us at M=8192).
+# address: 1024 x 4 5.72 us at M=8192). AMD targets build the same tile (16 wave64 / 32 wave32
+# waves per workgroup); no AMD timing exists to tune it there.
 ROUTE_ITEMS = 2
 ROUTE_BLOCK = 1024
 # 32-route chunks per deterministic tile (AMDQB_DET_ITEMS). H200, 2026-11-29 (tune align sweep,

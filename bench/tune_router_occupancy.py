@@ -417,7 +417,6 @@ def router_stages(dev, cfg, tokens=(1024, 4096, 16384), k=16, e=896) -> Report:
     """The warp-per-token router (no QB; probs and byte map, as the bench) cut after each stage
     (``AMDQB_ROUTER_STOP``: 0 loads, 1 scores and keys, 2 selection, 3 cutoff and weights), and
     the QB two-kernel mode with it: where the time of each token's chain goes."""
-
     report = Report("router_stages", environment(dev))
     g = torch.Generator().manual_seed(0)
     bias = (torch.randn(e, generator=g) * 0.05).to(dev)
@@ -483,7 +482,6 @@ def qb_hist_shapes(
     per CU the token slices aim for (0: one token slice), the most experts per block, the resident
     blocks per SM its registers must allow (``AMDQB_QB_HIST_MIN_BLOCKS``) and tokens per step
     (``AMDQB_QB_HIST_UNROLL``); every shape's histogram checked against the default's."""
-
     report = Report("qb_hist_launch_shapes", environment(dev))
     g = torch.Generator().manual_seed(0)
     bias = (torch.randn(e, generator=g) * 0.05).to(dev)

@@ -449,11 +449,6 @@ def router_stages(dev, cfg, tokens=(1024, 4096, 16384), k=16, e=896) -> Report:
         impls["two_kernel:hist_forward"] = _patched(
             two_kernel, _router_defines(("AMDQB_QB_HIST_REVERSE", "0"))
         )
-        # zeroed LDS rows and a global atomic per non-zero bin instead of the sole owner's
-        # copy-in / store-back
-        impls["two_kernel:atomic_flush"] = _patched(
-            two_kernel, _router_defines(("AMDQB_QB_HIST_OWNER_FLUSH", "0"))
-        )
         # the histogram pass as an ordinary launch instead of the router's dependent
         impls["two_kernel:ordinary_launch"] = _patched(
             two_kernel, (_ops, "QB_HIST_DEPENDENT_LAUNCH", False)

@@ -1050,13 +1050,6 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int coun
 #ifndef AMDQB_QB_HIST_REVERSE
 #define AMDQB_QB_HIST_REVERSE 1
 #endif
-// With one token slice (gridDim.y == 1) a block is the only writer of its experts' histogram
-// rows: it starts its LDS histogram from their current counts and stores the sums back with plain
-// coalesced stores, instead of zeroing and adding each non-zero bin with a global atomic. The
-// copy-in overlaps the router's tail (the router never writes the histogram in this mode).
-#ifndef AMDQB_QB_HIST_OWNER_FLUSH
-#define AMDQB_QB_HIST_OWNER_FLUSH 1
-#endif
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST_MIN_BLOCKS)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
                   int num_bins, int experts_per_block, int tokens_per_slice, int vec, int* hist) {
@@ -1069,13 +1062,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   const int ne = E - e0 < epb ? E - e0 : epb;
   const i64 t0 = (i64)blockIdx.y * tokens_per_slice;
   const i64 t1 = t0 + tokens_per_slice < num_tokens ? t0 + tokens_per_slice : (i64)num_tokens;
-  int* block_hist = hist + (i64)e0 * num_bins;  // rows e0 .. e0 + ne - 1 are contiguous
-  const bool owner = AMDQB_QB_HIST_OWNER_FLUSH && gridDim.y == 1;
 
-  if (owner)
-    for (int i = tid; i < epb * num_bins; i += nt) lh[i] = i < ne * num_bins ? block_hist[i] : 0;
-  else
-    for (int i = tid; i < epb * num_bins; i += nt) lh[i] = 0;
+  for (int i = tid; i < epb * num_bins; i += nt) lh[i] = 0;
   block_sync();
 
   const float lower = bounds[0];
@@ -1084,9 +1072,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   const int sub = tid % per_row;
   const int rows_per_pass = nt / per_row;
   const int tt = tid / per_row;
-  // Launched as the router's dependent (NVIDIA): the LDS set-up above overlaps the router's tail;
-  // the cutoffs are the router's output. (The bounds, logits and histogram come from earlier
-  // kernels.) H200, QB
+  // Launched as the router's dependent (NVIDIA): the zeroing above overlaps the router's tail; the
+  // cutoffs are the router's output. (The bounds and logits come from earlier kernels.) H200, QB
   // two-kernel at T = 1024 / 4096 / 16384: 11.8 / 24.2 / 85.4 us, as an ordinary launch 12.7 /
   // 25.0 / 85.5 (bench/results/h200_2026-11-30_s7/call4/tune.md).
   wait_for_prior_grid();
@@ -1105,13 +1092,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   }
   block_sync();
 
-  if (owner) {  // the rows' new counts, every bin
-    for (int i = tid; i < ne * num_bins; i += nt) block_hist[i] = lh[i];
-    return;
-  }
-  // Shared rows: non-zero bins only, each with one global atomic. A read-modify-write here, after
-  // the walk, measured slower on the H200 (T=1024 / 16384: 15.5 / 98.9 vs 14.3 / 96.0 us,
-  // bench/results/h200_2026-11-30_s7/call1/tune.md): it waits for its load, an atomic add does not.
+  // Non-zero bins only, each with one global atomic. A plain read-modify-write by the sole owner
+  // of a bin (one token slice) measured slower on the H200 (T=1024 / 16384: 15.5 / 98.9 vs 14.3 /
+  // 96.0 us, bench/results/h200_2026-11-30_s7/call1/tune.md): an atomic add returns nothing to wait
+  // for, a read-modify-write waits for its load.
+  int* block_hist = hist + (i64)e0 * num_bins;  // rows e0 .. e0 + ne - 1 are contiguous
   for (int i = tid; i < ne * num_bins; i += nt) {
     const int c = lh[i];
     if (c != 0) atomic_add_global(block_hist + i, c);

@@ -1095,7 +1095,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   // Non-zero bins only, each with one global atomic. A plain read-modify-write by the sole owner
   // of a bin (one token slice) measured slower on the H200 (T=1024 / 16384: 15.5 / 98.9 vs 14.3 /
   // 96.0 us, bench/results/h200_2026-11-30_s7/call1/tune.md): an atomic add returns nothing to wait
-  // for, a read-modify-write waits for its load.
+  // for, a read-modify-write waits for its load. Starting the LDS rows from the global counts
+  // (loaded during the router's tail) and storing every bin back plainly was slower still: 12.86 /
+  // 26.34 / 85.90 vs 11.71 / 24.96 / 85.42 us at T = 1024 / 4096 / 16384
+  // (bench/results/h200_2026-11-30_s8/call6/tune.md).
   int* block_hist = hist + (i64)e0 * num_bins;  // rows e0 .. e0 + ne - 1 are contiguous
   for (int i = tid; i < ne * num_bins; i += nt) {
     const int c = lh[i];

@@ -78,9 +78,10 @@ def _capped(cap, fn):
     return _patched(fn, _router_defines(("AMDQB_ROUTER_MIN_BLOCKS", str(cap))))
 
 
-def _route_module(define, value):
-    """A patch of ``_spec.ROUTE_MODULE`` built with one compile-time define."""
-    return (_spec, "ROUTE_MODULE", _spec.ROUTE_MODULE.with_defines((define, str(value))))
+def _route_module(*defines):
+    """A patch of ``_spec.ROUTE_MODULE`` built with compile-time ``(name, value)`` defines."""
+    module = _spec.ROUTE_MODULE.with_defines(*((name, str(value)) for name, value in defines))
+    return (_spec, "ROUTE_MODULE", module)
 
 
 def main(argv=None) -> int:
@@ -187,12 +188,9 @@ def route_tiles(
     g = torch.Generator().manual_seed(0)
 
     def variant(block, items, fn):
-        module = _spec.ROUTE_MODULE.with_defines(
-            ("AMDQB_ROUTE_BLOCK", str(block)), ("AMDQB_ROUTE_ITEMS", str(items))
-        )
         return _patched(
             fn,
-            (_spec, "ROUTE_MODULE", module),
+            _route_module(("AMDQB_ROUTE_BLOCK", block), ("AMDQB_ROUTE_ITEMS", items)),
             (_spec, "ROUTE_BLOCK", block),
             (_spec, "ROUTE_ITEMS", items),
         )
@@ -261,7 +259,7 @@ def align_tiles(dev, cfg, items=(32,), ms=(2517, 8192), k=16, e=896, block=64) -
     def variant(n, fn):
         return _patched(
             fn,
-            _route_module("AMDQB_DET_ITEMS", n),
+            _route_module(("AMDQB_DET_ITEMS", n)),
             (_spec, "DET_ITEMS", n),
             (_spec, "DET_TILE", 32 * n),
         )
@@ -296,7 +294,7 @@ def align_tiles(dev, cfg, items=(32,), ms=(2517, 8192), k=16, e=896, block=64) -
         for k_stop in range(-1, 4):
             impls[f"rank_stop{k_stop}"] = _patched(
                 lambda: _ops.align_block_size(_rt(), ids, block, e, *outs),
-                _route_module("AMDQB_ALIGN_STOP", k_stop),
+                _route_module(("AMDQB_ALIGN_STOP", k_stop)),
             )
         for name, us in time_alternating(impls, dev, cfg).items():
             if name.startswith("passes"):

@@ -7,9 +7,10 @@ Backends (one folder each under ``amdqb/backends``):
 * ``triton`` -- portable Triton kernels (NVIDIA and AMD; on the CPU only under ``TRITON_INTERPRET=1``);
 * ``torch``  -- the pure-PyTorch oracles of ``amdqb.ref``: always available, CPU and GPU.
 
-Every op asks :func:`select` for an implementation. The choice walks an ordered, per-architecture
-preference list and takes the first backend that is available and implements the op; each rejected
-candidate records why. ``AMDQB_BACKEND`` (environment) and ``backend=`` (keyword) force a backend.
+Every op asks :func:`select` for an implementation. The choice walks the op's backend order of the
+device's architecture family (``backend_order.*`` in ``amdqb/configs/<arch>.json``) and takes the
+first backend that is available and implements the op; each rejected candidate records why.
+``AMDQB_BACKEND`` (environment) and ``backend=`` (keyword) force a backend.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+
+from . import configs
 
 BACKENDS = ("hip", "triton", "torch")
 
@@ -107,39 +110,6 @@ def device_info(device: torch.device | str | None = None) -> DeviceInfo:
     return _device_info_cached(str(dev))
 
 
-# Ordered backend preferences per architecture family. On ROCm the HIP kernels come first (they
-# are written for wave32/wave64 LDS use); on NVIDIA the per-op tables below can reorder them
-# where a benchmark showed the other backend faster.
-_DEFAULT_PREFERENCE = {
-    "cpu": ("torch",),
-    "gfx942": ("hip", "triton", "torch"),
-    "gfx950": ("hip", "triton", "torch"),
-    "gfx1250": ("hip", "triton", "torch"),
-    "cdna": ("hip", "triton", "torch"),
-    "rdna": ("hip", "triton", "torch"),
-    "sm_90": ("triton", "hip", "torch"),
-    "sm_80": ("triton", "hip", "torch"),
-    "sm_100": ("triton", "hip", "torch"),
-}
-
-
-# Per-op overrides: {op: {arch_family: order or callable(features) -> order}}, each from a
-# measurement in bench/results/ (the entry says which).
-OP_PREFERENCE: dict[str, dict[str, object]] = {
-    # H200, 2026-11-29 (bench/results/h200.json, E=896 k=16): the hip router is ahead at every
-    # size -- no-QB 7.8 vs 8.7 us (T=256), 19.3 vs 47.0 (4096), 67.8 vs 173.4 (16384); best QB
-    # 12.6 vs 14.6, 37.3 vs 69.2, 111.1 vs 242.8. (Triton led below ~1024 tokens before session 4.)
-    "router_fwd": {"sm_90": ("hip", "triton", "torch")},
-    # H200: the hip route kernels beat Triton's (2026-11-30, bench/results/h200.json, M=8192
-    # E=896 k=16 masked: uniform lds 4.72 vs 19.35 us, atomic 17.47 vs 17.55 us; all-one-expert
-    # lds 4.47 vs 12.38 us; first measured 2026-11-29 with the same order).
-    "route_rows": {"sm_90": ("hip", "triton", "torch")},
-    # H200, 2026-11-29 (session 4, E=896 k=16 block 64): hip align 13.4 / 13.7 / 15.6 us vs
-    # Triton 22.4 / 23.1 / 25.0 us at M = 512 / 2517 / 8192.
-    "align_block_size": {"sm_90": ("hip", "triton", "torch")},
-}
-
-
 @functools.lru_cache(maxsize=None)
 def _backend_module(name: str):
     return importlib.import_module(f"amdqb.backends.{name}")
@@ -164,11 +134,9 @@ class Choice:
     rejected: tuple[tuple[str, str], ...] = ()
 
 
-def preference(op: str, info: DeviceInfo, features: dict | None = None) -> tuple[str, ...]:
-    order = OP_PREFERENCE.get(op, {}).get(info.arch_family)
-    if callable(order):
-        order = order(features or {})
-    return order or _DEFAULT_PREFERENCE.get(info.arch_family, ("triton", "torch"))
+def preference(op: str, info: DeviceInfo) -> tuple[str, ...]:
+    """The backend order of ``op`` on ``info``'s architecture (``amdqb/configs``)."""
+    return configs.load(info.arch_family).backend_order(op)
 
 
 def _env_backend() -> str | None:
@@ -180,7 +148,7 @@ def _env_backend() -> str | None:
 def _select_cached(op: str, device_str: str, forced: str | None, features: tuple) -> Choice:
     info = _device_info_cached(device_str)
     rejected: list[tuple[str, str]] = []
-    candidates = (forced,) if forced else preference(op, info, dict(features))
+    candidates = (forced,) if forced else preference(op, info)
     for name in candidates:
         ok, why = backend_status(name, info)
         if ok:

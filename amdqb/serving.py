@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .ops.route import moe_align_block_size
+from .ops.layout import moe_align_block_size
 from .ops.router import biased_topk
 
 

@@ -177,7 +177,7 @@ def test_amd_arch_helpers():
 
 
 def test_route_gate_matches_seed_formula():
-    from amdqb.ops.route import lds_route_threshold, route_impl
+    from amdqb.ops.layout import lds_route_threshold, route_impl
 
     for e in (1, 256, 257, 512, 513, 896, 1024, 2048, 4096):
         s = -(-e // 256)

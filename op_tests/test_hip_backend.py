@@ -22,7 +22,7 @@ import amdqb
 from amdqb import dispatch, ref
 from amdqb.backends import hip as hip_backend
 from amdqb.backends.hip import _ops, _runtime, _spec
-from amdqb.ops.route import lds_route_threshold
+from amdqb.ops.layout import lds_route_threshold
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
 from conftest import HAS_GPU
 from hip_emu.checks import check_routes, make_ids, make_logits, routed_mask
@@ -61,7 +61,7 @@ def test_cache_key_changes_with_every_input():
 def test_read_sources_hashes_kernel_and_every_header():
     text, digests = _spec.read_sources(_spec.ROUTE_MODULE)
     assert "amdqb_route_lds" in text
-    assert "kernels/route.hip" in digests and "include/amdqb_prelude.h" in digests
+    assert "kernels/layout.hip" in digests and "include/amdqb_prelude.h" in digests
 
 
 def test_source_root_prefers_the_packaged_copy(tmp_path, monkeypatch):

@@ -177,7 +177,7 @@ def test_align_block_size_matches_oracle_bitwise(wave, dtype):
     """moe_align_block_size: sorted ids, expert ids and the padded total equal the oracle's bitwise
     (ascending flat order inside each expert), over tiles that split experts' routes, partial last
     tiles, dropped ids, empty experts, 1..8 warps per tile (E up to 4096) and pad_sorted_ids."""
-    from amdqb.ref.route import align_buffer_sizes
+    from amdqb.ref.layout import align_buffer_sizes
 
     rt = emu(wave)
     cases = [

@@ -14,7 +14,7 @@ from .qb import (
     recover_uncentred,
     required_bias,
 )
-from .route import align_buffer_sizes, moe_align_block_size, moe_route_rows
+from .layout import align_buffer_sizes, moe_align_block_size, moe_route_rows
 from .router import (
     activation,
     biased_topk,

@@ -1,59 +1,49 @@
 // Fused score function + exact Top-k router with opt-in Quantile Balancing (QB) histogram, and the
-// serving form (biased_topk) -- a port of TransformerEngine's QB router design to 32-lane logical
-// warps (wave32 and wave64).
+// serving form (biased_topk), on 32-lane logical warps (wave32 and wave64).
 //
-// Compile-time constants (-D): AMDQB_NUM_EXPERTS (E), AMDQB_IN_DTYPE (0 fp32, 1 fp16, 2 bf16),
-// AMDQB_SCORE (0 sigmoid, 1 sqrtsoftplus, 2 softmax), AMDQB_WAVE_SIZE.
+// Compile-time constants (-D, amdqb.backends.hip._spec.router_module, from amdqb/configs):
+//   AMDQB_NUM_EXPERTS (E), AMDQB_IN_DTYPE (0 fp32, 1 fp16, 2 bf16), AMDQB_SCORE (0 sigmoid,
+//   1 sqrtsoftplus, 2 softmax), AMDQB_APPROX_ACTIVATION (0 exact), AMDQB_ROUTER_WARPS (tokens in
+//   flight per block), AMDQB_ROUTER_CAP (candidate buffer, the largest Top-n),
+//   AMDQB_ROUTER_MIN_BLOCKS (NVIDIA register cap), AMDQB_DECODE_EPW (experts per warp of the
+//   decode kernel), AMDQB_QB_HIST_BLOCK / _UNROLL / _MIN_BLOCKS (the histogram pass), and
+//   AMDQB_WAVE_SIZE.
 //
 // Precision contract (amdqb.ref.router): logits are converted to fp32 on load; activation, biased
 // scores, selection, normalisation, the QB cutoff and the histogram arithmetic are fp32 without
-// contraction; probs are written in the logits dtype (round to nearest even).
+// contraction; the activations are torch's bits (amdqb_activation.h); probs are written in the
+// logits dtype (round to nearest even). Sums over the k routes (routes_sum) and the pre-softmax
+// row sum run in a fixed order: lane l of a logical warp sums its entries l, l + 32, ... in order,
+// then a butterfly over lane distances 16, 8, 4, 2, 1 -- torch's warp softmax (E <= 1024) and TE's
+// warp reductions.
 //
 // Selection contract (amdqb.ref.ordering): experts are ranked by (value descending, id ascending)
 // through a monotone int32 key (-0.0 == +0.0, NaN below -inf); padding lanes (id >= E) rank below
-// every expert. The Top-n (n = k, or k + 1 under QB) is exact:
-//   1. each lane holds VPL = ceil(E/32) experts (id = j*32 + lane) in registers;
-//   2. lower bound: the n-th best of the 32 lane maxima (bitonic sort across the warp), valid for
-//      n <= 32: the n lanes with the best maxima hold n distinct experts at or above it;
-//   3. candidates at or above the bound are compacted (warp prefix sum) into a per-warp buffer of
-//      CAP = 64 entries; if they overflow (or n > 32) the bound is recomputed exactly: bitwise
-//      binary search on the key gives the n-th key, ties at that key are taken in id order via
-//      warp ballots, so exactly n candidates remain;
-//   4. pairwise ranks among the candidates give the Top-n in selection order; membership of every
-//      expert is a local compare against the k-th element.
+// every expert. Each lane holds VPL = ceil(E/32) experts (id = j*32 + lane) in registers and the
+// Top-n (n = k, or k + 1 under QB) comes from select_top (amdqb_select.h); membership of every
+// expert is a local compare against the k-th element.
 // QB: Top-(k+1) of u = s + b, alpha = u of the (k+1)-th, the first k are routed; for every expert
 // r = alpha - s_j, scale = fp32(B) / (U - L), bin = clamp(floor((r - L) * scale), 0, B - 1) in fp32
-// (NaN -> 0); fused mode adds 1 to hist[j * B + bin] with a device atomic in the epilogue,
-// two-kernel mode writes alpha and amdqb_qb_hist recomputes the bins from the logits with the
-// exact formula. The fused epilogue derives its bins through qb_bin_of_logit: an approximate
-// sigmoid where its error bound provably cannot change the bin, the exact formula elsewhere, so
-// every bin equals the exact one and both modes give identical histograms. (QB is sigmoid-only at
-// the op level.)
+// (NaN -> 0); fused mode adds 1 to hist[j * B + bin] with a device atomic in the epilogue (bins
+// through qb_bin_of_logit, bit for bit the exact formula), two-kernel mode writes alpha and
+// amdqb_qb_hist recomputes the bins from the logits. Both give identical histograms. (QB is
+// sigmoid-only at the op level.)
 #include "amdqb_prelude.h"
+#include "amdqb_activation.h"
+#include "amdqb_qb_bins.h"
+#include "amdqb_select.h"
 
 using namespace amdqb;
 
-#ifndef AMDQB_NUM_EXPERTS
-#error "AMDQB_NUM_EXPERTS must be defined"
+#if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_SCORE) ||        \
+    !defined(AMDQB_ROUTER_WARPS) || !defined(AMDQB_ROUTER_CAP) ||                              \
+    !defined(AMDQB_ROUTER_MIN_BLOCKS) || !defined(AMDQB_DECODE_EPW) ||                         \
+    !defined(AMDQB_QB_HIST_BLOCK) || !defined(AMDQB_QB_HIST_UNROLL) ||                         \
+    !defined(AMDQB_QB_HIST_MIN_BLOCKS)
+#error "router.hip needs its -D constants (amdqb.backends.hip._spec.router_module)"
 #endif
-#ifndef AMDQB_IN_DTYPE
-#define AMDQB_IN_DTYPE 0
-#endif
-#ifndef AMDQB_SCORE
-#define AMDQB_SCORE 0
-#endif
-
-// Resident blocks per SM the NVIDIA compiler must allow (caps the registers per thread): the
-// router is latency-bound, so occupancy buys throughput until spills cost more than it gains.
-// ptxas (CUDA 13, sm_90) at 256 threads: E <= 256 fits 64 registers at 4 blocks with no spill;
-// E = 896 / 1024 take 80 registers at 3 blocks with a few spilled words; E >= 2048 spills even
-// at 2 blocks, so those keep the compiler's choice.
-#ifndef AMDQB_ROUTER_MIN_BLOCKS
-#define AMDQB_ROUTER_MIN_BLOCKS (AMDQB_NUM_EXPERTS <= 256 ? 4 : AMDQB_NUM_EXPERTS <= 1024 ? 3 : 1)
-#endif
-
-#ifndef AMDQB_TRACE_OVERFLOW
-#define AMDQB_TRACE_OVERFLOW()  // the host emulator counts candidate overflows (test coverage)
+#if AMDQB_ROUTER_CAP % 32 != 0 || AMDQB_ROUTER_WARPS * 32 > 1024
+#error "AMDQB_ROUTER_CAP must be a multiple of 32 and AMDQB_ROUTER_WARPS at most 32"
 #endif
 
 #define AMDQB_SCORE_SIGMOID 0
@@ -63,10 +53,11 @@ using namespace amdqb;
 namespace {
 
 constexpr int E = AMDQB_NUM_EXPERTS;
-constexpr int VPL = (E + 31) / 32;  // experts per lane
-constexpr int NBYTES = (E + 7) / 8;  // bitmap bytes per token
-constexpr int WARPS = 8;             // logical warps (tokens in flight) per block of 256 threads
-constexpr int CAP = 64;              // candidate buffer per warp; also the largest n supported
+constexpr int VPL = (E + 31) / 32;            // experts per lane
+constexpr int NBYTES = (E + 7) / 8;           // bitmap bytes per token
+constexpr int WARPS = AMDQB_ROUTER_WARPS;     // logical warps (tokens in flight) per block
+constexpr int ROUTER_BLOCK = 32 * WARPS;
+constexpr int CAP = AMDQB_ROUTER_CAP;         // candidate buffer per warp; the largest n
 
 enum MapKind { kMapNone = 0, kByteMap = 1, kBitMap = 2, kIdx16 = 3, kIdx32 = 4, kIdx64 = 5 };
 enum QbMode { kQbNone = 0, kQbFused = 1, kQbAlpha = 2 };
@@ -87,156 +78,26 @@ AMDQB_DEVICE in_t from_f32(float x) { return float_to_bf16(x); }
 
 [[maybe_unused]] AMDQB_DEVICE float neg_inf() { return bits_float(0xff800000u); }
 
-// Sigmoid 1 / (1 + e^-z) with an IEEE division, in two steps so that callers can keep the common
-// case free of branches. e^-z is the hardware 2^x of -z * log2(e) (ex2.approx.ftz / v_exp_f32),
-// the lowering of Triton's tl.exp that the Triton backend uses: scores lie a few 2^-22 from the
-// true sigmoid (the argument's rounding, |z| * 2^-24 relative, and the 2^x's error, scaled by
-// s (1 - s) <= 1/4), within 1e-6 of torch.sigmoid; selection, ties and the QB bins are exact given
-// these scores (the contract), and every kernel of the module computes the same ones. The library
-// expf (-DAMDQB_SIGMOID_APPROX_EXP=0, kept for comparisons) is a few ulp from the true value but
-// costs ~6 more instructions per element: H200, graph replay, E=896 k=16 (bench/results/
-// h200_2026-11-30_s7/call1/tune.md), router 57.9 vs 61.1 us at T=16384 and 17.0 vs 18.0 at 4096,
-// QB two-kernel 93.2 vs 97.0 and 29.3 vs 30.1.
-// On NVIDIA, ptxas expands the division into a fast path -- the hardware reciprocal and one
-// Newton step, used when the divisor's exponent is in range -- and a CALL to a slow path; with one
-// call per expert the scheduler cannot interleave the experts' arithmetic (28 call sites per token
-// at E = 896). sigmoid_fast writes that fast path out: the same instructions, so the same bits, for
-// every divisor d = 1 + e^-z in [1, 2^126) (the exponent range ptxas sends to its fast path
-// includes it). sigmoid_fast_ok(d) says when it applies: false for d >= 2^126 (z below about
-// -87.3) and NaN, where the division is used. -DAMDQB_SIGMOID_DIVISION_ONLY=1 turns the fast path
-// off (the test that compares the two).
-#ifndef AMDQB_SIGMOID_APPROX_EXP
-#define AMDQB_SIGMOID_APPROX_EXP 1
-#endif
-AMDQB_DEVICE float sigmoid_divisor(float z) {
-#if AMDQB_SIGMOID_APPROX_EXP
-  return 1.0f + approx_exp2(z * -1.44269504088896341f);
-#else
-  return 1.0f + expf(-z);
-#endif
-}
-AMDQB_DEVICE bool sigmoid_fast_ok(float d) {
-#if defined(AMDQB_CUDA) && !defined(AMDQB_SIGMOID_DIVISION_ONLY)
-  return d < 8.50705917e37f;  // 2^126
-#else
-  (void)d;
-  return false;  // AMD and the emulator: the compiler's own division (no call to avoid)
-#endif
-}
-AMDQB_DEVICE float sigmoid_fast(float d) {
-#if defined(AMDQB_CUDA)
-  const float r = approx_rcp(d);  // rcp.approx.ftz.f32
-  return fmaf(r, -fmaf(d, r, -1.0f), r);
-#else
-  return 1.0f / d;
-#endif
-}
-
 // Element-wise activation (sigmoid / sqrtsoftplus); the identity for softmax, whose row
 // statistics are applied by scores_from_raw. The same function feeds the router and amdqb_qb_hist.
 AMDQB_DEVICE float act_elementwise(float z) {
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
-  const float d = sigmoid_divisor(z);
-  return sigmoid_fast_ok(d) ? sigmoid_fast(d) : 1.0f / d;
+  return sigmoid(z);
 #elif AMDQB_SCORE == AMDQB_SCORE_SQRTSOFTPLUS
-  const float sp = z > 20.0f ? z : log1pf(expf(z));  // torch softplus, threshold 20
-  return sqrtf(sp);
+  return sqrtsoftplus(z);
 #else
   return z;
 #endif
 }
 
-// floor(x) clamped to [0, num_bins - 1]; NaN -> bin 0. fmaxf returns the number when x is NaN
-// (IEEE maxNum; x is an arithmetic result, never a signalling NaN), and clamping before the floor
-// gives the same integer (both bounds are integers), so the floor and the conversion can be one
-// instruction (sm_90: F2I.FLOOR; 3 instructions where the compare-and-select form took 8).
-AMDQB_DEVICE int clamp_bin(float x, int num_bins) {
-  return (int)floorf(fminf(fmaxf(x, 0.0f), (float)(num_bins - 1)));
-}
-
-// QB bin of a required bias r (TE's arithmetic: multiply by the fp32 scale, no reciprocal width).
-AMDQB_DEVICE int qb_bin(float r, float lower, float scale, int num_bins) {
-  return clamp_bin((r - lower) * scale, num_bins);
-}
-
-#if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
-// |sigmoid_approx(z) - act_elementwise(z)| <= kSigmoidApproxErr for every finite z: both lie within
-// a few 2^-22 (absolute) of the true sigmoid -- the hardware 2^x's relative error, and that of
-// rounding its argument z * log2(e) (|z| * 2^-24 relative, times s * (1 - s) <= e^-|z|), scaled by
-// s * (1 - s) <= 1/4; the reciprocal's by s <= 1; flushed denormals below 2^-126 -- so 2^-19
-// leaves a wide margin. The emulator's exp2 is nearly exact, so it simulates a larger error
-// instead: a deterministic perturbation of up to 0.95 of a 2^-14 bound, far beyond the rounding
-// slack, so that the CPU tests fail if the exactness check below ever trusts a bin it should not.
-#if defined(AMDQB_EMU)
-constexpr float kSigmoidApproxErr = 1.0f / 16384.0f;
-#else
-constexpr float kSigmoidApproxErr = 1.0f / 524288.0f;
-#endif
-
-AMDQB_DEVICE float sigmoid_approx(float z) {
-  float s = approx_rcp(1.0f + approx_exp2(z * -1.44269504088896341f));
-#if defined(AMDQB_EMU)
-  const u32 h = float_bits(z) * 2654435761u;
-  s += ((float)(h >> 8) * (1.0f / 16777216.0f) - 0.5f) * 1.9f * kSigmoidApproxErr;
-#endif
-  return s;
-}
-#endif
-
-// A token's QB cutoff with the per-token constants of the fused epilogue's bin fast path
-// (computed once per token, used for its E experts).
-struct QbCut {
-  float alpha;   // the (k+1)-th biased score
-  float pos0;    // (alpha - lower) * scale: the bin position of a zero score
-  float margin;  // error bound of the fast bin position (NaN or inf: the fast path is off)
-};
-
-// x = pos0 - s * scale (one FMA) differs from the exact position fl(fl(fl(alpha - s_exact) - lower)
-// * scale) by at most |scale| * kSigmoidApproxErr plus the roundings of both paths: 2^-24 times
-// |scale| (|alpha - lower| + |alpha| + 1 + |alpha| + 1 + |lower|) + |pos0| + |x| + |x_exact|, with
-// |x|, |x_exact| <= |pos0| + 2 |scale| (scores lie in [0, 1]). The margin takes 16 units of 2^-24
-// on each term where 3 suffice, which also covers the roundings of the margin and of x +- margin.
-AMDQB_DEVICE QbCut qb_cut(float alpha, float lower, float scale) {
-  QbCut c;
-  c.alpha = alpha;
-  c.pos0 = (alpha - lower) * scale;
-#if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
-  constexpr float kSlack = 1.0f / 1048576.0f;  // 2^-20
-  const float as = fabsf(scale);
-  c.margin = as * (kSigmoidApproxErr + kSlack * (fabsf(alpha) + 1.0f + fabsf(lower))) +
-             kSlack * (fabsf(c.pos0) + 2.0f * as);
-#else
-  c.margin = 0.0f;
-#endif
-  return c;
-}
-
-// Sigmoid fast path of the QB bin of the expert with logit z: true (and bin set) when no integer
-// lies within the margin of the approximate position x, so that the exact position, within the
-// margin of x, has the same floor; false -- the exact formula decides -- near a bin edge (about 2
-// margins per bin, rare) and for any non-finite value (NaN compares unequal, so lo is a number
-// where it is used; inf - inf is NaN). It spends one FMA and two hardware approximations per
-// element instead of the IEEE exp and division.
-AMDQB_DEVICE bool qb_bin_fast(const QbCut& c, float z, float scale, int num_bins, int& bin) {
-#if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
-  const float x = fmaf(-sigmoid_approx(z), scale, c.pos0);
-  const float lo = floorf(x - c.margin);
-  if (lo == floorf(x + c.margin)) {
-    bin = clamp_bin(lo, num_bins);
-    return true;
-  }
-#else
-  (void)c, (void)z, (void)scale, (void)num_bins, (void)bin;
-#endif
-  return false;
-}
-
-// QB bin of the expert with logit z for the token cutoff c: bit for bit
-// qb_bin(c.alpha - act_elementwise(z), lower, scale, num_bins).
-AMDQB_DEVICE int qb_bin_of_logit(const QbCut& c, float z, float lower, float scale, int num_bins) {
-  int bin;
-  if (qb_bin_fast(c, z, scale, num_bins, bin)) return bin;
-  return qb_bin(c.alpha - act_elementwise(z), lower, scale, num_bins);
+// Sum over the k routes of value(r), r the rank: lane l adds ranks l, l + 32, ... in order, then a
+// butterfly over the lanes (warp_sum_f32) -- torch's softmax order over k <= 32 entries and TE's
+// warp reduction. Every lane of the warp calls it and gets the same sum.
+template <typename Value>
+AMDQB_DEVICE float routes_sum(int topk, int lane, Value value) {
+  float v = 0.0f;
+  for (int r = lane; r < topk; r += 32) v = r == lane ? value(r) : v + value(r);
+  return warp_sum_f32(v);
 }
 
 AMDQB_DEVICE bool valid_slot(int j, int lane) { return j < VPL - 1 || j * 32 + lane < E; }
@@ -261,7 +122,8 @@ struct RowStats {
 
 // Element-wise activation of V loaded logits (valid(j) false: a padding slot, scored as logit 0):
 // bit for bit act_elementwise. Sigmoid: every element through the branch-free fast path first,
-// the rare divisors outside its range (z below about -87.3, NaN) redone with the division after.
+// the rare divisors outside its range (z below about -87.3, NaN) redone with the division after,
+// so no slow-path CALL sits between two elements' arithmetic.
 template <int V, typename Valid>
 AMDQB_DEVICE void activate(const in_t (&raw)[V], Valid valid, float (&s)[V]) {
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID
@@ -325,178 +187,6 @@ AMDQB_DEVICE float score_of(in_t raw, int softmax_pre, const RowStats& st) {
   return v;
 }
 
-AMDQB_DEVICE bool at_or_ahead(i32 k, i32 id, i32 bk, i32 bid) {
-  return k > bk || (k == bk && id <= bid);
-}
-
-// The bitonic merge (strides 16 .. 1) of one (key, id) pair per lane into selection order: the 32
-// pairs must form a bitonic sequence (e.g. lanes 0-15 in order, lanes 16-31 in reverse order).
-AMDQB_DEVICE void warp_merge_desc(i32& k, i32& id, int lane) {
-#pragma unroll
-  for (int stride = 16; stride > 0; stride >>= 1) {
-    const i32 ok = shfl_xor_i32(k, stride);
-    const i32 oid = shfl_xor_i32(id, stride);
-    const bool other_ahead = ahead(ok, oid, k, id);
-    if (((lane & stride) == 0) == other_ahead) {  // the lower lane keeps the pair ahead
-      k = ok;
-      id = oid;
-    }
-  }
-}
-
-// Bitonic sort of one (key, id) pair per lane, descending in the selection order: bitonic runs of
-// 2 .. 16 lanes in alternating directions, then the final merge of all 32.
-AMDQB_DEVICE void warp_sort_desc(i32& k, i32& id, int lane) {
-#pragma unroll
-  for (int size = 2; size < 32; size <<= 1) {
-#pragma unroll
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      const i32 ok = shfl_xor_i32(k, stride);
-      const i32 oid = shfl_xor_i32(id, stride);
-      const bool lower = (lane & stride) == 0;
-      const bool desc = (lane & size) == 0;
-      const bool other_ahead = ahead(ok, oid, k, id);
-      if ((lower == desc) ? other_ahead : !other_ahead) {
-        k = ok;
-        id = oid;
-      }
-    }
-  }
-  warp_merge_desc(k, id, lane);
-}
-
-// Exact n-th element of the token (n <= E): bitwise binary search on the offset-binary key for
-// the n-th largest key, then the (n - #greater)-th expert with that key in id order.
-template <int V>
-AMDQB_DEVICE void exact_nth(const i32 (&key)[V], int n, int lane, i32& out_key, i32& out_id) {
-  u32 thr = 0;
-  for (int b = 31; b >= 0; --b) {
-    const u32 cand = thr | (1u << b);
-    int c = 0;
-#pragma unroll
-    for (int j = 0; j < V; ++j) c += ((u32)key[j] ^ 0x80000000u) >= cand ? 1 : 0;
-    if (warp_sum_i32(c) >= n) thr = cand;
-  }
-  const i32 kstar = (i32)(thr ^ 0x80000000u);
-  int g = 0;
-#pragma unroll
-  for (int j = 0; j < V; ++j) g += key[j] > kstar ? 1 : 0;
-  const int need = n - warp_sum_i32(g);  // >= 1 ties to take, smallest ids first
-  int running = 0;
-  i32 found = -1;
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const u32 m = ballot32(key[j] == kstar);  // id order inside a row j is lane order
-    const int pc = popc32(m);
-    if (found < 0 && running + pc >= need) {  // warp-uniform
-      const int idx = need - running - 1;
-      const bool me = ((m >> lane) & 1u) && popc32(m & lanemask_lt()) == idx;
-      found = j * 32 + lowest_bit(ballot32(me));
-    }
-    running += pc;
-  }
-  out_key = kstar;
-  out_id = found;
-}
-
-// How many of the lane's experts satisfy pred(key, id).
-template <int V, typename Pred>
-AMDQB_DEVICE int count_candidates(const i32 (&key)[V], int lane, Pred pred) {
-  int c = 0;
-#pragma unroll
-  for (int j = 0; j < V; ++j) c += pred(key[j], j * 32 + lane) ? 1 : 0;
-  return c;
-}
-
-struct WarpBuffers {
-  i32* ckey;
-  i32* cid;
-  i32* skey;
-  i32* sid;
-  float* ss;
-};
-
-// Appends the lane's experts that satisfy pred(key, id) to b.ckey/cid from slot pos on.
-template <int V, typename Pred>
-AMDQB_DEVICE void append_candidates(const i32 (&key)[V], int lane, int pos, const WarpBuffers& b,
-                                    Pred pred) {
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    const i32 id = j * 32 + lane;
-    if (pred(key[j], id)) {
-      b.ckey[pos] = key[j];
-      b.cid[pos] = id;
-      ++pos;
-    }
-  }
-}
-
-// -DAMDQB_SELECT_BY_KEY=0 (benchmarks only): candidates by the full (key, id) order, as before
-// session 6, instead of the key alone. H200 (bench/results/h200_2026-11-30_s6/call3, E=896, k=16,
-// probs + byte map): 61.3 vs 65.2 us at T=16384, 18.1 vs 19.2 at T=4096.
-#ifndef AMDQB_SELECT_BY_KEY
-#define AMDQB_SELECT_BY_KEY 1
-#endif
-
-// Top-n of the token into b.skey/sid[0..n) in selection order (n <= CAP, n <= E).
-// Candidates: every expert whose key is at least the key of (bk, bid), an entry at or behind the
-// n-th in the selection order -- a superset of the Top-n (one compare per expert instead of the
-// (key, id) order's three; extra candidates tied on bk rank >= n and are dropped). Only if they
-// overflow CAP, the exact n-th is searched and the candidates are taken by the full order.
-template <int V>
-AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuffers& b) {
-  i32 bk, bid;
-  if (n <= 32) {
-    i32 lk = key[0], lid = lane;
-#pragma unroll
-    for (int j = 1; j < V; ++j)
-      if (key[j] > lk) {  // strict: the lane's earliest (smallest id) maximum
-        lk = key[j];
-        lid = j * 32 + lane;
-      }
-    warp_sort_desc(lk, lid, lane);
-    bk = shfl_i32(lk, n - 1);
-    bid = shfl_i32(lid, n - 1);
-  } else {
-    exact_nth(key, n, lane, bk, bid);
-  }
-  // (bk, bid) by reference: the overflow path below moves them to the exact n-th
-  const auto by_order = [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); };
-#if AMDQB_SELECT_BY_KEY
-  const auto first = [&](i32 k, i32) { return k >= bk; };
-#else
-  const auto first = by_order;
-#endif
-  int c = count_candidates(key, lane, first);
-  int incl = warp_inclusive_sum_i32(c);
-  int total = shfl_i32(incl, 31);
-  if (total > CAP) {  // warp-uniform; rare for real router logits
-    AMDQB_TRACE_OVERFLOW();
-    exact_nth(key, n, lane, bk, bid);
-    c = count_candidates(key, lane, by_order);
-    incl = warp_inclusive_sum_i32(c);
-    total = shfl_i32(incl, 31);  // == n
-    append_candidates(key, lane, incl - c, b, by_order);
-  } else {
-    append_candidates(key, lane, incl - c, b, first);
-  }
-  warp_sync();
-#pragma unroll
-  for (int q = 0; q < CAP / 32; ++q) {
-    const int slot = lane + 32 * q;
-    if (slot < total) {
-      const i32 mk = b.ckey[slot], mid = b.cid[slot];
-      int rank = 0;
-      for (int m = 0; m < total; ++m) rank += ahead(b.ckey[m], b.cid[m], mk, mid) ? 1 : 0;
-      if (rank < n) {
-        b.skey[rank] = mk;
-        b.sid[rank] = mid;
-      }
-    }
-  }
-  warp_sync();
-}
-
 // Whether a router call writes outputs over every expert (dense probs, byte or bit map).
 AMDQB_DEVICE bool has_dense_outputs(const in_t* probs, int map_kind) {
   return probs != nullptr || map_kind == kByteMap || map_kind == kBitMap;
@@ -555,25 +245,12 @@ AMDQB_DEVICE void add_fused_bins(const in_t (&raw)[V], Base base, Valid valid, i
 
 }  // namespace
 
-// -DAMDQB_ROUTER_STOP=k (benchmarks only, bench/tune_router_occupancy.py): amdqb_router skips
-// every token's work after stage k (0 loads, 1 scores and keys, 2 selection, 3 cutoff and weights),
-// writing one value that depends on the work so far -- the time of each stage, not a result.
-#if defined(AMDQB_ROUTER_STOP)
-#define AMDQB_ROUTER_STAGE(k, value)                                    \
-  if (AMDQB_ROUTER_STOP == k) {                                         \
-    if (lane == 0 && probs != nullptr) probs[t * E] = from_f32((float)(value)); \
-    continue;                                                           \
-  }
-#else
-#define AMDQB_ROUTER_STAGE(k, value)
-#endif
-
 // One logical warp per token, WARPS tokens per block, persistent grid-stride loop over tokens.
 //   nsel = topk (+1 under QB); normalize: p = s / (sum_selected s + 1e-20); softmax_pre: scores are
 //   the softmax over E (else, for AMDQB_SCORE softmax, the selected logits are softmax-ed);
 //   probs (nullable) [T, E] in the logits dtype; map (nullable) per map_kind; hist/bounds for
 //   qb_mode 1, alpha_out for qb_mode 2; w_out/id_out (nullable) [T, topk] fp32 / int32.
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     amdqb_router(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
                  int normalize, int softmax_pre, float scale, in_t* probs, void* map, int map_kind,
                  int qb_mode, int* hist, const float* bounds, int num_bins, float* alpha_out,
@@ -623,7 +300,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
       in_t raw[VPL];
       float s[VPL];
       load_row(row, lane, raw);
-      AMDQB_ROUTER_STAGE(0, to_f32(raw[0]) + to_f32(raw[VPL - 1]))
       scores_from_raw(raw, lane, s, softmax_pre, st);
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
@@ -635,9 +311,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
         }
       }
     }
-    AMDQB_ROUTER_STAGE(1, key[0] + key[VPL - 1])
-    select_top(key, nsel, lane, b);
-    AMDQB_ROUTER_STAGE(2, b.sid[lane])
+    select_top<CAP>(key, nsel, lane, b);
 #pragma unroll
     for (int q = 0; q < CAP / 32; ++q) {
       const int r = lane + 32 * q;
@@ -645,17 +319,16 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
     }
     warp_sync();
 
-    // Route cutoff (k-th element) and weights.
+    // Route cutoff (k-th element) and weights. The sums over the k routes run in the order of
+    // routes_sum: post-softmax torch.softmax's over the k selected logits, the sigmoid /
+    // sqrtsoftplus normalisation TE's.
     const i32 ck = b.skey[topk - 1], cid = b.sid[topk - 1];
     float denom = 1.0f, zmax = 0.0f;
     if (post_softmax) {
-      zmax = b.ss[0];
-      denom = 0.0f;
-      for (int r = 0; r < topk; ++r) denom += expf(b.ss[r] - zmax);
+      zmax = b.ss[0];  // the largest selected logit
+      denom = routes_sum(topk, lane, [&](int r) { return expf(b.ss[r] - zmax); });
     } else if (normalize) {
-      float sum = 0.0f;
-      for (int r = 0; r < topk; ++r) sum += b.ss[r];
-      denom = sum + 1e-20f;
+      denom = routes_sum(topk, lane, [&](int r) { return b.ss[r]; }) + 1e-20f;
     }
     auto weight = [&](float v) -> float {
       float p;
@@ -665,7 +338,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
         p = normalize ? v / denom : v;
       return p * scale;
     };
-    AMDQB_ROUTER_STAGE(3, denom + (float)ck)
 
     const auto base = [](int j) { return j * 32; };
     const auto valid = [&](int j) { return valid_slot(j, lane); };
@@ -711,10 +383,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(256, AMDQB_ROUTER_MIN_BLOCKS)
 //   3. warp 0 writes the k routes (weights from the same scores and the same sequential sum as
 //      amdqb_router, so both kernels give identical bits); the dense outputs and the fused QB
 //      bins are written by every thread for its own experts.
-#ifndef AMDQB_DECODE_EPW
-#define AMDQB_DECODE_EPW 128  // experts per warp (_ops.DECODE_EPW, which says why)
-#endif
-// ceil(E / EPW) logical warps, rounded up to an even count (whole 64-lane waves on wave64), <= 8
 constexpr int DEC_WARPS_RAW = (E + AMDQB_DECODE_EPW - 1) / AMDQB_DECODE_EPW;
 constexpr int DEC_WARPS_EVEN = DEC_WARPS_RAW > 1 ? (DEC_WARPS_RAW + 1) / 2 * 2 : 1;
 constexpr int DEC_WARPS = DEC_WARPS_EVEN < 8 ? DEC_WARPS_EVEN : 8;
@@ -742,19 +410,6 @@ AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int 
   return lo;
 }
 }  // namespace
-
-// -DAMDQB_DECODE_STOP=k (benchmarks only, bench/tune_router_occupancy.py): the kernel returns after
-// stage k (0 loads, 1 scores and keys, 2 per-warp selection, 3 merge), writing one value that
-// depends on the work so far -- the time of each stage, not a result.
-#if defined(AMDQB_DECODE_STOP)
-#define AMDQB_DECODE_STAGE(k, value)                             \
-  if (AMDQB_DECODE_STOP == k) {                                  \
-    if (tid < nsel && id_out != nullptr) id_out[t * topk + (tid % topk)] = (int)(value); \
-    return;                                                      \
-  }
-#else
-#define AMDQB_DECODE_STAGE(k, value)
-#endif
 
 // The router in its decode form: amdqb_router's arguments and outputs (probs, every routing map,
 // weights/ids, QB cutoff or fused histogram), bit for bit, for the element-wise scores (the op
@@ -788,7 +443,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     raw[j] = valid(j) ? row[e] : in_t(0);
     bv[j] = bias != nullptr && valid(j) ? bias[e] : 0.0f;
   }
-  AMDQB_DECODE_STAGE(0, to_f32(raw[0]) + bv[0])
   float s[DEC_EPT];
   activate(raw, valid, s);
   i32 key[DEC_EPT];
@@ -805,9 +459,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 
   const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
                       nullptr};
-  AMDQB_DECODE_STAGE(1, key[0] + key[DEC_EPT - 1])
-  select_top(key, nsel, lane, b);  // local ids; the merge maps them to global ids
-  AMDQB_DECODE_STAGE(2, b.sid[lane])
+  select_top<CAP>(key, nsel, lane, b);  // local ids; the merge maps them to global ids
   block_sync();
 
   // Only the outputs over every expert (dense probs / maps, the fused histogram) need the whole
@@ -872,11 +524,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     }
     block_sync();
   }
-  AMDQB_DECODE_STAGE(3, sh_top[tid % nsel])
 
   if (w == 0) {
     // Lane r % 32 holds the score of rank r (CAP / 32 registers); the normalisation sums them in
-    // rank order, as amdqb_router does, through shuffles rather than a chain of LDS loads.
+    // the order of routes_sum, as amdqb_router does.
     i32 id[CAP / 32];
     float v[CAP / 32];
 #pragma unroll
@@ -887,11 +538,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     }
     float denom = 1.0f;
     if (normalize) {
-      float sum = 0.0f;
+      float lane_sum = 0.0f;
 #pragma unroll
       for (int q = 0; q < CAP / 32; ++q)
-        for (int r = 32 * q; r < topk && r < 32 * q + 32; ++r) sum += shfl_f32(v[q], r - 32 * q);
-      denom = sum + 1e-20f;
+        if (lane + 32 * q < topk) lane_sum = q == 0 ? v[q] : lane_sum + v[q];
+      denom = warp_sum_f32(lane_sum) + 1e-20f;
     }
 #pragma unroll
     for (int q = 0; q < CAP / 32; ++q) {
@@ -930,28 +581,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 // the router's cutoffs, then flushes the non-zero bins with global atomics. Threads map to
 // (token, expert) with the expert fastest, so a warp reads runs of consecutive logits, and the
 // blocks of one slice walk the same token rows at about the same time (neighbouring blocks read
-// neighbouring 32-byte pieces of each row). Equal shares of the (group, token) plane per block,
-// which would keep all 132 SMs of an H200 busy at E = 896 instead of 112, measured slower: 14.1 /
-// 26.6 / 52.0 / 100.8 against 12.8 / 25.8 / 49.6 / 89.8 us for QB two-kernel at T = 1024 / 4096 /
-// 8192 / 16384 (bench/results/h200_2026-11-30_s7/call{2,3}): blocks starting mid-group read
-// their pieces of a row at different times, and shares spanning two groups flush twice.
-// Tokens are walked last to first (AMDQB_QB_HIST_REVERSE): the router before this pass ends on the
-// last tokens, whose logits the L2 cache may still hold when the logits exceed it. H200, QB
-// two-kernel at T = 1024 / 4096 / 16384: 11.8 / 24.2 / 85.4 us, first to last 11.7 / 24.4 / 89.1
-// (bench/results/h200_2026-11-30_s7/call4/tune.md).
-// Bins here come from the exact formula: the approximate-sigmoid fast path of the fused epilogue
-// (qb_bin_fast) needs per-token constants, and loading them (8 or 16 bytes per element instead of
-// the 4-byte cutoff) made this pass slower on the H200 (ncu at T=16384, E=896: 47 us with the
-// cutoff alone, 58 us with the 16-byte cut), while the sigmoid is branch-free here either way.
-// Grouping the fused epilogue's bins 8 at a time was slower (13.6 vs 12.6 us at T=256).
-// Dynamic shared memory: experts_per_block * num_bins ints. Block size: a multiple of
-// experts_per_block up to AMDQB_QB_HIST_MAX_BLOCK (_ops.QB_HIST_BLOCK; the tuner builds larger).
-#ifndef AMDQB_QB_HIST_MAX_BLOCK
-#define AMDQB_QB_HIST_MAX_BLOCK 1024
-#endif
-// vec = 4: each thread takes 4 consecutive experts of a token with one vector load (the host
-// passes it when E and experts_per_block are multiples of 4 and the logits 4-element aligned), so
-// the loads, the cutoff load and the address arithmetic are shared by 4 elements; vec = 1: one.
+// neighbouring 32-byte pieces of each row). Bins come from the exact formula (the fused
+// epilogue's fast path needs per-token constants, 8 or 16 bytes per token instead of the 4-byte
+// cutoff). Dynamic shared memory: experts_per_block * num_bins ints. Block size:
+// AMDQB_QB_HIST_BLOCK, a multiple of experts_per_block.
 namespace {
 struct alignas(4 * sizeof(in_t)) in_x4 {
   in_t v[4];
@@ -969,15 +602,8 @@ AMDQB_DEVICE in_t hist_raw(const in_x4& q, int v) { return q.v[v]; }
 AMDQB_DEVICE float hist_element(in_t q, int) { return to_f32(q); }
 AMDQB_DEVICE float hist_element(const in_x4& q, int v) { return to_f32(q.v[v]); }
 // The scores of one step go through activate: every element's fast sigmoid first, the rare
-// divisions after, so no slow-path CALL sits between two elements' arithmetic. H200, T=16384:
-// 96.7 vs 99.9 us for QB two-kernel end to end with one act_elementwise per element
-// (-DAMDQB_QB_HIST_TWO_PHASE=0, benchmarks only; bench/results/h200_2026-11-30_s6/call3). The
-// scalar form (8 elements per step) keeps one act_elementwise per element: there the same change
-// had measured slower (122 vs 111 us, bench/results/h200_2026-11-29_s5/call10).
-#ifndef AMDQB_QB_HIST_TWO_PHASE
-#define AMDQB_QB_HIST_TWO_PHASE 1
-#endif
-
+// divisions after, so no slow-path CALL sits between two elements' arithmetic (the scalar form
+// keeps one activation per element).
 template <int VEC, int UNROLL>
 AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int count, int step,
                                 int* lh, float lower, float scale, int num_bins) {
@@ -1000,7 +626,7 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int coun
     }
     logits += UNROLL * row_step;
     alpha += UNROLL * step;
-    if (AMDQB_QB_HIST_TWO_PHASE && VEC == 4) {  // compile-time
+    if (VEC == 4) {  // compile-time
       in_t flat[UNROLL * VEC];
       float sc[UNROLL * VEC];
 #pragma unroll
@@ -1033,24 +659,7 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int coun
 }
 }  // namespace
 
-// Tokens per step of the vector form (4 experts each), and the resident blocks per SM the
-// compiler must allow (NVIDIA). H200, QB two-kernel end to end (E=896, 1024 threads, 8 experts
-// per block): one block per SM (64 registers, no spill) against two (32 registers, spills) at
-// T = 1024 / 4096 / 8192 / 16384: 12.8 / 25.8 / 49.6 / 89.8 vs 13.2 / 26.9 / 51.3 / 93.1 us with
-// one expert group per block (bench/results/h200_2026-11-30_s7/call2/tune.md); 4 tokens per step
-// 12.9 / 26.5 / 51.2 / 91.0. As committed (dependent launch, reverse walk; call4): 11.7 / 24.0 /
-// 48.3 / 85.2 vs 14.2 / 32.1 / 57.9 / 105.1 with two blocks per SM. Earlier (s6/call4, 2 blocks,
-// T=4096 / 16384): 2 tokens 30.7 / 96.8, 8 tokens 34.5 / 114.0.
-#ifndef AMDQB_QB_HIST_UNROLL
-#define AMDQB_QB_HIST_UNROLL 2
-#endif
-#ifndef AMDQB_QB_HIST_MIN_BLOCKS
-#define AMDQB_QB_HIST_MIN_BLOCKS 1
-#endif
-#ifndef AMDQB_QB_HIST_REVERSE
-#define AMDQB_QB_HIST_REVERSE 1
-#endif
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST_MIN_BLOCKS)
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_BLOCK, AMDQB_QB_HIST_MIN_BLOCKS)
     amdqb_qb_hist(const in_t* logits, int num_tokens, const float* alpha, const float* bounds,
                   int num_bins, int experts_per_block, int tokens_per_slice, int vec, int* hist) {
 #if AMDQB_SCORE == AMDQB_SCORE_SIGMOID  // QB is sigmoid-only (the op refuses other scores)
@@ -1073,15 +682,14 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   const int rows_per_pass = nt / per_row;
   const int tt = tid / per_row;
   // Launched as the router's dependent (NVIDIA): the zeroing above overlaps the router's tail; the
-  // cutoffs are the router's output. (The bounds and logits come from earlier kernels.) H200, QB
-  // two-kernel at T = 1024 / 4096 / 16384: 11.8 / 24.2 / 85.4 us, as an ordinary launch 12.7 /
-  // 25.0 / 85.5 (bench/results/h200_2026-11-30_s7/call4/tune.md).
+  // cutoffs are the router's output. (The bounds and logits come from earlier kernels.)
   wait_for_prior_grid();
   if (tt < rows_per_pass && sub * vec < ne && t0 + tt < t1) {
     const int count = (int)((t1 - t0 - tt - 1) / rows_per_pass) + 1;  // this thread's tokens
-    // first token and stride of the walk: t0 + tt upwards, or its last token downwards
-    const i64 t = AMDQB_QB_HIST_REVERSE ? t0 + tt + (i64)(count - 1) * rows_per_pass : t0 + tt;
-    const int step = AMDQB_QB_HIST_REVERSE ? -rows_per_pass : rows_per_pass;
+    // Tokens are walked last to first: the router before this pass ends on the last tokens, whose
+    // logits the L2 may still hold when the logits exceed it.
+    const i64 t = t0 + tt + (i64)(count - 1) * rows_per_pass;
+    const int step = -rows_per_pass;
     int* h = lh + sub * vec * num_bins;
     const in_t* first = logits + t * E + e0 + sub * vec;
     if (vec == 4)  // uniform
@@ -1092,13 +700,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
   }
   block_sync();
 
-  // Non-zero bins only, each with one global atomic. A plain read-modify-write by the sole owner
-  // of a bin (one token slice) measured slower on the H200 (T=1024 / 16384: 15.5 / 98.9 vs 14.3 /
-  // 96.0 us, bench/results/h200_2026-11-30_s7/call1/tune.md): an atomic add returns nothing to wait
-  // for, a read-modify-write waits for its load. Starting the LDS rows from the global counts
-  // (loaded during the router's tail) and storing every bin back plainly was slower still: 12.86 /
-  // 26.34 / 85.90 vs 11.71 / 24.96 / 85.42 us at T = 1024 / 4096 / 16384
-  // (bench/results/h200_2026-11-30_s8/call6/tune.md).
+  // Non-zero bins only, each with one global atomic: an atomic add returns nothing to wait for,
+  // where a read-modify-write by a bin's sole owner waits for its load.
   int* block_hist = hist + (i64)e0 * num_bins;  // rows e0 .. e0 + ne - 1 are contiguous
   for (int i = tid; i < ne * num_bins; i += nt) {
     const int c = lh[i];
@@ -1112,7 +715,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_MAX_BLOCK, AMDQB_QB_HIST
 
 // fp32 scores exactly as amdqb_router computes them (softmax: over E), for tests and the oracle
 // comparison. One logical warp per token.
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(ROUTER_BLOCK)
     amdqb_scores(const in_t* logits, int num_tokens, float* out) {
   const int lane = lane_id();
   for (i64 t = (i64)blockIdx.x * WARPS + warp_in_block(); t < num_tokens;

@@ -45,6 +45,15 @@ extern amdqb_dim3 gridDim;
 
 #include <math.h>  // expf, log1pf, sqrtf, floorf, fmaxf in the global namespace, as on the GPU
 
+// The bounded sigmoid approximation (amdqb_activation.h): the host's exp2 is nearly exact, so the
+// emulator simulates a larger error instead -- a deterministic perturbation of up to 0.95 of a
+// 2^-14 bound, far beyond the rounding slack -- so that the CPU tests fail if a caller ever trusts
+// a result the bound does not cover (the fused QB epilogue's bin fast path).
+#define AMDQB_APPROX_SIGMOID_ERR (1.0f / 16384.0f)
+#define AMDQB_EMU_PERTURB_APPROX_SIGMOID(z, s) \
+  ((s) + ((float)((amdqb::float_bits(z) * 2654435761u) >> 8) * (1.0f / 16777216.0f) - 0.5f) * \
+             1.9f * AMDQB_APPROX_SIGMOID_ERR)
+
 namespace amdqb_emu {
 
 struct Warp {

@@ -15,7 +15,7 @@ AMDQB_EMU_REGISTER(amdqb_qb_hist)
 AMDQB_EMU_REGISTER(amdqb_router_decode)
 AMDQB_EMU_REGISTER(amdqb_scores)
 #elif defined(AMDQB_EMU_ROUTE)
-#include "route.hip"
+#include "layout.hip"
 AMDQB_EMU_REGISTER(amdqb_route_atomic_i32)
 AMDQB_EMU_REGISTER(amdqb_route_atomic_i64)
 AMDQB_EMU_REGISTER(amdqb_route_lds_i32)

@@ -48,7 +48,7 @@ class EmuRuntime:
 
     def _library(self, spec: _spec.ModuleSpec, which: str | None = None):
         if which is None:
-            which = {"router.hip": "AMDQB_EMU_ROUTER", "route.hip": "AMDQB_EMU_ROUTE"}[
+            which = {"router.hip": "AMDQB_EMU_ROUTER", "layout.hip": "AMDQB_EMU_ROUTE"}[
                 spec.kernel_file
             ]
         lib = self._libs.get((spec, which))

@@ -553,19 +553,20 @@ class GpuRuntime:
             kernel.fn, grid, int(block), int(smem), kernel.device_index, params.address
         )
 
-    def blocks_per_cu(self, kernel: Kernel, block: int, smem: int = 0) -> int:
+    def blocks_per_cu(self, kernel: Kernel, block: int, smem: int = 0) -> int | None:
         """Resident blocks of ``kernel`` per CU/SM (registers, LDS, waves), asked once per shape.
 
-        Only a launch-size hint: bindings that lack the query (or fail it) get the fallback."""
-        n = kernel.occupancy.get((block, smem))
-        if n is None:
+        Only a launch-size hint: None where the bindings lack the query or fail it (the launcher
+        then assumes ``hip.fallback_blocks_per_cu``)."""
+        key = (block, smem)
+        if key not in kernel.occupancy:
             try:
                 n = self.toolchain.blocks_per_cu(kernel.fn, block, smem, kernel.device_index)
+                n = max(1, int(n))
             except (HipBackendError, AttributeError, TypeError):
-                n = _spec.FALLBACK_BLOCKS_PER_CU
-            n = max(1, int(n))
-            kernel.occupancy[(block, smem)] = n
-        return n
+                n = None
+            kernel.occupancy[key] = n
+        return kernel.occupancy[key]
 
     def num_cus(self, device_index: int) -> int:
         return int(torch.cuda.get_device_properties(device_index).multi_processor_count)

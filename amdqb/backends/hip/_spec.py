@@ -28,32 +28,6 @@ REPO_SRC = _HERE.parents[2] / "hip_src"  # <repo>/hip_src (editable / source tre
 # Router kernels: compile-time codes.
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 SCORE_CODES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
-ROUTER_WARPS = 8  # logical warps (tokens in flight) per 256-thread router block
-ROUTER_BLOCK = 32 * ROUTER_WARPS
-ROUTER_CAP = 64  # largest Top-n the router selects (n = k, or k + 1 under QB)
-# Resident blocks per CU assumed where a runtime cannot answer the occupancy query.
-FALLBACK_BLOCKS_PER_CU = 2
-# Tile of the lds route kernel: ROUTE_BLOCK threads x ROUTE_ITEMS routes (AMDQB_ROUTE_BLOCK /
-# AMDQB_ROUTE_ITEMS in route.hip). The kernel is latency-bound (ncu, H200, 256 x 5 at M=8192
-# uniform: 2 warps per scheduler, one issue every 6.6 cycles, bench/results/h200_2026-11-30_s8/
-# call1/ncu.txt): more threads per block keep more loads and reservations in flight and leave each
-# thread fewer of the E reservations. H200, 2026-11-30, E=896 k=16 masked, graph replay
-# (bench/tune_router_occupancy.py --parts route -> bench/results/h200_2026-11-30_s8/call2/
-# tune.md), uniform at M = 8192 / 2517 / 512, then all-one-expert: 1024 x 2 4.23 / 3.70 / 3.52,
-# 4.37 / 4.35 / 4.30 us; 512 x 2 4.92 / 3.85 / 3.37, 3.82 / 3.68 / 3.63; 512 x 3 4.61 / 3.85 /
-# 3.51, 4.05 / 4.00 / 3.96; 256 x 5 (before) 5.01 / 4.15 / 3.88, 4.08 / 4.01 / 3.85; atomic 17.42
-# / 8.94 / 5.78, 100.96 / 34.38 / 10.86. Larger tiles lose on one expert (LDS atomics on one
-# address: 1024 x 4 5.72 us at M=8192). AMD targets build the same tile (16 wave64 / 32 wave32
-# waves per workgroup); no AMD timing exists to tune it there.
-ROUTE_ITEMS = 2
-ROUTE_BLOCK = 1024
-# 32-route chunks per deterministic tile (AMDQB_DET_ITEMS). H200, 2026-11-29 (tune align sweep,
-# bench/results/h200_2026-11-29_s5/call1/tune.md, E=896 k=16 block 64, graph replay): align at
-# items 16/32/64 = 11.33/11.76/13.49 us (M=2517), 14.04/12.48/13.60 us (M=8192); with the later
-# rank-pass changes 11.0 / 11.6 us at 32 (call9, and the bench in call11).
-DET_ITEMS = 32
-DET_TILE = 32 * DET_ITEMS
-SCAN_EXPERTS = 32  # experts per block of amdqb_route_det_scan (route.hip; 8 tile groups each)
 
 
 def source_root() -> Path:
@@ -75,9 +49,11 @@ class ModuleSpec:
     defines: tuple[tuple[str, str], ...] = ()
 
     def with_defines(self, *defines: tuple[str, str]) -> "ModuleSpec":
-        """The same module with more ``(name, value)`` compile-time constants (tests and tuning
-        sweeps build variants this way)."""
-        return ModuleSpec(self.kernel_file, self.defines + tuple(defines))
+        """The same module with ``(name, value)`` compile-time constants added or replaced
+        (tests build variants this way)."""
+        merged = dict(self.defines)
+        merged.update((name, str(value)) for name, value in defines)
+        return ModuleSpec(self.kernel_file, tuple(merged.items()))
 
     def define_flags(self) -> list[str]:
         return [f"-D{name}={value}" for name, value in self.defines]
@@ -87,16 +63,62 @@ class ModuleSpec:
         return "_".join([stem] + [f"{n.lower().replace('amdqb_', '')}{v}" for n, v in self.defines])
 
 
-ROUTE_MODULE = ModuleSpec("route.hip")
+# Compile-time constants of each module, from the architecture's config (``amdqb/configs``): the
+# launchers read the same entries for their grid arithmetic, and a kernel file #errors when one
+# of its constants is missing, so no value is written twice.
+def layout_module(cfg) -> ModuleSpec:
+    """layout.hip: route rows and align."""
+    return ModuleSpec(
+        "layout.hip",
+        (
+            ("AMDQB_ROUTE_BLOCK", str(int(cfg["hip.route.lds_block"]))),
+            ("AMDQB_ROUTE_ITEMS", str(int(cfg["hip.route.lds_items"]))),
+            ("AMDQB_DET_ITEMS", str(int(cfg["hip.route.det_items"]))),
+            ("AMDQB_SCAN_EXPERTS", str(int(cfg["hip.route.scan_experts"]))),
+        ),
+    )
 
 
-def router_module(num_experts: int, dtype_name: str, score_function: str) -> ModuleSpec:
+def det_tile(cfg) -> int:
+    """Routes per tile of the deterministic route / align passes (32-route chunks)."""
+    return 32 * int(cfg["hip.route.det_items"])
+
+
+def router_min_blocks(cfg, num_experts: int) -> int:
+    """Resident blocks per SM the router's build must allow at ``num_experts`` (NVIDIA)."""
+    for max_experts, blocks in cfg["hip.router.min_blocks"]:
+        if num_experts <= max_experts:
+            return int(blocks)
+    return 1
+
+
+def router_module(
+    num_experts: int,
+    dtype_name: str,
+    score_function: str,
+    cfg,
+    *,
+    min_blocks: int | None = None,
+    approximate: bool = False,
+) -> ModuleSpec:
+    """router.hip for one expert count, logits dtype and score function. ``min_blocks`` replaces
+    the config's register cap (the launcher's few-token build); ``approximate`` builds the opt-in
+    approximate activation instead of torch's exact one."""
+    blocks = router_min_blocks(cfg, num_experts) if min_blocks is None else min_blocks
     return ModuleSpec(
         "router.hip",
         (
             ("AMDQB_NUM_EXPERTS", str(int(num_experts))),
             ("AMDQB_IN_DTYPE", str(DTYPE_CODES[dtype_name])),
             ("AMDQB_SCORE", str(SCORE_CODES[score_function])),
+            ("AMDQB_APPROX_ACTIVATION", "1" if approximate else "0"),
+            ("AMDQB_ROUTER_WARPS", str(int(cfg["hip.router.warps"]))),
+            ("AMDQB_ROUTER_CAP", str(int(cfg["hip.router.cap"]))),
+            ("AMDQB_ROUTER_MIN_BLOCKS", str(int(blocks))),
+            ("AMDQB_DECODE_EPW", str(int(cfg["hip.router.decode_epw"]))),
+            ("AMDQB_QB_HIST_BLOCK", str(int(cfg["hip.qb_hist.block"]))),
+            ("AMDQB_QB_HIST_UNROLL", str(int(cfg["hip.qb_hist.unroll"]))),
+            ("AMDQB_QB_HIST_MIN_BLOCKS", str(int(cfg["hip.qb_hist.min_blocks"]))),
         ),
     )
 

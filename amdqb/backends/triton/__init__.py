@@ -1,29 +1,25 @@
 """The ``triton`` backend: portable Triton kernels for NVIDIA and AMD GPUs.
 
-Launchers live in the public modules of this folder (``router.py``, ``layout.py``); the
-``@triton.jit`` bodies live in the private ``_*_kernels.py`` modules; per-architecture launch
-configurations in ``configs.py``. On a machine without a GPU the kernels run only under
+One launcher module per op family (``router.py``, ``layout.py``, ``chunks.py``, ``qb.py``), the
+``@triton.jit`` bodies in the private ``_*_kernels.py`` modules; launch shapes come from the
+``triton.*`` entries of ``amdqb/configs``. On a machine without a GPU the kernels run only under
 ``TRITON_INTERPRET=1`` (the test suite sets it), which is how CI checks them against the oracles.
 """
 
 from __future__ import annotations
 
-import os
-
-from . import layout, router
+from . import chunks, layout, qb, router
+from ._common import interpreting
 from .router import score_values  # the router's own activations (tests compare on them)
 
-OPS = {**router.OPS, **layout.OPS}
-_UNSUPPORTED = {**router.UNSUPPORTED, **layout.UNSUPPORTED}
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_MODULES = (router, layout, chunks, qb)
+OPS = {name: fn for module in _MODULES for name, fn in module.OPS.items()}
+_UNSUPPORTED = {name: fn for module in _MODULES for name, fn in module.UNSUPPORTED.items()}
 
 
 def availability(info) -> tuple[bool, str]:
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError as exc:  # pragma: no cover - triton is a hard dependency
         return False, f"triton is not importable: {exc}"
     if info.vendor == "cpu":

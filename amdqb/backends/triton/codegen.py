@@ -51,3 +51,21 @@ def compile_spec(spec: KernelSpec, arch: str) -> dict:
         "expect_lds_atomics": spec.expect_lds_atomics,
         "isa_lines": isa.count("\n"),
     }
+
+
+_PTR = {"i32": "*i32", "i64": "*i64", "f32": "*fp32", "bf16": "*bf16", "f16": "*fp16"}
+
+
+def typed_spec(name, fn, ptrs, constexprs, num_warps, lds=False, notes="", ints=None) -> KernelSpec:
+    """A :class:`KernelSpec` with every pointer typed from ``ptrs`` (name -> short dtype), the
+    remaining runtime arguments i32 (or as ``ints`` says), constexprs as given."""
+    ints = ints or {}
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            sig[arg] = "constexpr"
+        elif arg in ptrs:
+            sig[arg] = _PTR[ptrs[arg]]
+        else:
+            sig[arg] = ints.get(arg, "i32")
+    return KernelSpec(name, fn, sig, constexprs, num_warps, lds, notes)

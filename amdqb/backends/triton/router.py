@@ -9,8 +9,7 @@ from PyTorch's by an ulp), and the QB histogram is bitwise the oracle's when the
 on :func:`score_values` (the kernels' own activations). ``two_kernel`` and ``fused_atomic`` give
 bitwise-identical histograms (same jit helpers, integer counts).
 
-Launch knobs live in :data:`CONFIGS` (one dict, per dispatch arch family, ``"default"`` first;
-the per-arch entries are empty until bench/ measurements exist):
+Launch knobs are the ``triton.router.*`` entries of ``amdqb/configs`` (per architecture family):
 
 * ``row_elems``: BT * W, the router tile per program (BT rows of W = next_pow2(E) columns); 1024
   gives one row per program at E=896, which keeps row reductions inside 2 warps and ~120 registers
@@ -42,46 +41,19 @@ atomics (identical counts, no private histogram) and ``"auto"`` picks fused_atom
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
+from ... import configs
 from . import _router_kernels as K
+from ._common import interpreting, on_device
 from .codegen import KernelSpec
 
 MAX_EXPERTS = 4096
-
-CONFIGS: dict[str, dict] = {
-    "default": {
-        "row_elems": 1024,
-        "pair_elems": 4096,
-        "pairs_per_warp": 2048,
-        "elems_per_warp": 512,
-        "max_warps": 8,
-        "max_cap": 128,
-        "tau_groups_min": 32,
-        "hist_lds_bytes": 32 * 1024,
-        "hist_iter_elems": 8192,
-        "hist_global_iter_elems": 1024,
-        "hist_tokens_per_prog": 2048,
-        "hist_max_slices": 16,
-        "hist_warps": 8,
-        "auto_two_kernel_min_tokens": 2048,
-        "bwd_row_elems": 2048,
-    },
-    # Untuned guesses until bench/ numbers exist: H100/H200 and MI300 start from the default.
-    "sm_90": {},
-    "sm_100": {},
-    "sm_80": {},
-    "gfx942": {},
-    "gfx950": {},
-    "gfx1250": {},
-}
 
 _SCORES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
 _MAPS = {"bytemap": 1, "bitmap": 2, "indices": 3}
@@ -91,30 +63,21 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _family(device: torch.device) -> str:
-    if device.type != "cuda":
-        return "default"
     from ... import dispatch
 
     return dispatch.device_info(device).arch_family
 
 
 def config(family: str) -> dict:
-    return {**CONFIGS["default"], **CONFIGS.get(family, {})}
+    """The ``triton.router.*`` entries of ``family`` without their prefix."""
+    cfg = configs.load(family)
+    prefix = "triton.router."
+    return {key[len(prefix) :]: cfg[key] for key in cfg.keys() if key.startswith(prefix)}
 
 
 def _warps(tile: int, cfg: dict) -> int:
     return max(1, min(cfg["max_warps"], tile // cfg["elems_per_warp"]))
-
-
-def _device_ctx(t: torch.Tensor):
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,7 +212,7 @@ def _histogram_probe(target) -> bool:
 
 def lds_histogram_is_per_element(device: torch.device) -> bool:
     """True where ``tl.histogram`` costs one shared-memory atomic per element on ``device``."""
-    if device.type != "cuda" or _interpreting():
+    if device.type != "cuda" or interpreting():
         return True
     try:
         with torch.cuda.device(device):
@@ -362,7 +325,7 @@ def router_fwd(
     else:
         map_kwargs = {"ids": map_out, "map_code": map_code}
     common = dict(score=score, pre=pre, renorm=renorm, bias=expert_bias, scaling=scaling_factor)
-    with _device_ctx(logits):
+    with on_device(logits):
         if not use_qb:
             _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common)
             return
@@ -426,7 +389,7 @@ def biased_topk(
         return
     plan = plan_router(E, topk, False, num_groups, group_topk, _family(logits.device))
     score = _SCORES[score_function]
-    with _device_ctx(logits):
+    with on_device(logits):
         _launch_router(
             logits,
             plan,
@@ -464,7 +427,7 @@ def router_bwd(
         return
     W, BT, warps = _bwd_tile(E, _family(logits.device))
     score = _SCORES[score_function]
-    with _device_ctx(logits):
+    with on_device(logits):
         K._router_bwd_kernel[(triton.cdiv(T, BT),)](
             grad_probs,
             logits,
@@ -495,7 +458,7 @@ def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
     if T == 0:
         return out
     plan = plan_router(E, 1, False, None, None, _family(logits2d.device))
-    with _device_ctx(logits2d):
+    with on_device(logits2d):
         K._scores_kernel[(triton.cdiv(T, plan.BT),)](
             logits2d.contiguous(),
             out,

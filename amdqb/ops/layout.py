@@ -1,6 +1,6 @@
 """Route rows for expert-grouped GEMM and vLLM's ``moe_align_block_size``.
 
-Contract (see ``amdqb.ref.route``): ids outside ``[0, E)`` are dropped (row ``-1``, no slot); each
+Contract (see ``amdqb.ref.layout``): ids outside ``[0, E)`` are dropped (row ``-1``, no slot); each
 valid route claims a unique slot ``counters[e] + rank``; ``capacity`` gives the masked layout
 ``row = e * capacity + slot`` (slots ``>= capacity`` dropped), ``capacity=None`` the compact
 expert-major layout. The order inside an expert is unspecified unless ``deterministic=True``
@@ -22,44 +22,32 @@ from typing import Optional
 
 import torch
 
-from .. import dispatch
+from .. import configs, dispatch
 from .._library import impl, kernel_op
 from ..dispatch import DeviceInfo
-from ..ref.route import align_buffer_sizes
+from ..ref.layout import align_buffer_sizes
 from ._checks import INT32_MAX, ID_DTYPES, check_choice, check_int, check_tensor
 
 ROUTE_IMPLS = ("atomic", "lds")
 LDS_MAX_EXPERTS = 4096
 
-# Minimum routes (M * k) for the lds path, per architecture family, as multiples of the seed's
-# bucket sweep 256 * S * max(4, 2S) with S = ceil(E / 256). gfx1250 is the seed's measured gate
-# (aiter PR, MI455). Other entries record their own measurement; see bench/results/.
-ROUTE_GATE_SCALE: dict[str, tuple[float, str]] = {
-    "gfx1250": (1.0, "seed 004: measured on MI455/gfx1250 (aiter route-rows PR)"),
-    # H200 2026-11-30 (bench/tune_router_occupancy.py --parts gate -> bench/results/
-    # h200_2026-11-30_s8/call3/tune.md; hip backend, lds tile 1024 x 2, k=16, uniform ids, graph
-    # replay): lds is ahead at every size measured, M = 8 ... 2048 for E = 256 / 896 / 2048, in
-    # both layouts -- atomic / lds = 1.50x masked, 1.20x compact at M=8, E=896 (4.91 / 3.26 us,
-    # 7.76 / 6.46 us), rising to 2.24x / 1.57x at M=2048; the atomic path's counter snapshot and
-    # finalize pass cost more than the reservations save. No crossover: lds from the first route.
-    "sm_90": (0.0, "measured on an H200: lds ahead at every size (tune gate sweep)"),
-}
-_DEFAULT_GATE = (1.0, "not measured on this architecture: the seed's gfx1250 gate")
 
-
-def lds_route_threshold(num_experts: int, arch_family: str = "gfx1250") -> int:
-    """Smallest route count for which the gate picks ``lds`` on ``arch_family``."""
+def lds_route_threshold(num_experts: int, cfg) -> int:
+    """Smallest route count for which the capacity gate picks ``lds``: ``route.lds_gate_scale``
+    times the seed's bucket sweep ``256 * S * max(4, 2S)``, ``S = ceil(E / 256)`` (seed 004; the
+    scale is 1 on gfx1250, the seed's measured gate, and 0 on sm_90, where lds measured ahead at
+    every size)."""
     sweeps = -(-num_experts // 256)
-    scale, _ = ROUTE_GATE_SCALE.get(arch_family, _DEFAULT_GATE)
-    return int(256 * sweeps * max(4, 2 * sweeps) * scale)
+    return int(256 * sweeps * max(4, 2 * sweeps) * cfg["route.lds_gate_scale"])
 
 
 def route_impl(info: DeviceInfo, num_routes: int, num_experts: int) -> tuple[str, str]:
     """(impl, reason) chosen by the capacity gate for this device and problem size."""
     if num_experts > LDS_MAX_EXPERTS:
         return "atomic", f"E={num_experts} > {LDS_MAX_EXPERTS}: beyond the LDS histogram"
-    threshold = lds_route_threshold(num_experts, info.arch_family)
-    _, source = ROUTE_GATE_SCALE.get(info.arch_family, _DEFAULT_GATE)
+    cfg = configs.load(info.arch_family)
+    threshold = lds_route_threshold(num_experts, cfg)
+    source = f"route.lds_gate_scale of {cfg.arch}: {cfg.entry('route.lds_gate_scale').provenance}"
     if num_routes >= threshold:
         return "lds", f"M*k={num_routes} >= {threshold} ({source})"
     return "atomic", f"M*k={num_routes} < {threshold} ({source})"

@@ -1,6 +1,6 @@
 // Route rows: give every route (t, j) of topk_ids a unique slot of its expert.
 //
-// Contract (amdqb.ref.route): ids outside [0, E) are dropped (row -1, claim nothing); a valid route
+// Contract (amdqb.ref.layout): ids outside [0, E) are dropped (row -1, claim nothing); a valid route
 // to expert e claims slot counters[e] + rank (counters are the caller's offsets, updated in place);
 // masked layout (capacity >= 0): row = e * capacity + slot, slots >= capacity dropped (row -1);
 // compact layout (capacity < 0 here): the route kernels store the slot and
@@ -16,14 +16,16 @@
 
 using namespace amdqb;
 
-#ifndef AMDQB_ROUTE_ITEMS
-#define AMDQB_ROUTE_ITEMS 2  // routes per thread of the lds kernel (_spec.ROUTE_ITEMS says why)
+// Compile-time constants (-D, from the hip.route.* entries of amdqb/configs via
+// amdqb.backends.hip._spec.layout_module; the launchers' grid arithmetic reads the same entries):
+//   AMDQB_ROUTE_BLOCK   threads per block of the lds kernel     AMDQB_ROUTE_ITEMS  routes per thread
+//   AMDQB_DET_ITEMS     32-route chunks per deterministic tile  AMDQB_SCAN_EXPERTS experts per scan
+#if !defined(AMDQB_ROUTE_BLOCK) || !defined(AMDQB_ROUTE_ITEMS) || !defined(AMDQB_DET_ITEMS) || \
+    !defined(AMDQB_SCAN_EXPERTS)
+#error "layout.hip needs -DAMDQB_ROUTE_BLOCK, AMDQB_ROUTE_ITEMS, AMDQB_DET_ITEMS, AMDQB_SCAN_EXPERTS"
 #endif
-#ifndef AMDQB_ROUTE_BLOCK
-#define AMDQB_ROUTE_BLOCK 1024  // threads per block of the lds kernel (= _spec.ROUTE_BLOCK)
-#endif
-#ifndef AMDQB_DET_ITEMS
-#define AMDQB_DET_ITEMS 32  // 32-route chunks per deterministic tile (_spec.DET_ITEMS says why)
+#if 256 % AMDQB_SCAN_EXPERTS != 0
+#error "AMDQB_SCAN_EXPERTS must divide the scan block of 256 threads"
 #endif
 
 namespace {
@@ -250,8 +252,8 @@ AMDQB_ROUTE_KERNELS(i64, i64)
 // group has no more tiles than that, i.e. up to 128 tiles: M = 8192, k = 16 gives 128 tiles of
 // 1024 routes): a serial walk over the tiles would cost one L2 round trip per tile (the H200
 // profile of a batched-but-serial form: 6.8 us for 64 tiles).
-constexpr int SCAN_EXPERTS = 32;  // consecutive experts: a warp reads 128 contiguous bytes
-constexpr int SCAN_GROUPS = 8;    // tile groups per expert (blockDim.x = 256)
+constexpr int SCAN_EXPERTS = AMDQB_SCAN_EXPERTS;  // consecutive experts (32: a warp reads 128 bytes)
+constexpr int SCAN_GROUPS = 256 / SCAN_EXPERTS;    // tile groups per expert (blockDim.x = 256)
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
     amdqb_route_det_scan(int num_tiles, int num_experts, int* tile_counts, const int* start,
                          int* totals) {
@@ -388,7 +390,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
 }
 
 // ---- moe_align_block_size -------------------------------------------------------------------------
-// vLLM's layout with a deterministic order (amdqb.ref.route.moe_align_block_size): each expert's
+// vLLM's layout with a deterministic order (amdqb.ref.layout.moe_align_block_size): each expert's
 // routes, ascending flat index, start at the exclusive cumsum of the padded counts
 // ceil(count / block_size) * block_size; sorted_ids holds flat route indices and the sentinel n
 // elsewhere; expert_ids[j] is the expert owning rows [j * block_size, (j + 1) * block_size), 0 past
@@ -407,19 +409,6 @@ AMDQB_DEVICE u32 padded_count(int count, int block_size) {
   return (b & (b - 1)) == 0 ? (c + b - 1) & ~(b - 1) : (c + b - 1) / b * b;
 }
 
-// -DAMDQB_ALIGN_STOP=k (benchmarks only, bench/tune_router_occupancy.py): the rank pass returns
-// after stage k (-1 none: the bare launch, 0 staging and padded starts, 1 per-warp counts, 2 first
-// slots, 3 ranks), writing one value that depends on the work so far -- the time of each stage.
-#if defined(AMDQB_ALIGN_STOP)
-#define AMDQB_ALIGN_STAGE(k, value)                            \
-  if (AMDQB_ALIGN_STOP == k) {                                 \
-    if (tid == 0) post_pad[blockIdx.x & 0] = (int)(value);     \
-    return;                                                    \
-  }
-#else
-#define AMDQB_ALIGN_STAGE(k, value)
-#endif
-
 template <typename IdT>
 AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_size,
                              const int* tile_base, const int* totals, int* sorted_ids,
@@ -436,7 +425,6 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   int* next = lds + num_experts;              // [W][E]: per-warp counts, then running slots
   int* tile_ex = next + warps * num_experts;  // [TILE]: expert of each route (-1: dropped)
   const i64 tile0 = (i64)blockIdx.x * TILE;
-  AMDQB_ALIGN_STAGE(-1, tile0)
   // The tile's experts first: the ids come from earlier kernels, so they load while the scan this
   // pass is launched after (as its dependent) finishes; its outputs (tile_base, totals) after the
   // wait. The tile's first slots of this thread's first PF experts load now with everything else
@@ -459,7 +447,6 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   for (int i = tid; i < warps * num_experts; i += nt) next[i] = 0;
   block_sync();
   const i64 total = (i64)start[num_experts - 1] + padded_count(totals[num_experts - 1], block_size);
-  AMDQB_ALIGN_STAGE(0, total + tile_ex[tid])
 
   // Per-warp counts of the warp's run of the tile.
   const int chunks = AMDQB_DET_ITEMS / warps;
@@ -470,7 +457,6 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
     if (e >= 0) atomic_add_shared(&mine[e], 1);
   }
   block_sync();
-  AMDQB_ALIGN_STAGE(1, next[tid])
 
   // First slot of every (warp, expert): padded start + earlier tiles + earlier warps of the tile
   // (the warp loop unrolled so that its LDS loads go out together).
@@ -490,7 +476,6 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
     if (tid + u * nt < num_experts) first_slots(tid + u * nt, tb[u]);
   for (int e = tid + PF * nt; e < num_experts; e += nt) first_slots(e, my_base[e]);
   block_sync();
-  AMDQB_ALIGN_STAGE(2, next[tid])
 
   // Ranks in flat order, 32 routes at a time: the lowest peer advances the expert's slot. (Finding
   // the peer sets of 4 chunks ahead of the slot updates was slower on the H200: 2.9 vs 1.9 us for
@@ -502,7 +487,6 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
     if (e >= 0) sorted_ids[slot] = (int)(tile0 + k);
     warp_sync();  // mine[] updates visible to the next chunk's leaders
   }
-  AMDQB_ALIGN_STAGE(3, mine[lane])
 
   // This block's slice of expert_ids: the last expert whose padded start is at or before the
   // block's first row (empty experts share the next one's start, so the last is the owner).

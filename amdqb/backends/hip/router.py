@@ -1,0 +1,341 @@
+"""hip launchers of the routers: ``router_fwd`` (TransformerEngine's fused router with its QB
+histogram) and ``biased_topk`` (``hip_src/kernels/router.hip``; signatures of ``amdqb.backends``).
+
+Precision and tie-break contract: the one of ``amdqb.ref.router`` -- fp32 math without
+contraction, selection by (value descending, expert id ascending) with NaN lowest, the QB cutoff
+the (k+1)-th of that order; probs rounded to the logits dtype (nearest even). Both QB histogram
+modes give bitwise-identical histograms.
+
+Kernels and when each runs:
+
+* ``amdqb_router`` -- one logical warp per token, a persistent grid of one wave of resident blocks;
+* ``amdqb_router_decode`` -- one block per token, for element-wise scores up to
+  ``hip.router.decode_max_tokens`` tokens (``..._fused`` with the fused QB histogram,
+  ``hip.biased_topk.decode_max_tokens`` for ``biased_topk``): the same outputs bit for bit;
+* ``amdqb_qb_hist`` -- the second kernel of ``qb_histogram_mode="two_kernel"``, launched as the
+  router's dependent where ``hip.qb_hist.dependent_launch`` says so.
+
+Launch shapes and thresholds are the ``hip.router.*`` / ``hip.qb_hist.*`` /
+``hip.biased_topk.*`` entries of the device's config (``amdqb/configs``); the module's compile-time
+constants come from the same entries (``_spec.router_module``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _spec
+from ._common import cdiv, config, dev, ptr
+from ._spec import arg_f32, arg_i32
+
+# Limits of this backend (``unsupported`` declines beyond them; the next backend runs the op).
+MAX_ROUTER_EXPERTS = 4096  # experts per lane live in registers (spills beyond ~2048)
+MAX_QB_BINS = 12288  # one LDS histogram row of the two-kernel mode within 48 KiB
+
+_MAP_KINDS = {"bytemap": 1, "bitmap": 2}
+_INDEX_KINDS = {torch.int16: 3, torch.int32: 4, torch.int64: 5}
+_QB_MODES = {None: 0, "fused_atomic": 1, "two_kernel": 2}
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def max_select(cfg) -> int:
+    """The largest Top-n the router selects (n = k, or k + 1 under QB)."""
+    return int(cfg["hip.router.cap"])
+
+
+def router_block(cfg) -> int:
+    """Threads per block of amdqb_router: one logical warp of 32 per token in flight."""
+    return 32 * int(cfg["hip.router.warps"])
+
+
+def router_spec(logits, score_function, cfg, rt=None, tokens=None) -> _spec.ModuleSpec:
+    """The router module for these logits. On runtimes whose launch bounds cap registers by
+    resident blocks (NVIDIA), up to ``hip.router.few_tokens`` tokens and 256 < E <= 1024 it is the
+    build for ``hip.router.few_tokens_min_blocks`` resident blocks (no spill: the grid has little
+    use for more). Both builds compute the same bits."""
+    num_experts = logits.shape[1]
+    min_blocks = None
+    if (
+        tokens is not None
+        and tokens <= cfg["hip.router.few_tokens"]
+        and 256 < num_experts <= 1024
+        and getattr(rt, "caps_registers_by_blocks", False)
+    ):
+        min_blocks = cfg["hip.router.few_tokens_min_blocks"]
+    return _spec.router_module(
+        num_experts, _DTYPE_NAMES[logits.dtype], score_function, cfg, min_blocks=min_blocks
+    )
+
+
+def _router_grid(rt, cfg, kernel, device, tokens):
+    # Persistent warps: one wave of resident blocks (as many per CU as registers and LDS allow, so
+    # no second, partial wave), each warp looping over tokens; runtimes without an occupancy query
+    # (the CPU emulator) assume hip.fallback_blocks_per_cu.
+    query = getattr(rt, "blocks_per_cu", None)
+    per_cu = query(kernel, router_block(cfg), 0) if query is not None else None
+    per_cu = per_cu or cfg["hip.fallback_blocks_per_cu"]
+    return max(1, min(cdiv(tokens, cfg["hip.router.warps"]), rt.num_cus(device) * per_cu))
+
+
+def auto_qb_mode(tokens: int, num_experts: int, cfg) -> str:
+    """``qb_histogram_mode="auto"``: fused atomics while T*E is at most
+    ``hip.router.qb_auto_fused_max_updates``, LDS-privatised two-kernel histograms beyond."""
+    fused = tokens * num_experts <= cfg["hip.router.qb_auto_fused_max_updates"]
+    return "fused_atomic" if fused else "two_kernel"
+
+
+def _check_selection(topk: int, nsel: int, num_experts: int, cfg) -> None:
+    """The kernels' limits (the op validated the arguments; these guard direct calls)."""
+    cap = max_select(cfg)
+    if not 1 <= topk <= nsel <= min(cap, num_experts):
+        raise ValueError(
+            f"hip router selects 1 <= topk <= n <= min({cap}, E={num_experts}), "
+            f"got topk={topk}, n={nsel}"
+        )
+    if num_experts > MAX_ROUTER_EXPERTS:
+        raise ValueError(f"hip router supports E <= {MAX_ROUTER_EXPERTS}, got {num_experts}")
+
+
+def decode_threads(num_experts: int, cfg) -> int:
+    """Block size of amdqb_router_decode: ceil(E / hip.router.decode_epw) logical warps, rounded
+    up to an even count (whole waves on wave64 targets), at most 8 (router.hip derives the same
+    from AMDQB_DECODE_EPW)."""
+    warps = cdiv(num_experts, cfg["hip.router.decode_epw"])
+    if warps > 1:
+        warps += warps & 1
+    return 32 * min(8, warps)
+
+
+def _launch_router(
+    rt,
+    cfg,
+    logits,
+    score_function,
+    expert_bias,
+    topk,
+    nsel,
+    normalize,
+    softmax_pre,
+    scale,
+    probs,
+    map_out,
+    map_kind,
+    qb_mode,
+    hist,
+    bounds,
+    num_bins,
+    alpha,
+    w_out,
+    id_out,
+    decode_max_tokens=0,
+):
+    """amdqb_router (one warp per token), or its decode form amdqb_router_decode (one block per
+    token) for element-wise scores and at most ``decode_max_tokens`` tokens; same outputs, bit
+    for bit. Returns the module spec it launched from (the QB histogram pass comes from it too)."""
+    tokens, num_experts = logits.shape
+    _check_selection(topk, nsel, num_experts, cfg)
+    device = dev(logits)
+    spec = router_spec(logits, score_function, cfg, rt, tokens)
+    args = [
+        ptr(logits),
+        arg_i32(tokens),
+        ptr(expert_bias),
+        arg_i32(topk),
+        arg_i32(nsel),
+        arg_i32(1 if normalize else 0),
+        arg_i32(1 if softmax_pre else 0),
+        arg_f32(scale),
+        ptr(probs),
+        ptr(map_out),
+        arg_i32(map_kind),
+        arg_i32(qb_mode),
+        ptr(hist),
+        ptr(bounds),
+        arg_i32(num_bins),
+        ptr(alpha),
+        ptr(w_out),
+        ptr(id_out),
+    ]
+    if score_function != "softmax" and tokens <= decode_max_tokens:
+        k = rt.kernel(device, spec, "amdqb_router_decode")
+        rt.launch(k, tokens, decode_threads(num_experts, cfg), 0, args)
+    else:
+        k = rt.kernel(device, spec, "amdqb_router")
+        rt.launch(k, _router_grid(rt, cfg, k, device, tokens), router_block(cfg), 0, args)
+    return spec
+
+
+def qb_hist_config(
+    num_experts: int, num_bins: int, tokens: int, smem_budget: int, cus: int, cfg
+) -> tuple[int, int, int]:
+    """(experts_per_block, token_slices, tokens_per_slice) of the two-kernel histogram pass.
+    Every block zeroes and flushes its [experts, B] LDS histogram (one global atomic per non-zero
+    bin), so fewer, larger blocks flush less; more blocks keep more loads in flight."""
+    if num_bins * 4 > smem_budget:
+        raise ValueError(f"num_bins={num_bins} does not fit one LDS histogram row")
+    epb = cfg["hip.qb_hist.max_experts_per_block"]
+    while epb > 1 and epb * num_bins * 4 > smem_budget:
+        epb //= 2
+    gx = cdiv(num_experts, epb)
+    slices = max(1, min(cdiv(cfg["hip.qb_hist.blocks_per_cu"] * cus, gx), cdiv(tokens, 256)))
+    per = cdiv(tokens, slices)
+    return epb, cdiv(tokens, per), per
+
+
+def qb_hist_vec(logits, epb: int, cfg) -> int:
+    """``hip.qb_hist.vec`` (4) where the histogram pass may read 4 experts with one vector load:
+    E and the experts per block multiples of it and the logits aligned to it; 1 otherwise."""
+    vec = cfg["hip.qb_hist.vec"]
+    aligned = logits.data_ptr() % (vec * logits.element_size()) == 0
+    return vec if vec > 1 and logits.shape[1] % vec == 0 and epb % vec == 0 and aligned else 1
+
+
+def router_fwd(
+    rt,
+    logits,
+    topk,
+    score_function,
+    use_pre_softmax,
+    num_groups,
+    group_topk,
+    scaling_factor,
+    expert_bias,
+    probs_out,
+    map_out,
+    map_kind,
+    qb_histogram,
+    qb_bin_bounds,
+    qb_mode,
+):
+    if num_groups is not None:
+        raise NotImplementedError("hip router: grouped Top-k is declined via unsupported()")
+    tokens, num_experts = logits.shape
+    if tokens == 0:
+        return
+    cfg = config(logits)
+    qb = qb_histogram is not None
+    if qb and score_function != "sigmoid":  # the op refuses it; this guards direct calls
+        raise ValueError(f"hip router: QB supports sigmoid only, got {score_function!r}")
+    if qb and qb_mode == "auto":
+        qb_mode = auto_qb_mode(tokens, num_experts, cfg)
+    if qb and not qb_bin_bounds.is_contiguous():  # the kernels read bounds[0], bounds[1]
+        qb_bin_bounds = qb_bin_bounds.contiguous()
+    kind = _INDEX_KINDS[map_out.dtype] if map_kind == "indices" else _MAP_KINDS[map_kind]
+    softmax = score_function == "softmax"
+    num_bins = qb_histogram.shape[1] if qb else 0
+    alpha = None
+    if qb and qb_mode == "two_kernel":  # the router's cutoff alpha of every token
+        alpha = torch.empty(tokens, dtype=torch.float32, device=logits.device)
+    fused = qb and qb_mode == "fused_atomic"
+    spec = _launch_router(
+        rt,
+        cfg,
+        logits,
+        score_function,
+        expert_bias,
+        topk,
+        topk + 1 if qb else topk,
+        normalize=(not softmax) and topk > 1,
+        softmax_pre=softmax and bool(use_pre_softmax),
+        scale=1.0 if scaling_factor is None else scaling_factor,
+        probs=probs_out,
+        map_out=map_out,
+        map_kind=kind,
+        qb_mode=_QB_MODES[qb_mode if qb else None],
+        hist=qb_histogram,
+        bounds=qb_bin_bounds,
+        num_bins=num_bins,
+        alpha=alpha,
+        w_out=None,
+        id_out=None,
+        decode_max_tokens=cfg[
+            "hip.router.decode_max_tokens_fused" if fused else "hip.router.decode_max_tokens"
+        ],
+    )
+    if alpha is not None:
+        device = dev(logits)
+        epb, slices, per = qb_hist_config(
+            num_experts, num_bins, tokens, rt.smem_budget(device), rt.num_cus(device), cfg
+        )
+        k = rt.kernel(device, spec, "amdqb_qb_hist")
+        launch = rt.launch_dependent if cfg["hip.qb_hist.dependent_launch"] else rt.launch
+        launch(
+            k,
+            (cdiv(num_experts, epb), slices),
+            cfg["hip.qb_hist.block"],
+            4 * epb * num_bins,
+            [
+                ptr(logits),
+                arg_i32(tokens),
+                ptr(alpha),
+                ptr(qb_bin_bounds),
+                arg_i32(num_bins),
+                arg_i32(epb),
+                arg_i32(per),
+                arg_i32(qb_hist_vec(logits, epb, cfg)),
+                ptr(qb_histogram),
+            ],
+        )
+
+
+def biased_topk(
+    rt,
+    logits,
+    topk,
+    expert_bias,
+    score_function,
+    renormalize,
+    scaling_factor,
+    num_groups,
+    group_topk,
+    weights_out,
+    ids_out,
+):
+    if num_groups is not None:
+        raise NotImplementedError("hip biased_topk: grouped Top-k is declined via unsupported()")
+    if logits.shape[0] == 0:
+        return
+    cfg = config(logits)
+    _launch_router(
+        rt,
+        cfg,
+        logits,
+        score_function,
+        expert_bias,
+        topk,
+        topk,
+        normalize=bool(renormalize),
+        softmax_pre=True,  # serving softmax: over all experts, then Top-k
+        scale=1.0 if scaling_factor is None else scaling_factor,
+        probs=None,
+        map_out=None,
+        map_kind=0,
+        qb_mode=0,
+        hist=None,
+        bounds=None,
+        num_bins=0,
+        alpha=None,
+        w_out=weights_out,
+        id_out=ids_out,
+        decode_max_tokens=cfg["hip.biased_topk.decode_max_tokens"],
+    )
+
+
+def score_values(rt, logits2d, score_function, extra_defines=()):
+    """fp32 ``[T, E]`` scores exactly as the router kernel computes them (softmax: over E).
+    ``extra_defines``: more ``(name, value)`` compile-time constants (tests build variants)."""
+    tokens = logits2d.shape[0]
+    out = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
+    if tokens:
+        cfg = config(logits2d)
+        device = dev(logits2d)
+        spec = router_spec(logits2d, score_function, cfg).with_defines(*extra_defines)
+        k = rt.kernel(device, spec, "amdqb_scores")
+        rt.launch(
+            k,
+            _router_grid(rt, cfg, k, device, tokens),
+            router_block(cfg),
+            0,
+            [ptr(logits2d), arg_i32(tokens), ptr(out)],
+        )
+    return out

@@ -1,0 +1,26 @@
+"""Helpers shared by the Triton launchers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def on_device(t: torch.Tensor):
+    """Launch on ``t``'s device whatever the current device is (Triton uses the current one)."""
+    if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()

@@ -1,0 +1,103 @@
+"""Triton launchers of the fused chunk sort + pad and its inverse (TE PR #3509 semantics).
+Kernel bodies: ``_chunk_kernels.py``.
+
+* ``chunk_row_map`` -- 1 launch (C <= 1024 chunks: tables rebuilt in registers per program), else
+  2 (prefix table + binary search);
+* ``chunk_copy`` -- 1 launch (``[rows, H]`` tiles, 16-byte accesses when H allows; tile size from
+  the ``triton.chunks.*`` config entries).
+
+Copies are exact; element offsets are 64-bit. Nothing reads device metadata on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ... import configs
+from . import _chunk_kernels as K
+from ._common import on_device, pow2
+from .codegen import typed_spec
+
+CHUNK_MAP_MAX_REG = 1024  # chunks handled in registers by the single-launch row map
+
+
+def chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out):
+    p = row_map_out.numel()
+    if p == 0:
+        return
+    c = split_sizes.numel()
+    with on_device(row_map_out):
+        if c <= CHUNK_MAP_MAX_REG:
+            c_pad = pow2(c)
+            bp = max(16, min(1024, 8192 // c_pad, pow2(p)))
+            K._chunk_map_kernel[(triton.cdiv(p, bp),)](
+                split_sizes, sorted_indices, output_split_sizes, row_map_out, c, p,
+                BP=bp, C_PAD=c_pad, num_warps=4,
+            )  # fmt: skip
+            return
+        table = torch.empty(2 * c, dtype=torch.int64, device=row_map_out.device)
+        K._chunk_prefix_kernel[(1,)](
+            split_sizes, output_split_sizes, table, c, CHUNK=4096, num_warps=8
+        )
+        bp = min(1024, pow2(p))
+        K._chunk_map_search_kernel[(triton.cdiv(p, bp),)](
+            split_sizes, sorted_indices, output_split_sizes, table, row_map_out, c, p,
+            BP=bp, STEPS=(c + 1).bit_length(), num_warps=4,
+        )  # fmt: skip
+
+
+def _copy_tiles(rows: int, hidden: int, cfg) -> tuple[int, int]:
+    bh = min(pow2(hidden), 4096)
+    br = max(1, min(cfg["triton.chunks.copy_tile"] // bh, pow2(rows)))
+    return br, bh
+
+
+def chunk_copy(src, row_map, dst, reverse):
+    p = row_map.numel()
+    hidden = 1
+    for size in src.shape[1:]:
+        hidden *= size
+    if p == 0 or hidden == 0:
+        return
+    cfg = configs.for_device(src.device)
+    br, bh = _copy_tiles(p, hidden, cfg)
+    with on_device(src):
+        K._chunk_copy_kernel[(triton.cdiv(p, br), triton.cdiv(hidden, bh))](
+            src, row_map, dst, p, hidden, BR=br, BH=bh, REVERSE=bool(reverse),
+            num_warps=cfg["triton.chunks.copy_warps"],
+        )  # fmt: skip
+
+
+OPS = {"chunk_row_map": chunk_row_map, "chunk_copy": chunk_copy}
+UNSUPPORTED: dict = {}
+
+
+def codegen_specs() -> list:
+    """Every chunk kernel at the seed shapes (H=2048 bf16, 128 chunks)."""
+    return [
+        typed_spec(
+            "chunk_map_c128", K._chunk_map_kernel,
+            {"sizes_ptr": "i64", "order_ptr": "i64", "out_sizes_ptr": "i64", "map_ptr": "i32"},
+            dict(BP=64, C_PAD=128), 4,
+        ),
+        typed_spec(
+            "chunk_prefix", K._chunk_prefix_kernel,
+            {"sizes_ptr": "i32", "out_sizes_ptr": "i32", "table_ptr": "i64"}, dict(CHUNK=4096), 8,
+        ),
+        typed_spec(
+            "chunk_map_search", K._chunk_map_search_kernel,
+            {**i32("sizes_ptr", "order_ptr", "out_sizes_ptr", "map_ptr"), "table_ptr": "i64"},
+            dict(BP=1024, STEPS=13), 4,
+        ),
+        typed_spec(
+            "chunk_copy_fwd_bf16_h2048", K._chunk_copy_kernel,
+            {"src_ptr": "bf16", "map_ptr": "i32", "dst_ptr": "bf16"},
+            dict(BR=4, BH=2048, REVERSE=False), 4,
+        ),
+        typed_spec(
+            "chunk_copy_rev_f32_h1", K._chunk_copy_kernel,
+            {"src_ptr": "f32", "map_ptr": "i32", "dst_ptr": "f32"},
+            dict(BR=8192, BH=1, REVERSE=True), 4,
+        ),
+    ]  # fmt: skip

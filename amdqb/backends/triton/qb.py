@@ -1,0 +1,82 @@
+"""Triton launchers of the Quantile Balancing updates (App. D recovery, the balancer step).
+Kernel bodies: ``_qb_kernels.py``.
+
+``qb_recover`` / ``qb_step`` -- 2 launches: per-expert recovery over a grid (int64 cumsums, float64
+interpolation, no FP contraction: the float64 steps round like the oracle's separate ops), then one
+program that centres, mixes (EMA) and writes the bias and the bounds. No host sync.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+
+from . import _qb_kernels as K
+from ._common import on_device, pow2
+from .codegen import typed_spec
+
+
+def _f64_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _qb_tiles(num_bins: int) -> tuple[int, int]:
+    bb = min(pow2(num_bins), 2048)
+    return max(1, 4096 // bb), bb
+
+
+def _qb(histogram, bin_bounds, topk, bias, out, ema, step):
+    num_experts, num_bins = histogram.shape
+    dev = histogram.device
+    rows, bb = _qb_tiles(num_bins)
+    rows = min(rows, pow2(num_experts))
+    with on_device(histogram):
+        bhat = torch.empty(num_experts, dtype=torch.float32, device=dev)
+        msum = torch.empty(num_experts, dtype=torch.int64, device=dev)
+        # No FP contraction: the float64 steps must round like the oracle's separate ops.
+        K._qb_rows_kernel[(triton.cdiv(num_experts, rows),)](
+            histogram, bin_bounds, bhat, msum, num_experts, num_bins, topk,
+            ROWS=rows, BB=bb, SINGLE=num_bins <= bb, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+        K._qb_finish_kernel[(1,)](
+            bhat, msum, bias, bin_bounds, out, num_experts,
+            _f64_bits(ema), _f64_bits(1.0 - ema),
+            EB=min(pow2(num_experts), 4096), STEP=step, num_warps=8, enable_fp_fusion=False,
+        )  # fmt: skip
+
+
+def qb_recover(histogram, bin_bounds, topk, out):
+    _qb(histogram, bin_bounds, topk, out, out, 0.0, False)
+
+
+def qb_step(bias, histogram, bin_bounds, topk, ema):
+    _qb(histogram, bin_bounds, topk, bias, bias, float(ema), True)
+
+
+OPS = {"qb_recover": qb_recover, "qb_step": qb_step}
+UNSUPPORTED: dict = {}
+
+
+def codegen_specs() -> list:
+    """The QB update kernels at the seed shapes (E=896, B=1000)."""
+    return [
+        typed_spec(
+            "qb_rows_b1000", K._qb_rows_kernel,
+            {"hist_ptr": "i32", "bounds_ptr": "f32", "bhat_ptr": "f32", "msum_ptr": "i64"},
+            dict(ROWS=4, BB=1024, SINGLE=True), 4,
+        ),
+        typed_spec(
+            "qb_rows_chunked", K._qb_rows_kernel,
+            {"hist_ptr": "i64", "bounds_ptr": "f32", "bhat_ptr": "f32", "msum_ptr": "i64"},
+            dict(ROWS=2, BB=2048, SINGLE=False), 4,
+        ),
+        typed_spec(
+            "qb_finish_step_e896", K._qb_finish_kernel,
+            {"bhat_ptr": "f32", "msum_ptr": "i64", "bias_ptr": "f32", "bounds_ptr": "f32",
+             "out_ptr": "f32"},
+            dict(EB=1024, STEP=True), 8, ints={"ema_bits": "i64", "keep_bits": "i64"},
+        ),
+    
+    ]  # fmt: skip

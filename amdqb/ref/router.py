@@ -6,8 +6,11 @@ Precision contract (identical for every backend):
   normalisation, the QB cutoff and the histogram arithmetic are fp32; only ``probs`` is cast to the
   logits dtype on store.
 * selection follows ``amdqb.ref.ordering`` (value descending, expert id ascending, NaN lowest).
+* activations are torch's (``torch.sigmoid``, ``sqrt(softplus)``, ``torch.softmax``): on a GPU the
+  kernels reproduce them bit for bit (softmax while torch uses its warp softmax, E <= 1024 fp32).
 * sigmoid / sqrtsoftplus weights: ``p_j = s_j / (sum_selected s + 1e-20)`` for k > 1, ``p = s`` for
-  k = 1, then ``* scaling_factor``. ``expert_bias`` shifts selection only, never the weights.
+  k = 1, then ``* scaling_factor``; the sum runs in the fixed order of :func:`routes_sum`.
+  ``expert_bias`` shifts selection only, never the weights.
 * QB: Top-(k+1) of ``u = s + b``; the cutoff ``alpha`` is the (k+1)-th entry of that order (so on a
   tie at the cutoff the largest id is the one dropped); the first k are routed. For every expert j:
   ``r = alpha - s_j``, ``scale = fp32(B) / (U - L)``, ``bin = clamp(floor((r - L) * scale), 0, B-1)``
@@ -26,6 +29,30 @@ from .ordering import ranked_indices
 
 SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
 NORM_EPS = 1e-20
+WARP = 32
+
+
+def routes_sum(values: torch.Tensor) -> torch.Tensor:
+    """fp32 sum over the last dim in the kernels' fixed order (``[..., 1]``): lane ``l`` of a
+    32-lane warp adds entries ``l, l + 32, ...`` left to right, then a butterfly adds lane
+    ``l ^ d`` for ``d = 16, 8, 4, 2, 1`` -- TransformerEngine's warp reduction, and torch's warp
+    softmax order. Element-wise adds only, so the result is the same on every device."""
+    k = values.shape[-1]
+    lanes = -(-k // WARP) * WARP
+    padded = torch.nn.functional.pad(values.float(), (0, lanes - k))
+    rows = padded.reshape(*values.shape[:-1], lanes // WARP, WARP)
+    acc = rows[..., 0, :]
+    for i in range(1, rows.shape[-2]):
+        acc = acc + rows[..., i, :]
+    lane = torch.arange(WARP, device=values.device)
+    for d in (16, 8, 4, 2, 1):
+        acc = acc + acc[..., lane ^ d]
+    return acc[..., :1]
+
+
+def normalise(selected: torch.Tensor) -> torch.Tensor:
+    """``s / (routes_sum(s) + 1e-20)``: the sigmoid / sqrtsoftplus weights of the k routes."""
+    return selected / (routes_sum(selected) + NORM_EPS)
 
 
 def activation(logits: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -150,7 +177,7 @@ def fused_topk_with_score_function(
         idx, alpha = qb_cutoff_and_routes(s.detach(), expert_bias, topk)
         qb_histogram += qb_histogram_counts(s.detach(), alpha, qb_bin_bounds, qb_histogram.shape[1])
         selected = s.gather(1, idx)
-        selected = selected / (selected.sum(-1, keepdim=True) + NORM_EPS) if topk > 1 else selected
+        selected = normalise(selected) if topk > 1 else selected
     elif score_function == "softmax":
         if use_pre_softmax:
             act = torch.softmax(z, dim=-1)
@@ -164,7 +191,7 @@ def fused_topk_with_score_function(
         sel_scores = s if expert_bias is None else s + expert_bias.float()
         idx = select_experts(sel_scores, topk, num_groups, group_topk, topk)
         selected = s.gather(1, idx)
-        selected = selected / (selected.sum(-1, keepdim=True) + NORM_EPS) if topk > 1 else selected
+        selected = normalise(selected) if topk > 1 else selected
 
     if scaling_factor is not None:
         selected = selected * scaling_factor
@@ -195,7 +222,7 @@ def biased_topk(
     idx = select_experts(sel_scores, topk, num_groups, group_topk, topk)
     w = s.gather(1, idx)
     if renormalize:
-        w = w / (w.sum(-1, keepdim=True) + NORM_EPS)
+        w = normalise(w)
     if scaling_factor is not None:
         w = w * scaling_factor
     return w, idx.to(torch.int32)

@@ -18,6 +18,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from amdqb import configs
 from amdqb.backends.hip import _spec
 
 HERE = Path(__file__).resolve().parent
@@ -91,7 +92,7 @@ class EmuRuntime:
 
     def converter(self):
         """ctypes library exposing the prelude's conversions and order key (no kernels)."""
-        return self._library(_spec.ROUTE_MODULE, "AMDQB_EMU_CONVERT")
+        return self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_CONVERT")
 
     def kernel(self, device_index, spec, name):
         fn = getattr(self._library(spec), f"amdqb_emu_launch_{name}")

@@ -35,6 +35,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from ._common import interpreting
 
 INT32_MIN = tl.constexpr(-2147483648)
 NAN_KEY = tl.constexpr(-2147483647)  # INT32_MIN + 1: NaN ranks below every number, above padding
@@ -59,19 +62,95 @@ def _key_value(key):
     return bits.to(tl.float32, bitcast=True)
 
 
+# The library functions torch's kernels use (libdevice on NVIDIA, ocml on ROCm, resolved for the
+# compile target). Triton's CPU interpreter has no libdevice: there numpy's functions stand in
+# (the CPU tests compare the oracle on the kernels' own activations, not with torch's bits).
+if interpreting():
+
+    @triton.jit
+    def _lib_exp(x):
+        return tl.exp(x)
+
+    @triton.jit
+    def _lib_log1p(x):
+        u = 1.0 + x  # Kahan: log1p(x) = log(u) * x / (u - 1), exact-ish for tiny x
+        return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+
+else:
+
+    @triton.jit
+    def _lib_exp(x):
+        return libdevice.exp(x)
+
+    @triton.jit
+    def _lib_log1p(x):
+        return libdevice.log1p(x)
+
+
 @triton.jit
-def _score(z, SCORE: tl.constexpr):
-    """Element-wise activation of fp32 logits: 0 = sigmoid, 1 = sqrt(softplus)."""
-    if SCORE == 0:
-        s = 1.0 / (1.0 + tl.exp(-z))
+def _exp(x, APPROX: tl.constexpr):
+    """e^x: the library exp (torch's) or, opt-in, ``tl.exp`` (the hardware 2^x)."""
+    if APPROX:
+        y = tl.exp(x)
     else:
-        # softplus(z) = z for z > 20 (torch's threshold), else log1p(exp(z)); log1p through
-        # Kahan's trick so tiny exp(z) keeps its relative precision.
-        e = tl.exp(z)
-        u = 1.0 + e
-        lp = tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0)))
-        s = tl.sqrt(tl.where(z > 20.0, z, lp))
+        y = _lib_exp(x)
+    return y
+
+
+@triton.jit
+def _score(z, SCORE: tl.constexpr, APPROX: tl.constexpr = False):
+    """Element-wise activation of fp32 logits, torch's bits unless ``APPROX``: 0 = sigmoid
+    ``1 / (1 + e^-z)`` (IEEE division), 1 = ``sqrt(softplus(z))`` with softplus ``z`` above
+    torch's threshold 20, else ``log1p(e^z)`` (IEEE sqrt)."""
+    if SCORE == 0:
+        s = tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + _exp(-z, APPROX))
+    else:
+        sp = tl.where(z > 20.0, z, _lib_log1p(_exp(z, APPROX)))
+        s = tl.sqrt_rn(sp)
     return s
+
+
+@triton.jit
+def _butterfly_sum(v, BT: tl.constexpr, N: tl.constexpr):
+    """``[BT, N]`` (N a power of two <= 32) -> ``[BT]``: lane l adds lane l ^ d for d = N/2 ... 1,
+    the xor butterfly of a 32-lane warp whose lanes >= N hold zeros."""
+    for i in tl.static_range(5):
+        if (N >> i) > 1:
+            v = tl.sum(tl.reshape(v, (BT, 2, N >> (i + 1))), axis=1)
+    return tl.reshape(v, (BT,))
+
+
+@triton.jit
+def _warp_order_sum(x, BT: tl.constexpr, N: tl.constexpr):
+    """fp32 row sums of ``[BT, N]`` (N a power of two) in ``amdqb.ref.router.routes_sum``'s
+    order: lane l of a 32-lane warp adds entries l, l + 32, ... left to right, then the xor
+    butterfly. Each partial sum is built from exact extractions (one non-zero per row)."""
+    if N <= 32:
+        out = _butterfly_sum(x, BT, N)
+    else:
+        G: tl.constexpr = N // 32
+        x3 = tl.reshape(x, (BT, G, 32))
+        g = tl.arange(0, G)[None, :, None]
+        acc = tl.sum(tl.where(g == 0, x3, 0.0), axis=1)
+        for i in tl.static_range(1, G):
+            acc = acc + tl.sum(tl.where(g == i, x3, 0.0), axis=1)
+        out = _butterfly_sum(acc, BT, 32)
+    return out
+
+
+@triton.jit
+def _softmax_row_sum(logits_ptr, rbase, row_ok, m, E: tl.constexpr, BT: tl.constexpr, APPROX):
+    """sum_e exp(z_e - m) over each row in torch's warp-softmax order (expert e on lane e % 32,
+    added in order of e // 32, then the butterfly), reading the row in expert order: the tile's
+    column order is not expert order under groups."""
+    lane = tl.arange(0, 32)
+    acc = tl.zeros([BT, 32], dtype=tl.float32)
+    for c in range(0, E, 32):
+        e = c + lane
+        ok = row_ok[:, None] & (e < E)[None, :]
+        z = tl.load((logits_ptr + rbase)[:, None] + e[None, :], mask=ok, other=0.0)
+        acc = acc + tl.where(ok, _exp(z.to(tl.float32) - m[:, None], APPROX), 0.0)
+    return _butterfly_sum(acc, BT, 32)
 
 
 @triton.jit
@@ -167,6 +246,8 @@ def _router_fwd_kernel(
     MAP: tl.constexpr,  # 0 none, 1 bytemap, 2 bitmap, 3 indices (ids_ptr)
     DENSE: tl.constexpr,  # write dense probs
     COMPACT_W: tl.constexpr,  # write compact weights [T, K] (w_ptr)
+    KP: tl.constexpr,  # next_pow2(K): the by-rank value slots of a row's scratch
+    APPROX: tl.constexpr,  # the opt-in approximate exponential (tl.exp) instead of torch's
 ):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -192,9 +273,9 @@ def _router_fwd_kernel(
     if SCORE == 2:
         zm = tl.where(valid[None, :], z, float("-inf"))
         m = tl.max(zm, axis=1)
-        ex = tl.where(valid[None, :], tl.exp(zm - m[:, None]), 0.0)
-        ssum = tl.sum(ex, axis=1)
-        act = ex / ssum[:, None]
+        ex = tl.where(valid[None, :], _exp(zm - m[:, None], APPROX), 0.0)
+        ssum = _softmax_row_sum(logits_ptr, rbase, row_ok, m, E, BT, APPROX)
+        act = tl.math.div_rn(ex, ssum[:, None])
         if PRE:
             sel = act
             wv = act
@@ -204,7 +285,7 @@ def _router_fwd_kernel(
     else:
         m = tl.zeros([BT], dtype=tl.float32)
         ssum = tl.zeros([BT], dtype=tl.float32)
-        wv = _score(z, SCORE)
+        wv = _score(z, SCORE, APPROX)
         if HAS_BIAS:
             b = tl.load(bias_ptr + col, mask=valid, other=0.0)
             sel = wv + b[None, :]
@@ -253,7 +334,7 @@ def _router_fwd_kernel(
         # Compact (key, id) of the candidates. Row r owns 2*CAP+1 int32 of scratch: keys [0, CAP),
         # ids [CAP, 2CAP), a slot counter at 2CAP. Slots come from atomics on the counter (any
         # order works: the ranks below do not depend on it), cheaper than a row-wide scan here.
-        sbase = scratch_ptr + rows64 * (2 * CAP + 1)
+        sbase = scratch_ptr + rows64 * (2 * CAP + 1 + KP)
         tl.store(sbase + 2 * CAP, tl.zeros([BT], dtype=tl.int32), mask=row_ok)
         tl.debug_barrier()
         take = cand & row_ok[:, None]
@@ -292,20 +373,63 @@ def _router_fwd_kernel(
         member = (key > kcb) | ((key == kcb) & (ids[None, :] <= ic[:, None]))
 
     # ---- weights ----------------------------------------------------------------------------
-    if SCORE == 2 and not PRE:
+    # Sums over the k routes (the post-softmax denominator, the renormalisation) run in the order
+    # of amdqb.ref.router.routes_sum, by rank: each route's value goes to slot `rank` of the row's
+    # scratch, and the k slots are summed in warp order.
+    POST: tl.constexpr = SCORE == 2 and not PRE
+    NEED_SUM: tl.constexpr = POST or RENORM
+    wbase = (scratch_ptr + rows64 * (2 * CAP + 1 + KP) + 2 * CAP + 1).to(
+        tl.pointer_type(tl.float32)
+    )
+    msel = m
+    if POST:
         zs = tl.where(member, z, float("-inf"))
         msel = tl.max(zs, axis=1)
-        es = tl.where(member, tl.exp(z - msel[:, None]), 0.0)
-        den = tl.sum(es, axis=1)
-        w = es / den[:, None]
+        vals = tl.where(member, _exp(z - msel[:, None], APPROX), 0.0)
     else:
-        msel = m
-        if RENORM:
-            den = tl.sum(tl.where(member, wv, 0.0), axis=1) + 1e-20
-            w = wv / den[:, None]
+        vals = wv
+    if NEED_SUM or (COMPACT_W and not FAST) or (MAP == 3 and not FAST):
+        if FAST:
+            # The ranked candidate tile holds the order; the value is recomputed from the logit
+            # (same code, same bits as the dense path).
+            cok = sv & (rank < K)
+            cid = tl.where(cok, ci, 0)
+            zc = tl.load(logits_ptr + rows64[:, None] * E + cid, mask=cok, other=0.0)
+            zc = zc.to(tl.float32)
+            if SCORE == 2:
+                if PRE:
+                    vc = tl.math.div_rn(_exp(zc - m[:, None], APPROX), ssum[:, None])
+                else:
+                    vc = _exp(zc - msel[:, None], APPROX)
+            else:
+                vc = _score(zc, SCORE, APPROX)
+            tl.store(wbase[:, None] + rank, vc, mask=cok)
         else:
-            den = ssum
-            w = wv
+            # Large k: extract the members best-first (k row reductions; rare configurations).
+            left = member
+            for i in range(K):
+                kbest = tl.max(tl.where(left, key, INT32_MIN), axis=1)
+                hitk = left & (key == kbest[:, None])
+                ibest = tl.min(tl.where(hitk, ids[None, :], ID_FLIP), axis=1)
+                hit = left & (ids[None, :] == ibest[:, None])
+                left = left & (ids[None, :] != ibest[:, None])
+                if MAP == 3:
+                    out = rows64 * K + i
+                    tl.store(ids_ptr + out, ibest.to(ids_ptr.dtype.element_ty), mask=row_ok)
+                tl.store(wbase + i, tl.sum(tl.where(hit, vals, 0.0), axis=1), mask=row_ok)
+        tl.debug_barrier()  # the by-rank slots are read back by other threads of the program
+    den = tl.full([BT], 1.0, tl.float32)
+    if NEED_SUM:
+        r = tl.arange(0, KP)
+        byrank = tl.load(
+            wbase[:, None] + r[None, :], mask=row_ok[:, None] & (r < K)[None, :], other=0.0
+        )
+        den = _warp_order_sum(byrank, BT, KP)
+        if RENORM:
+            den = den + 1e-20
+        w = tl.math.div_rn(vals, den[:, None])
+    else:
+        w = vals
     w = tl.where(member, w * scaling, 0.0)
 
     if DENSE:
@@ -339,40 +463,20 @@ def _router_fwd_kernel(
     # ---- compact outputs in selection order (indices, serving-form weights) ------------------
     if MAP == 3 or COMPACT_W:
         if FAST:
-            # The ranked candidate tile already holds the order.
             cok = sv & (rank < K)
-            cid = tl.where(cok, ci, 0)
             out = rows64[:, None] * K + rank
             if MAP == 3:
+                cid = tl.where(cok, ci, 0)
                 tl.store(ids_ptr + out, cid.to(ids_ptr.dtype.element_ty), mask=cok)
             if COMPACT_W:
-                # Recompute the weight from the logit (same code, same bits as the dense path).
-                zc = tl.load(logits_ptr + rows64[:, None] * E + cid, mask=cok, other=0.0)
-                zc = zc.to(tl.float32)
-                if SCORE == 2:
-                    if PRE:
-                        vc = tl.exp(zc - m[:, None]) / ssum[:, None]
-                    else:
-                        vc = tl.exp(zc - msel[:, None])
-                else:
-                    vc = _score(zc, SCORE)
-                if RENORM or (SCORE == 2 and not PRE):
-                    vc = vc / den[:, None]
-                tl.store(w_ptr + out, vc * scaling, mask=cok)
-        else:
-            # Large k: extract the members best-first (k row reductions; rare configurations).
-            left = member
-            for i in range(K):
-                kbest = tl.max(tl.where(left, key, INT32_MIN), axis=1)
-                hitk = left & (key == kbest[:, None])
-                ibest = tl.min(tl.where(hitk, ids[None, :], ID_FLIP), axis=1)
-                hit = left & (ids[None, :] == ibest[:, None])
-                left = left & (ids[None, :] != ibest[:, None])
-                out = rows64 * K + i
-                if MAP == 3:
-                    tl.store(ids_ptr + out, ibest.to(ids_ptr.dtype.element_ty), mask=row_ok)
-                if COMPACT_W:
-                    tl.store(w_ptr + out, tl.sum(tl.where(hit, w, 0.0), axis=1), mask=row_ok)
+                wc = tl.math.div_rn(vc, den[:, None]) if NEED_SUM else vc
+                tl.store(w_ptr + out, wc * scaling, mask=cok)
+        elif COMPACT_W:  # ids went out during the extraction
+            r = tl.arange(0, KP)
+            rok = row_ok[:, None] & (r < K)[None, :]
+            byrank = tl.load(wbase[:, None] + r[None, :], mask=rok, other=0.0)
+            wc = tl.math.div_rn(byrank, den[:, None]) if NEED_SUM else byrank
+            tl.store(w_ptr + rows64[:, None] * K + r[None, :], wc * scaling, mask=rok)
 
     # ---- Quantile Balancing -------------------------------------------------------------------
     if QB > 0:
@@ -403,6 +507,7 @@ def _qb_hist_kernel(
     BT: tl.constexpr,  # tokens per iteration
     NB: tl.constexpr,  # private histogram size: next_pow2(EPP * NBINS)
     LDS: tl.constexpr,  # True: tl.histogram (workgroup-private), False: global atomics
+    APPROX: tl.constexpr,  # the router's activation: the opt-in approximate exponential
 ):
     pe = tl.program_id(0)
     ps = tl.program_id(1)
@@ -422,7 +527,7 @@ def _qb_hist_kernel(
             logits_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], mask=msk, other=0.0
         ).to(tl.float32)
         alpha = tl.load(cut_ptr + rows, mask=rok, other=0.0)
-        bins = _qb_bins(alpha[:, None] - _score(z, 0), lower, scale, NBINS)
+        bins = _qb_bins(alpha[:, None] - _score(z, 0, APPROX), lower, scale, NBINS)
         hkey = le[None, :] * NBINS + bins
         if LDS:
             acc += tl.histogram(
@@ -441,7 +546,14 @@ def _qb_hist_kernel(
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _scores_kernel(
-    logits_ptr, out_ptr, T, E: tl.constexpr, W: tl.constexpr, BT: tl.constexpr, SCORE: tl.constexpr
+    logits_ptr,
+    out_ptr,
+    T,
+    E: tl.constexpr,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    SCORE: tl.constexpr,
+    APPROX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -449,15 +561,17 @@ def _scores_kernel(
     p = tl.arange(0, W)
     valid = p < E
     mask2 = row_ok[:, None] & valid[None, :]
-    offs = rows.to(tl.int64)[:, None] * E + p[None, :]
+    rbase = rows.to(tl.int64) * E
+    offs = rbase[:, None] + p[None, :]
     z = tl.load(logits_ptr + offs, mask=mask2, other=0.0).to(tl.float32)
     if SCORE == 2:
         zm = tl.where(valid[None, :], z, float("-inf"))
         m = tl.max(zm, axis=1)
-        ex = tl.where(valid[None, :], tl.exp(zm - m[:, None]), 0.0)
-        s = ex / tl.sum(ex, axis=1)[:, None]
+        ex = tl.where(valid[None, :], _exp(zm - m[:, None], APPROX), 0.0)
+        ssum = _softmax_row_sum(logits_ptr, rbase, row_ok, m, E, BT, APPROX)
+        s = tl.math.div_rn(ex, ssum[:, None])
     else:
-        s = _score(z, SCORE)
+        s = _score(z, SCORE, APPROX)
     tl.store(out_ptr + offs, s, mask=mask2)
 
 
@@ -493,14 +607,14 @@ def _router_bwd_kernel(
         if PRE:
             zm = tl.where(valid[None, :], z, float("-inf"))
             m = tl.max(zm, axis=1)
-            ex = tl.where(valid[None, :], tl.exp(zm - m[:, None]), 0.0)
+            ex = tl.where(valid[None, :], _lib_exp(zm - m[:, None]), 0.0)
             act = ex / tl.sum(ex, axis=1)[:, None]
             g = tl.where(routed, g, 0.0)
             grad = act * (g - tl.sum(g * act, axis=1)[:, None])
         else:
             zm = tl.where(routed, z, float("-inf"))
             m = tl.max(zm, axis=1)
-            ex = tl.where(routed, tl.exp(zm - m[:, None]), 0.0)
+            ex = tl.where(routed, _lib_exp(zm - m[:, None]), 0.0)
             act = tl.where(routed, ex / tl.sum(ex, axis=1)[:, None], 0.0)
             dot = tl.sum(tl.where(routed, g * act, 0.0), axis=1)
             grad = tl.where(routed, act * (g - dot[:, None]), 0.0)
@@ -516,7 +630,7 @@ def _router_bwd_kernel(
         if SCORE == 0:
             grad = g * act * (1.0 - act)
         else:
-            dsoft = tl.where(z > 20.0, 1.0, 1.0 / (1.0 + tl.exp(-z)))
+            dsoft = tl.where(z > 20.0, 1.0, _score(z, 0))
             grad = g * dsoft / (2.0 * act + 1e-20)
     tl.store(out_ptr + offs, grad, mask=mask2)
 

@@ -225,6 +225,11 @@ def lds_histogram_is_per_element(device: torch.device) -> bool:
 # --------------------------------------------------------------------------------------------
 # Launchers.
 # --------------------------------------------------------------------------------------------
+def _scratch_per_row(plan: RouterPlan) -> int:
+    """int32 scratch per row: candidate keys and ids, a slot counter, the k values by rank."""
+    return 2 * plan.CAP + 1 + _next_pow2(plan.K)
+
+
 def _launch_router(
     logits,
     plan: RouterPlan,
@@ -244,14 +249,15 @@ def _launch_router(
     hist=None,
     bounds=None,
     cut=None,
+    approx=False,
 ):
     T = logits.shape[0]
     grid = (triton.cdiv(T, plan.BT),)
     dummy = logits
-    scratch = dummy
-    if plan.FAST:
-        rows = grid[0] * plan.BT
-        scratch = torch.empty(rows * (2 * plan.CAP + 1), dtype=torch.int32, device=logits.device)
+    # Per row: candidate keys and ids (CAP each), a slot counter, then the routes' values by rank.
+    scratch = torch.empty(
+        grid[0] * plan.BT * _scratch_per_row(plan), dtype=torch.int32, device=logits.device
+    )
     bytes_scratch = dummy
     if map_code == 2 and plan.NG > 1:
         bytes_scratch = torch.empty(T * plan.E, dtype=torch.uint8, device=logits.device)
@@ -279,6 +285,8 @@ def _launch_router(
         MAP=map_code,
         DENSE=probs is not None,
         COMPACT_W=weights is not None,
+        KP=_next_pow2(plan.K),
+        APPROX=bool(approx),
         num_warps=plan.num_warps,
         enable_fp_fusion=False,
     )
@@ -367,6 +375,7 @@ def _launch_histogram(logits, cut, bounds, hist, family, lds_ok):
         BT=hp.BT,
         NB=hp.NB,
         LDS=hp.LDS,
+        APPROX=False,
         num_warps=hp.num_warps,
         enable_fp_fusion=False,
     )
@@ -449,9 +458,8 @@ def router_bwd(
 def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
     """fp32 ``[T, E]`` activations computed by exactly the router kernels' activation code.
 
-    Bitwise the router's for ``sigmoid`` / ``sqrtsoftplus`` (element-wise, the same jit helper;
-    the QB tests rely on this). For ``softmax`` the row max / sum may associate differently from
-    the router's tile, so values agree to fp32 rounding only.
+    Bitwise the router's for every score function: the same jit helpers, and the softmax row sum in
+    the same fixed order (the QB tests rely on this).
     """
     T, E = logits2d.shape
     out = torch.empty(T, E, dtype=torch.float32, device=logits2d.device)
@@ -467,6 +475,7 @@ def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
             W=plan.W,
             BT=plan.BT,
             SCORE=_SCORES[score_function],
+            APPROX=False,
             num_warps=plan.num_warps,
             enable_fp_fusion=False,
         )
@@ -532,6 +541,8 @@ def _fwd_spec(name, plan, *, types, score, pre, renorm, qb, nbins, map_code, den
         MAP=map_code,
         DENSE=dense,
         COMPACT_W=compact,
+        KP=_next_pow2(plan.K),
+        APPROX=False,
     )
     for key in constexprs:
         sig[key] = "constexpr"
@@ -637,7 +648,7 @@ def codegen_specs(family: str = "gfx942") -> list:
     }
     # The LDS variant at the real bin count, with a short token block per tl.histogram call (the
     # ballot lowering unrolls per element and would take minutes to compile at the full block).
-    hist_const = dict(E=E, NBINS=B, EPP=hp.EPP, BT=64, NB=hp.NB, LDS=True)
+    hist_const = dict(E=E, NBINS=B, EPP=hp.EPP, BT=64, NB=hp.NB, LDS=True, APPROX=False)
     specs.append(
         KernelSpec(
             "qb_histogram_two_kernel_lds",
@@ -649,7 +660,7 @@ def codegen_specs(family: str = "gfx942") -> list:
         )
     )
     hg = plan_histogram(E, B, 16384, family, lds_ok=False)
-    glob_const = dict(E=E, NBINS=B, EPP=hg.EPP, BT=hg.BT, NB=hg.NB, LDS=False)
+    glob_const = dict(E=E, NBINS=B, EPP=hg.EPP, BT=hg.BT, NB=hg.NB, LDS=False, APPROX=False)
     specs.append(
         KernelSpec(
             "qb_histogram_two_kernel_global",

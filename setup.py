@@ -4,7 +4,8 @@
   ``amdqb/_hip_src``; the hip backend compiles from there at run time (hiprtc / NVRTC). Editable
   installs copy nothing: the backend then reads ``<repo>/hip_src`` directly, so edits take effect.
 * ``AMDQB_ROCM_ARCHS="gfx942;gfx950"`` with ``hipcc`` on PATH (or ``$ROCM_PATH/bin``) additionally
-  compiles code objects ahead of time into ``amdqb/_hip_prebuilt``: the route kernels, and the router
+  compiles code objects ahead of time into ``amdqb/_hip_prebuilt`` (with each architecture's
+  ``amdqb/configs`` constants): the layout kernels, and the router
   for the expert counts in ``AMDQB_PREBUILD_EXPERTS`` (default ``896``) in fp32/fp16/bf16 with
   sigmoid scores. The runtime uses a prebuilt object only when its name (a hash of the sources,
   arch, wave size and flags) matches; anything else is compiled on first use as usual.
@@ -28,14 +29,21 @@ HERE = Path(__file__).resolve().parent
 HIP_SRC = HERE / "hip_src"
 
 
-def _load_spec():
-    """amdqb/backends/hip/_spec.py without importing amdqb (which needs torch)."""
-    path = HERE / "amdqb" / "backends" / "hip" / "_spec.py"
-    spec = importlib.util.spec_from_file_location("_amdqb_hip_spec", path)
+def _load(name: str, path: Path):
+    """A module of amdqb loaded from its file, without importing amdqb (which needs torch)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def _load_spec():
+    return _load("_amdqb_hip_spec", HERE / "amdqb" / "backends" / "hip" / "_spec.py")
+
+
+def _load_configs():
+    return _load("_amdqb_configs", HERE / "amdqb" / "configs" / "__init__.py")
 
 
 def _hipcc() -> str | None:
@@ -58,18 +66,20 @@ def aot_compile(out_dir: Path, src_root: Path) -> list[Path]:
         print("amdqb: AMDQB_ROCM_ARCHS is set but hipcc was not found; skipping AOT kernels")
         return []
     sp = _load_spec()
+    configs = _load_configs()
     experts = os.environ.get("AMDQB_PREBUILD_EXPERTS", "896").replace(",", ";").split(";")
-    modules = [sp.ROUTE_MODULE] + [
-        sp.router_module(int(e), dtype, "sigmoid")
-        for e in experts
-        if e.strip()
-        for dtype in ("float32", "float16", "bfloat16")
-    ]
     out_dir.mkdir(parents=True, exist_ok=True)
     built = []
     for arch in archs:
         base = arch.split(":")[0]
         wave = 64 if base.startswith("gfx9") else 32
+        cfg = configs.load(base)  # the runtime's config of this architecture (or the default)
+        modules = [sp.layout_module(cfg)] + [
+            sp.router_module(int(e), dtype, "sigmoid", cfg)
+            for e in experts
+            if e.strip()
+            for dtype in ("float32", "float16", "bfloat16")
+        ]
         for module in modules:
             out = out_dir / sp.prebuilt_name(module, base, wave, src_root)
             cmd = [

@@ -120,9 +120,9 @@ run_bench() {  # SUITE (default all) -> $OUT/h200.json, bench.md
   return "$rc"
 }
 
-run_tune() {  # hip tuning sweeps (TUNE_PARTS: router,route,gate,align,decode,qbhist,stages) -> $OUT/tune.*
-  timeout "${TUNE_TIMEOUT:-200}" python -m bench.tune_router_occupancy --json "$OUT/tune.json" \
-    --parts "${TUNE_PARTS:-router,route,gate,align,decode,qbhist,stages}" > "$OUT/tune.md" 2>&1
+run_tune() {  # hip tuning sweeps (TUNE_PARTS: route,gate,align,decode,qbhist,router) -> $OUT/tune.*
+  timeout "${TUNE_TIMEOUT:-200}" python -m bench.tune --json "$OUT/tune.json" \
+    --parts "${TUNE_PARTS:-route,gate,align,decode,qbhist,router}" > "$OUT/tune.md" 2>&1
   local rc=$?
   cat "$OUT/tune.md" | tail -n 60
   return "$rc"

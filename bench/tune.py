@@ -1,0 +1,295 @@
+"""Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
+``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
+
+    python -m bench.tune --parts route,gate,align,decode,qbhist,router [--json PATH] [--write]
+
+A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
+config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
+variant's ``-D`` constants) and launch shapes. Every variant's outputs are checked against the
+default's (or the oracle) before it is timed; timing is ``bench.common.time_alternating``.
+
+* ``route``  -- the lds route kernel's tile (``hip.route.lds_block`` x ``lds_items``) against the
+  atomic kernel, masked layout, uniform and all-one-expert ids, M in {512, 2517, 8192};
+* ``gate``   -- atomic vs lds at small M for E in {256, 896, 2048}: the crossover behind
+  ``route.lds_gate_scale``;
+* ``align``  -- ``hip.route.det_items`` and the dependent launches of the deterministic passes;
+* ``decode`` -- one block per token against one warp per token over T: the decode thresholds;
+* ``qbhist`` -- the two-kernel histogram pass's launch shape;
+* ``router`` -- the router's register cap at few tokens (``hip.router.few_tokens_min_blocks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+
+import torch
+
+import amdqb
+from amdqb import configs, dispatch, ref
+
+from .common import Report, TimingConfig, environment, time_alternating, write_json
+from .route import check_rows, make_ids
+
+E, K, B = 896, 16, 1000
+
+
+def _with(values: dict, fn):
+    """``fn`` run with the config entries ``values`` of this device's architecture."""
+    arch = dispatch.device_info("cuda").arch_family
+
+    def call():
+        with configs.override(arch, values, "tuning variant"):
+            return fn()
+
+    return call
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _qb_inputs(dev, g, e=E, b=B):
+    bias = (torch.randn(e, generator=g) * 0.05).to(dev)
+    bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+    amdqb.mark_qb_bin_bounds_validated(bounds)
+    return bias, bounds, torch.zeros(e, b, dtype=torch.int32, device=dev)
+
+
+def route_tiles(dev, cfg, shapes=((256, 5), (512, 2), (512, 4), (1024, 2), (1024, 4))):
+    report = Report("tune_route_tiles", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    totals: dict = {}
+    for m in (512, 2517, 8192):
+        for dist in ("uniform", "one"):
+            ids = make_ids(m, K, E, dist, g).to(dev)
+            cap = m * K
+
+            def run(impl, ids=ids, cap=cap):
+                return amdqb.moe_route_rows(ids, E, capacity=cap, impl=impl, backend="hip")
+
+            impls = {"atomic": lambda run=run: run("atomic")}
+            for block, items in shapes:
+                values = {"hip.route.lds_block": block, "hip.route.lds_items": items}
+                impls[f"{block}x{items}"] = _with(values, lambda run=run: run("lds"))
+            for fn in impls.values():
+                check_rows(*fn(), ids, E, cap)
+            times = time_alternating(impls, dev, cfg)
+            for name, us in times.items():
+                report.add(M=m, dist=dist, impl=name, us=us)
+                if name != "atomic":
+                    totals[name] = totals.get(name, 0.0) + us
+    best = min(totals, key=totals.get)
+    block, items = map(int, best.split("x"))
+    why = f"{best}: {totals[best]:.2f} us summed over M = 512 / 2517 / 8192 x uniform / one expert"
+    return report, {"hip.route.lds_block": (block, why), "hip.route.lds_items": (items, why)}
+
+
+def route_gate(dev, cfg, experts=(256, 896, 2048), ms=(8, 32, 128, 512, 2048)):
+    report = Report("tune_route_gate", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    ahead = []
+    for e in experts:
+        for m in ms:
+            ids = make_ids(m, K, e, "uniform", g).to(dev)
+            for cap in (m * K, None):
+                impls = {
+                    impl: lambda impl=impl, ids=ids, cap=cap, e=e: amdqb.moe_route_rows(
+                        ids, e, capacity=cap, impl=impl, backend="hip"
+                    )
+                    for impl in ("atomic", "lds")
+                }
+                for fn in impls.values():
+                    check_rows(*fn(), ids, e, cap)
+                t = time_alternating(impls, dev, cfg)
+                layout = "compact" if cap is None else "masked"
+                report.add(E=e, M=m, layout=layout, atomic_us=t["atomic"], lds_us=t["lds"])
+                ahead.append(t["lds"] <= t["atomic"])
+    if all(ahead):
+        return report, {"route.lds_gate_scale": (0.0, "lds ahead of atomic at every M measured")}
+    return report, {}
+
+
+def align_tiles(dev, cfg, items=(16, 32, 64)):
+    report = Report("tune_align", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    totals: dict = {}
+    for m in (2517, 8192):
+        ids = make_ids(m, K, E, "uniform", g).to(dev)
+        want = ref.moe_align_block_size(ids.cpu(), 64, E)
+        impls = {}
+        for n in items:
+            impls[f"items{n}"] = _with(
+                {"hip.route.det_items": n},
+                lambda: amdqb.moe_align_block_size(ids, 64, E, backend="hip"),
+            )
+        impls["ordinary_launches"] = _with(
+            {"hip.route.det_dependent_launch": False},
+            lambda: amdqb.moe_align_block_size(ids, 64, E, backend="hip"),
+        )
+        for name, fn in impls.items():
+            assert _same([x.cpu() for x in fn()], want), f"align {name} M={m} differs"
+        for name, us in time_alternating(impls, dev, cfg).items():
+            report.add(M=m, variant=name, us=us)
+            totals[name] = totals.get(name, 0.0) + us
+    best = min((n for n in totals if n.startswith("items")), key=totals.get)
+    why = f"align {best}: {totals[best]:.2f} us summed over M = 2517 / 8192"
+    return report, {"hip.route.det_items": (int(best[5:]), why)}
+
+
+def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024, 2048)):
+    """The largest T at which one block per token is at least as fast as one warp per token."""
+    report = Report("tune_decode", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    bias, bounds, hist = _qb_inputs(dev, g)
+    big = 1 << 30
+    forms = {
+        "hip.biased_topk.decode_max_tokens": lambda z: amdqb.biased_topk(
+            z, K, bias, backend="hip"
+        ),
+        "hip.router.decode_max_tokens": lambda z: amdqb.fused_topk_with_score_function(
+            z, K, expert_bias=bias, backend="hip"
+        ),
+        "hip.router.decode_max_tokens_fused": lambda z: amdqb.fused_topk_with_score_function(
+            z,
+            K,
+            expert_bias=bias,
+            qb_histogram=hist,
+            qb_bin_bounds=bounds,
+            qb_histogram_mode="fused_atomic",
+            backend="hip",
+        ),
+    }
+    best = {key: 0 for key in forms}
+    for t in tokens:
+        z = torch.randn(t, E, generator=g).to(dev)
+        for key, form in forms.items():
+            impls = {
+                "block_per_token": _with({key: big}, lambda form=form: form(z)),
+                "warp_per_token": _with({key: 0}, lambda form=form: form(z)),
+            }
+            outs = [impls[name]() for name in impls]
+            if key != "hip.router.decode_max_tokens_fused":  # the histogram accumulates
+                assert _same(*outs), f"{key}: the two kernels differ at T={t}"
+            times = time_alternating(impls, dev, cfg)
+            report.add(T=t, threshold=key, **{f"{n}_us": us for n, us in times.items()})
+            if times["block_per_token"] <= times["warp_per_token"]:
+                best[key] = max(best[key], t)
+    why = "largest T of the sweep where one block per token is at least as fast"
+    return report, {key: (value, why) for key, value in best.items()}
+
+
+def qb_hist_shapes(dev, cfg, shapes=((1024, 0, 8, 1, 2), (1024, 1, 8, 1, 2), (512, 1, 8, 2, 2))):
+    """(threads, blocks per CU of the token slices, experts per block, min blocks, unroll)."""
+    report = Report("tune_qb_hist", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    bias, bounds, _ = _qb_inputs(dev, g)
+    totals: dict = {}
+    keys = (
+        "hip.qb_hist.block",
+        "hip.qb_hist.blocks_per_cu",
+        "hip.qb_hist.max_experts_per_block",
+        "hip.qb_hist.min_blocks",
+        "hip.qb_hist.unroll",
+    )
+    for t in (1024, 4096, 16384):
+        z = torch.randn(t, E, generator=g).to(dev)
+
+        def qb(h, z=z):
+            return amdqb.fused_topk_with_score_function(
+                z,
+                K,
+                expert_bias=bias,
+                qb_histogram=h,
+                qb_bin_bounds=bounds,
+                qb_histogram_mode="two_kernel",
+                backend="hip",
+            )
+
+        want = torch.zeros(E, B, dtype=torch.int32, device=dev)
+        qb(want)
+        impls = {}
+        for shape in shapes:
+            values = dict(zip(keys, shape))
+            got = torch.zeros_like(want)
+            _with(values, lambda got=got: qb(got))()
+            name = "x".join(map(str, shape))
+            assert torch.equal(got, want), f"histogram differs with {name}"
+            impls[name] = _with(values, lambda: qb(torch.zeros_like(want)))
+        for name, us in time_alternating(impls, dev, cfg).items():
+            report.add(T=t, shape=name, us=us)
+            totals[name] = totals.get(name, 0.0) + us
+    best = min(totals, key=totals.get)
+    why = f"{best} (threads x slices/CU x experts x min blocks x unroll): {totals[best]:.1f} us"
+    return report, {key: (int(v), why) for key, v in zip(keys, best.split("x"))}
+
+
+def router_caps(dev, cfg, caps=(2, 3)):
+    report = Report("tune_router_caps", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    bias = (torch.randn(E, generator=g) * 0.05).to(dev)
+    wins = {}
+    for t in (1024, 4096, 8192):
+        z = torch.randn(t, E, generator=g).to(dev)
+        impls = {
+            f"cap{c}": _with(
+                {"hip.router.few_tokens": 1 << 30, "hip.router.few_tokens_min_blocks": c},
+                lambda: amdqb.fused_topk_with_score_function(z, K, expert_bias=bias, backend="hip"),
+            )
+            for c in caps
+        }
+        outs = [fn() for fn in impls.values()]
+        assert _same(*outs), f"router caps differ at T={t}"
+        times = time_alternating(impls, dev, cfg)
+        for name, us in times.items():
+            report.add(T=t, cap=name, us=us)
+        wins[t] = min(times, key=times.get)
+    few = max((t for t, name in wins.items() if name == "cap2"), default=0)
+    return report, {"hip.router.few_tokens": (few, f"cap 2 ahead of cap 3 up to T={few}")}
+
+
+PARTS = {
+    "route": route_tiles,
+    "gate": route_gate,
+    "align": align_tiles,
+    "decode": decode_sweep,
+    "qbhist": qb_hist_shapes,
+    "router": router_caps,
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__)
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated sweeps")
+    parser.add_argument("--json", default=None, help="append the measurements to this file")
+    parser.add_argument("--write", action="store_true", help="write the winners to the config")
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    if not torch.cuda.is_available():
+        parser.error("the sweeps time hip kernels on a GPU; none is visible")
+    dev = torch.device("cuda")
+    info = dispatch.device_info(dev)
+    cfg = TimingConfig()
+    date = dt.date.today().isoformat()
+    reports, winners = [], {}
+    for part in parts:
+        report, chosen = PARTS[part](dev, cfg)
+        print(report.markdown(), flush=True)
+        reports.append(report)
+        provenance = f"measured: {info.name}, {date}, python -m bench.tune --parts {part}"
+        winners.update({k: (v, provenance, why) for k, (v, why) in chosen.items()})
+    for key, (value, provenance, why) in winners.items():
+        print(f"{key} = {value}  ({why})")
+    if args.json:
+        write_json(args.json, reports)
+    if args.write:
+        print(f"wrote {configs.write(info.arch_family, winners)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

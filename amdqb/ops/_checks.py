@@ -66,7 +66,13 @@ def check_choice(name: str, value, choices: tuple[str, ...]) -> str:
     return value
 
 
-def check_groups(num_groups, group_topk, topk: int, num_experts: int) -> None:
+def check_groups(
+    num_groups, group_topk, topk: int, num_experts: int, *, te_rule: bool = True, biased=False
+) -> None:
+    """Grouped Top-k arguments. ``te_rule`` (TransformerEngine's router): ``group_topk`` divides
+    ``topk`` and each group holds ``topk // group_topk`` of the routes; the serving rule (vLLM /
+    SGLang) only needs ``topk`` experts inside the chosen groups, and two per group when the
+    ``biased`` groups are ranked by their best two scores."""
     if (num_groups is None) != (group_topk is None):
         raise ValueError("num_groups and group_topk must be given together (or both None)")
     if num_groups is None:
@@ -75,9 +81,22 @@ def check_groups(num_groups, group_topk, topk: int, num_experts: int) -> None:
     check_int("group_topk", group_topk, low=1, high=num_groups)
     if num_experts % num_groups:
         raise ValueError(f"num_groups={num_groups} must divide the expert count {num_experts}")
-    if topk % group_topk:
-        raise ValueError(f"group_topk={group_topk} must divide topk={topk}")
-    if topk // group_topk > num_experts // num_groups:
+    group_size = num_experts // num_groups
+    if te_rule:
+        if topk % group_topk:
+            raise ValueError(f"group_topk={group_topk} must divide topk={topk}")
+        if topk // group_topk > group_size:
+            raise ValueError(
+                f"topk/group_topk={topk // group_topk} exceeds the group size {group_size}"
+            )
+        return
+    if topk > group_topk * group_size:
         raise ValueError(
-            f"topk/group_topk={topk // group_topk} exceeds the group size {num_experts // num_groups}"
+            f"topk={topk} exceeds the {group_topk * group_size} experts of group_topk="
+            f"{group_topk} groups of {group_size}"
+        )
+    if biased and group_size < 2:
+        raise ValueError(
+            "groups ranked by their best two biased scores need at least 2 experts per group, "
+            f"got num_experts={num_experts}, num_groups={num_groups}"
         )

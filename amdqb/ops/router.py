@@ -443,32 +443,46 @@ def biased_topk(
     group_topk: Optional[int] = None,
     backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Serving-form router (vLLM/SGLang ``fused_topk`` style) with the same selection rules.
+    """Serving-form router with vLLM's and SGLang's semantics (``fused_topk``,
+    ``fused_topk_bias``, ``grouped_topk``, ``biased_grouped_topk``).
 
     Args:
-        logits: ``[..., E]`` fp32/bf16/fp16.
+        logits: ``[..., E]`` fp32/bf16/fp16 (converted to fp32; all math is fp32).
         topk: experts per token (``1 <= topk <= E``).
-        expert_bias: optional fp32 ``[E]`` selection bias (sigmoid / sqrtsoftplus).
-        score_function: ``"sigmoid"``, ``"softmax"`` (softmax over all experts, then Top-k) or
+        expert_bias: optional fp32 ``[E]`` correction bias (DeepSeek's
+            ``e_score_correction_bias``): added to the scores for selection only, never to the
+            weights. Any score function.
+        score_function: ``"sigmoid"``, ``"softmax"`` (over all experts, then Top-k) or
             ``"sqrtsoftplus"``.
         renormalize: divide the k weights by their sum (``+ 1e-20``).
-        scaling_factor: multiplies the weights last.
-        num_groups, group_topk: grouped Top-k.
+        scaling_factor: multiplies the weights last (vLLM's ``routed_scaling_factor``).
+        num_groups, group_topk: grouped Top-k (vLLM's ``num_expert_group`` / ``topk_group``):
+            keep the ``group_topk`` groups with the best group score -- the best biased score of
+            the group, or with a bias the sum of its best two -- then Top-k inside them.
+            ``group_topk`` need not divide ``topk``; the chosen groups must hold ``topk`` experts.
 
     Returns:
-        ``(topk_weights fp32 [..., k], topk_ids int32 [..., k])``, ids in selection order.
+        ``(topk_weights fp32 [..., k], topk_ids int32 [..., k])``, ids in selection order (biased
+        score descending, expert id ascending).
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     num_experts = logits.shape[-1]
+    if num_experts < 1:
+        raise ValueError("logits must have at least one expert (last dim >= 1)")
     device = logits.device
     check_int("topk", topk, low=1, high=num_experts)
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
-    check_groups(num_groups, group_topk, topk, num_experts)
+    check_groups(
+        num_groups,
+        group_topk,
+        topk,
+        num_experts,
+        te_rule=False,
+        biased=expert_bias is not None,
+    )
     if scaling_factor is not None:
         scaling_factor = check_float("scaling_factor", scaling_factor)
     if expert_bias is not None:
-        if score_function == "softmax":
-            raise ValueError("expert_bias only supports the sigmoid and sqrtsoftplus scores")
         check_tensor(
             "expert_bias",
             expert_bias,

@@ -66,28 +66,41 @@ def activation(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
 
 
-def _group_limited_candidates(
-    scores: torch.Tensor, topk: int, num_groups: int, group_topk: int
-) -> torch.Tensor:
-    """Mask (True = eligible) of experts inside the ``group_topk`` best groups.
+GROUP_RULES = ("te", "serving")
 
-    A group's score is the fp32 sum, in selection order, of its best ``topk // group_topk`` scores;
-    groups are ranked with the same order as experts (score descending, group id ascending).
+
+def group_scores(scores: torch.Tensor, topk: int, num_groups: int, group_topk: int, rule: str):
+    """fp32 ``[T, num_groups]`` score of every expert group.
+
+    ``"te"`` (TransformerEngine): the sum, in selection order, of the group's best
+    ``topk // group_topk`` scores. ``"serving"`` (vLLM / SGLang): the group's best score, or --
+    ``biased`` selection scores, i.e. with a correction bias -- the sum of its best two; pass the
+    rule ``"serving_biased"`` for that case.
     """
     t, e = scores.shape
-    per_group = e // num_groups
-    grouped = scores.reshape(t, num_groups, per_group)
-    top_in_group = ranked_indices(grouped, topk // group_topk)
-    best = grouped.gather(-1, top_in_group)
+    grouped = scores.reshape(t, num_groups, e // num_groups)
+    count = {"te": topk // group_topk, "serving": 1, "serving_biased": 2}[rule]
+    best = grouped.gather(-1, ranked_indices(grouped, count))
     # an explicit left-to-right sum: torch.sum's reduction order differs between devices (a CUDA
     # tree sum of 4 values is not ((a + b) + c) + d), and the contract fixes selection order
-    group_scores = best[..., 0]
+    total = best[..., 0]
     for i in range(1, best.shape[-1]):
-        group_scores = group_scores + best[..., i]
-    best_groups = ranked_indices(group_scores, group_topk)
+        total = total + best[..., i]
+    return total
+
+
+def _group_limited_candidates(
+    scores: torch.Tensor, topk: int, num_groups: int, group_topk: int, rule: str
+) -> torch.Tensor:
+    """Mask (True = eligible) of experts inside the ``group_topk`` best groups (:func:`group_scores`;
+    groups ranked with the experts' order: score descending, group id ascending)."""
+    t, e = scores.shape
+    best_groups = ranked_indices(
+        group_scores(scores, topk, num_groups, group_topk, rule), group_topk
+    )
     group_mask = torch.zeros(t, num_groups, dtype=torch.bool, device=scores.device)
     group_mask.scatter_(1, best_groups, True)
-    return group_mask.repeat_interleave(per_group, dim=1)
+    return group_mask.repeat_interleave(e // num_groups, dim=1)
 
 
 def select_experts(
@@ -96,11 +109,12 @@ def select_experts(
     num_groups: int | None = None,
     group_topk: int | None = None,
     topk: int | None = None,
+    group_rule: str = "te",
 ) -> torch.Tensor:
     """Indices ``[T, n]`` in selection order, optionally restricted to the best groups."""
     scores = selection_scores.detach()
     if num_groups is not None and group_topk is not None:
-        eligible = _group_limited_candidates(scores, topk or n, num_groups, group_topk)
+        eligible = _group_limited_candidates(scores, topk or n, num_groups, group_topk, group_rule)
         # Ineligible experts can never be chosen: there are always >= topk eligible ones.
         ranked = ranked_indices(scores, scores.shape[-1])
         keep = eligible.gather(1, ranked)
@@ -211,15 +225,21 @@ def biased_topk(
     num_groups: int | None = None,
     group_topk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Serving-form oracle: ``(weights fp32 [T,k], ids int32 [T,k])``, ids in selection order.
+    """Serving-form oracle (vLLM's ``fused_topk`` / ``fused_topk_bias`` / ``grouped_topk``,
+    SGLang's ``biased_grouped_topk``): ``(weights fp32 [T,k], ids int32 [T,k])``, ids in
+    selection order.
 
-    softmax means softmax over all experts, then Top-k (vLLM ``fused_topk``). ``renormalize``
-    divides by ``sum + 1e-20``; ``scaling_factor`` multiplies last.
+    Scores are the activation over all experts (softmax over E, or sigmoid / sqrtsoftplus); the
+    correction bias ``expert_bias`` is added for selection only. Groups are ranked by the
+    ``"serving"`` rule of :func:`group_scores` (best biased score, or the sum of the best two with
+    a bias). The weights are the unbiased scores of the selected experts; ``renormalize`` divides
+    them by their sum ``+ 1e-20`` (:func:`routes_sum` order); ``scaling_factor`` multiplies last.
     """
     z = logits.float()
     s = activation(z, score_function)
     sel_scores = s if expert_bias is None else s + expert_bias.float()
-    idx = select_experts(sel_scores, topk, num_groups, group_topk, topk)
+    rule = "serving" if expert_bias is None else "serving_biased"
+    idx = select_experts(sel_scores, topk, num_groups, group_topk, topk, group_rule=rule)
     w = s.gather(1, idx)
     if renormalize:
         w = normalise(w)

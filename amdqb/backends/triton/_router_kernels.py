@@ -227,6 +227,7 @@ def _router_fwd_kernel(
     NG: tl.constexpr,
     GS: tl.constexpr,
     GT: tl.constexpr,
+    GN: tl.constexpr,  # a group's score: the sum of its GN best selection values
     NGP: tl.constexpr,
     GSP: tl.constexpr,
     W: tl.constexpr,  # NGP * GSP columns per row in registers (>= 16)
@@ -279,6 +280,9 @@ def _router_fwd_kernel(
         if PRE:
             sel = act
             wv = act
+            if HAS_BIAS:  # a correction bias on softmax scores (serving form)
+                b = tl.load(bias_ptr + col, mask=valid, other=0.0)
+                sel = act + b[None, :]
         else:
             sel = z
             wv = z
@@ -293,13 +297,13 @@ def _router_fwd_kernel(
             sel = wv
     key = tl.where(valid[None, :], _order_key(sel), INT32_MIN)
 
-    # ---- grouped Top-k: keep the GT groups whose best K//GT selection values sum highest ----
+    # ---- grouped Top-k: keep the GT groups whose best GN selection values sum highest ----------
     if NG > 1:
         key3 = tl.reshape(key, (BT, NGP, GSP))
         sel3 = tl.reshape(sel, (BT, NGP, GSP))
         j3 = tl.reshape(tl.zeros([BT, W], dtype=tl.int32) + (p % GSP)[None, :], (BT, NGP, GSP))
         gsum = tl.zeros([BT, NGP], dtype=tl.float32)
-        for _ in range(K // GT):  # extract each group's best in selection order
+        for _ in range(GN):  # extract each group's best in selection order
             mk = tl.max(key3, axis=2)
             first = tl.min(tl.where(key3 == mk[:, :, None], j3, GSP), axis=2)
             hit = j3 == first[:, :, None]

@@ -91,6 +91,7 @@ class RouterPlan:
     NG: int
     GS: int
     GT: int
+    GN: int  # scores per group summed into the group score
     NGP: int
     GSP: int
     W: int
@@ -111,6 +112,7 @@ class RouterPlan:
             "NG",
             "GS",
             "GT",
+            "GN",
             "NGP",
             "GSP",
             "W",
@@ -127,7 +129,11 @@ class RouterPlan:
 
 
 @functools.lru_cache(maxsize=None)
-def plan_router(E: int, K: int, qb: bool, num_groups, group_topk, family: str) -> RouterPlan:
+def plan_router(
+    E: int, K: int, qb: bool, num_groups, group_topk, family: str, group_scores: int = 0
+) -> RouterPlan:
+    """Every constexpr of a router specialisation. ``group_scores``: how many of a group's best
+    scores make its group score (0: TransformerEngine's ``K // group_topk``)."""
     cfg = config(family)
     EP = max(16, _next_pow2(E))
     if num_groups is not None and num_groups > 1:
@@ -137,6 +143,7 @@ def plan_router(E: int, K: int, qb: bool, num_groups, group_topk, family: str) -
         NGP = max(_next_pow2(NG), 16 // GSP if GSP < 16 else 1)
     else:
         NG, GT, GS, GSP, NGP = 1, 1, E, EP, 1
+    GN = group_scores or max(1, K // GT)
     W = NGP * GSP
     R = K if qb else K - 1
     CAP = max(16, _next_pow2(math.ceil(1.5 * (R + 1))))
@@ -157,7 +164,7 @@ def plan_router(E: int, K: int, qb: bool, num_groups, group_topk, family: str) -
     )
     id_bits = (E + W - 1).bit_length()
     return RouterPlan(
-        E, K, R, NG, GS, GT, NGP, GSP, W, EP, BT, G, CAP, id_bits, fast, use_tau, warps
+        E, K, R, NG, GS, GT, GN, NGP, GSP, W, EP, BT, G, CAP, id_bits, fast, use_tau, warps
     )
 
 
@@ -396,7 +403,10 @@ def biased_topk(
     T, E = logits.shape
     if T == 0:
         return
-    plan = plan_router(E, topk, False, num_groups, group_topk, _family(logits.device))
+    # the serving rule: a group's best score, or the sum of its best two with a correction bias
+    group_scores = 2 if expert_bias is not None else 1
+    family = _family(logits.device)
+    plan = plan_router(E, topk, False, num_groups, group_topk, family, group_scores)
     score = _SCORES[score_function]
     with on_device(logits):
         _launch_router(

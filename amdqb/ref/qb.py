@@ -1,5 +1,15 @@
 """Pure-PyTorch oracles of the Quantile Balancing bias updates (Kimi K3 §2.3.3, App. C-D).
 
+Two binnings of the per-expert histogram (``amdqb.ref.router``):
+
+* ``"uniform"`` (K3): ``r = alpha - s`` on B uniform bins of ``[L, U]``; the recovery is the
+  ``k/E`` quantile of r, the new bias itself.
+* ``"log_margin"``: the biased margin ``d = alpha - u`` (u the selection value) on a symmetric
+  log axis around 0 scaled by ``eps = rho * (max b - min b)``; its ``k/E`` quantile is the bias
+  change ``delta`` (``b_hat = b + delta``), which shrinks towards 0 at equilibrium, so the
+  resolution follows the correction instead of the bias range. The bounds tensor holds
+  ``[eps, 1/eps]`` (fp32).
+
 Precision contract:
 
 * histogram counts are summed in int64; the target rank ``n = ceil(m*k/E)`` is computed in integer
@@ -18,8 +28,15 @@ from .ordering import ranked_indices
 from .router import activation
 
 
-def recover_uncentred(histogram: torch.Tensor, bin_bounds: torch.Tensor, topk: int) -> torch.Tensor:
-    """App. D recovery before centring, fp32 ``[E]``."""
+LOG_MARGIN_RHO = 1e-4  # eps = rho * bias spread; with B = 64 the axis reaches |d| = 6.55 spreads
+LOG_MARGIN_EPS0 = 1e-30  # eps while every bias is equal (spread 0)
+
+
+def quantile_position(histogram: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """App. D's position of the ``k/E`` quantile in bin units, float64 ``[E]`` in ``[0, B]``,
+    and each row's count ``m``: ``beta`` = the first bin whose cumulative count reaches
+    ``ceil(q)`` (``q = m*k/E``), plus ``clip((q - c) / h, 0, 1)`` with ``c`` the count before it
+    and ``h`` its count."""
     e, b = histogram.shape
     counts = histogram.to(torch.int64)
     cum = torch.cumsum(counts, dim=1)
@@ -30,12 +47,51 @@ def recover_uncentred(histogram: torch.Tensor, bin_bounds: torch.Tensor, topk: i
     before = torch.where(beta > 0, cum.gather(1, (beta - 1).clamp(min=0)[:, None]).squeeze(1), 0)
     h = counts.gather(1, beta[:, None]).squeeze(1)
     frac = torch.where(h > 0, (q - before.double()) / h.clamp(min=1).double(), 0.0).clamp(0.0, 1.0)
+    return beta.double() + frac, m
+
+
+def recover_uncentred(histogram: torch.Tensor, bin_bounds: torch.Tensor, topk: int) -> torch.Tensor:
+    """App. D recovery of the uniform binning before centring, fp32 ``[E]``."""
+    b = histogram.shape[1]
+    position, m = quantile_position(histogram, topk)
     lower = bin_bounds[0].double()
     upper = bin_bounds[1].double()
     width = (upper - lower) / b
-    bhat = lower + (beta.double() + frac) * width
+    bhat = lower + position * width
     bhat = torch.where(m > 0, bhat, (lower + upper) / 2)
     return bhat.float()
+
+
+def recover_margin_delta(histogram: torch.Tensor, margin_scale: torch.Tensor, topk: int):
+    """The log_margin recovery: the ``k/E`` quantile of each expert's biased margin, i.e. its bias
+    change ``delta``, float64 ``[E]`` (0 for an empty row).
+
+    The quantile position ``p`` (:func:`quantile_position`) maps back through the bins of
+    ``amdqb.ref.router.qb_margin_bin_index``: key ``kappa = |p - B/2|`` (bin keys ascend away
+    from the centre), ``y = 2^o (1 + f)`` with ``o, f`` the integer and fractional parts of
+    ``kappa / 2^M`` (the float format's piecewise-linear log2, exact to invert), and
+    ``delta = sign(p - B/2) (y - 1) / inv`` with ``inv = margin_scale[1]``, the fp32 multiplier
+    the kernels binned with. Interpolation is linear in d inside a bin, as App. D's in r."""
+    from .router import margin_octave_bits
+
+    b = histogram.shape[1]
+    position, m = quantile_position(histogram, topk)
+    offset = position - b // 2
+    per_octave = float(1 << margin_octave_bits(b))
+    octave = torch.floor(offset.abs() / per_octave)
+    y = torch.ldexp(1.0 + (offset.abs() / per_octave - octave), octave.to(torch.int64))
+    delta = torch.sign(offset) * (y - 1.0) / margin_scale[1].double()
+    return torch.where(m > 0, delta, torch.zeros_like(delta))
+
+
+def margin_scale(bias: torch.Tensor, rho: float = LOG_MARGIN_RHO) -> torch.Tensor:
+    """fp32 ``[eps, 1/eps]`` of the log_margin axis for ``bias``: ``eps = rho * (max - min)``
+    (float64, then fp32), ``LOG_MARGIN_EPS0`` for a spread of 0; the reciprocal is of the fp32
+    eps."""
+    b = bias.double()
+    spread = b.max() - b.min()
+    eps = torch.where(spread > 0, rho * spread, torch.full_like(spread, LOG_MARGIN_EPS0)).float()
+    return torch.stack([eps, (1.0 / eps.double()).float()])
 
 
 def centre(bias: torch.Tensor) -> torch.Tensor:
@@ -43,9 +99,20 @@ def centre(bias: torch.Tensor) -> torch.Tensor:
     return (bias.double() - bias.double().mean()).float()
 
 
-def qb_recover_bias(histogram: torch.Tensor, bin_bounds: torch.Tensor, topk: int) -> torch.Tensor:
-    """Centred App. D bias estimate from an int32 ``[E, B]`` histogram and fp32 ``[L, U]`` bounds."""
-    return centre(recover_uncentred(histogram, bin_bounds, topk))
+def qb_recover_bias(
+    histogram: torch.Tensor,
+    bin_bounds: torch.Tensor,
+    topk: int,
+    binning: str = "uniform",
+    expert_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Centred App. D bias estimate from an int32 ``[E, B]`` histogram: ``"uniform"`` with fp32
+    ``[L, U]`` bounds; ``"log_margin"`` with the ``[eps, 1/eps]`` scale and the bias the margins
+    were measured against (``b + delta``, the sum in float64)."""
+    if binning == "uniform":
+        return centre(recover_uncentred(histogram, bin_bounds, topk))
+    delta = recover_margin_delta(histogram, bin_bounds, topk)
+    return centre((expert_bias.double() + delta).float())
 
 
 def required_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) -> torch.Tensor:
@@ -81,18 +148,23 @@ def qb_step_update(
     bin_bounds: torch.Tensor,
     topk: int,
     ema: float = 0.0,
+    binning: str = "uniform",
+    rho: float = LOG_MARGIN_RHO,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One balancer step (after the all-reduce): ``(new_bias fp32 [E], new_bounds fp32 [2])``.
 
     ``new = centre(ema * old + (1 - ema) * recover(hist))``; an empty histogram keeps ``old``.
-    Bounds become ``[min(new) - 1, max(new) + 1]``.
+    Uniform bounds become ``[min(new) - 1, max(new) + 1]``; log_margin's ``margin_scale(new)``.
     """
-    bhat = qb_recover_bias(histogram, bin_bounds, topk)
+    bhat = qb_recover_bias(histogram, bin_bounds, topk, binning, bias)
     mixed = (ema * bias.double() + (1.0 - ema) * bhat.double()).float()
     new = centre(mixed)
     total = histogram.to(torch.int64).sum()
     new = torch.where(total > 0, new, bias.float())
-    bounds = torch.stack([new.min() - 1.0, new.max() + 1.0]).float()
+    if binning == "uniform":
+        bounds = torch.stack([new.min() - 1.0, new.max() + 1.0]).float()
+    else:
+        bounds = margin_scale(new, rho)
     return new, bounds
 
 

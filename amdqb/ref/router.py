@@ -138,23 +138,93 @@ def qb_bin_index(
     return x.to(torch.int64)
 
 
+SELECTIONS = ("te", "tie_free")
+BINNINGS = ("uniform", "log_margin")
+
+
+def sigmoid_complement(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 ``c = sigmoid(-z) = 1 - s`` from the sigmoid's own ``e = exp(-z)``: ``e * s`` for
+    ``z >= 0`` (relative precision kept as ``s`` saturates at 1), ``1 - s`` below."""
+    z = logits.float()
+    e = torch.exp(-z)
+    s = 1.0 / (1.0 + e)
+    return torch.where(z >= 0, e * s, 1.0 - s)
+
+
+def selection_values(
+    scores: torch.Tensor,
+    expert_bias: torch.Tensor,
+    selection: str = "te",
+    complements: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 values the router ranks: ``u = s + b`` (``"te"``) or ``v = b - c`` with
+    ``c = sigmoid(-z)`` (``"tie_free"``: ``u - 1`` in exact arithmetic, the same order, but
+    without the ties and rounding of fp32 ``s + b`` once ``s`` saturates). ``complements`` are
+    the ``c`` values (tie_free)."""
+    if selection == "te":
+        return scores + expert_bias.float()
+    return expert_bias.float() - complements
+
+
 def qb_cutoff_and_routes(
-    scores: torch.Tensor, expert_bias: torch.Tensor, topk: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routed indices ``[T, k]`` (selection order) and the fp32 cutoff ``alpha`` ``[T]``."""
-    biased = scores + expert_bias.float()
-    order = select_experts(biased, topk + 1)
-    alpha = biased.gather(1, order[:, topk : topk + 1]).squeeze(1)
-    return order[:, :topk], alpha
+    scores: torch.Tensor,
+    expert_bias: torch.Tensor,
+    topk: int,
+    selection: str = "te",
+    complements: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Routed indices ``[T, k]`` (selection order), the fp32 cutoff ``alpha`` ``[T]`` (the
+    (k+1)-th selection value) and the selection values ``[T, E]``."""
+    values = selection_values(scores, expert_bias, selection, complements)
+    order = select_experts(values, topk + 1)
+    alpha = values.gather(1, order[:, topk : topk + 1]).squeeze(1)
+    return order[:, :topk], alpha, values
+
+
+def margin_octave_bits(num_bins: int) -> int:
+    """M: the log_margin axis has 2^M bins per octave of ``1 + |d| / eps``, chosen so that its
+    B/2 bins a side span 16 to 32 octaves (B = 64: M = 1, 32 octaves of half an octave each)."""
+    return max(0, (num_bins // 32).bit_length() - 1)
+
+
+def qb_margin_bin_index(
+    margin: torch.Tensor, margin_scale: torch.Tensor, num_bins: int
+) -> torch.Tensor:
+    """int64 log_margin bin of each biased margin ``d = alpha - u`` (NaN -> bin 0).
+
+    With ``inv = margin_scale[1]`` (the fp32 reciprocal of the margin scale eps) and
+    ``y = 1 + |d| * inv`` in fp32, the key ``k = (bits(y) >> (23 - M)) - (127 << M)`` is
+    ``2^M log2(y)`` rounded down on the piecewise-linear log2 of the float format -- an exact
+    integer function of d on every device, no transcendental; ``c = min(k, B/2 - 1)`` and the bin
+    is ``B/2 + c`` for ``d >= 0``, ``B/2 - 1 - c`` for ``d < 0``: bins ascend with d, the finest
+    ones (width eps) at d = 0."""
+    inv = margin_scale[1].float()
+    d = margin.float()
+    y = 1.0 + d.abs() * inv
+    m = margin_octave_bits(num_bins)
+    key = (y.view(torch.int32).to(torch.int64) >> (23 - m)) - (127 << m)
+    half = num_bins // 2
+    c = key.clamp(0, half - 1)
+    bins = torch.where(d >= 0, half + c, half - 1 - c)
+    return torch.where(torch.isnan(d), torch.zeros_like(bins), bins)
 
 
 def qb_histogram_counts(
-    scores: torch.Tensor, alpha: torch.Tensor, bin_bounds: torch.Tensor, num_bins: int
+    scores: torch.Tensor,
+    alpha: torch.Tensor,
+    bin_bounds: torch.Tensor,
+    num_bins: int,
+    binning: str = "uniform",
+    values: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """int32 ``[E, B]`` histogram of ``r = alpha - s`` for this batch of fp32 scores ``[T, E]``."""
+    """int32 ``[E, B]`` histogram of one batch: ``"uniform"`` bins ``r = alpha - s`` of the fp32
+    scores ``[T, E]`` (:func:`qb_bin_index`), ``"log_margin"`` bins ``d = alpha - values`` of the
+    selection values (:func:`qb_margin_bin_index`)."""
     t, e = scores.shape
-    required = alpha[:, None] - scores
-    bins = qb_bin_index(required, bin_bounds, num_bins)
+    if binning == "uniform":
+        bins = qb_bin_index(alpha[:, None] - scores, bin_bounds, num_bins)
+    else:
+        bins = qb_margin_bin_index(alpha[:, None] - values, bin_bounds, num_bins)
     flat = bins + torch.arange(e, device=scores.device)[None, :] * num_bins
     counts = torch.bincount(flat.reshape(-1), minlength=e * num_bins)
     return counts.reshape(e, num_bins).to(torch.int32)
@@ -172,13 +242,20 @@ def fused_topk_with_score_function(
     qb_histogram: torch.Tensor | None = None,
     qb_bin_bounds: torch.Tensor | None = None,
     scores: torch.Tensor | None = None,
+    selection: str = "te",
+    qb_binning: str = "uniform",
+    complements: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Oracle router on ``[T, E]`` logits: ``(probs fp32 [T,E], routed_idx [T,k], routing_map bool)``.
 
     ``probs`` is fp32 here (the op casts it); it is differentiable w.r.t. ``logits``. When
-    ``qb_histogram`` is given it is accumulated in place. ``scores`` lets a test evaluate the
-    oracle on a kernel's own fp32 activations (selection and histogram only; no gradient).
+    ``qb_histogram`` is given it is accumulated in place. ``scores`` / ``complements`` let a test
+    evaluate the oracle on a kernel's own fp32 activations ``s`` and ``c = sigmoid(-z)``
+    (selection and histogram only; no gradient). ``selection="tie_free"`` (sigmoid with a bias)
+    ranks by ``b - c`` instead of ``s + b``.
     """
+    if selection == "tie_free" and complements is None:
+        complements = sigmoid_complement(logits)
     z = logits.float()
     if scores is None:
         act_for_weights = activation(z, score_function) if score_function != "softmax" else None
@@ -188,8 +265,10 @@ def fused_topk_with_score_function(
 
     if qb_histogram is not None:
         s = act_for_weights
-        idx, alpha = qb_cutoff_and_routes(s.detach(), expert_bias, topk)
-        qb_histogram += qb_histogram_counts(s.detach(), alpha, qb_bin_bounds, qb_histogram.shape[1])
+        idx, alpha, values = qb_cutoff_and_routes(s.detach(), expert_bias, topk, selection, complements)
+        qb_histogram += qb_histogram_counts(
+            s.detach(), alpha, qb_bin_bounds, qb_histogram.shape[1], qb_binning, values
+        )
         selected = s.gather(1, idx)
         selected = normalise(selected) if topk > 1 else selected
     elif score_function == "softmax":
@@ -202,7 +281,10 @@ def fused_topk_with_score_function(
             selected = torch.softmax(z.gather(1, idx), dim=-1)
     else:
         s = act_for_weights
-        sel_scores = s if expert_bias is None else s + expert_bias.float()
+        if expert_bias is None:
+            sel_scores = s
+        else:
+            sel_scores = selection_values(s.detach(), expert_bias, selection, complements)
         idx = select_experts(sel_scores, topk, num_groups, group_topk, topk)
         selected = s.gather(1, idx)
         selected = normalise(selected) if topk > 1 else selected

@@ -1,20 +1,21 @@
 """The ``triton`` backend: portable Triton kernels for NVIDIA and AMD GPUs.
 
-Launchers live in the public modules of this folder (``router.py``, ``layout.py``); the
-``@triton.jit`` bodies live in the private ``_*_kernels.py`` modules; per-architecture launch
-configurations in ``configs.py``. On a machine without a GPU the kernels run only under
-``TRITON_INTERPRET=1`` (the test suite sets it), which is how CI checks them against the oracles.
+Launchers live in the public modules of this folder (``router.py``, ``layout.py``,
+``aux_loss.py``); the ``@triton.jit`` bodies live in the private ``_*_kernels.py`` modules;
+per-architecture launch configurations in ``configs.py``. On a machine without a GPU the kernels
+run only under ``TRITON_INTERPRET=1`` (the test suite sets it), which is how CI checks them against
+the oracles.
 """
 
 from __future__ import annotations
 
 import os
 
-from . import layout, router
+from . import aux_loss, layout, router
 from .router import score_values  # the router's own activations (tests compare on them)
 
-OPS = {**router.OPS, **layout.OPS}
-_UNSUPPORTED = {**router.UNSUPPORTED, **layout.UNSUPPORTED}
+OPS = {**router.OPS, **layout.OPS, **aux_loss.OPS}
+_UNSUPPORTED = {**router.UNSUPPORTED, **layout.UNSUPPORTED, **aux_loss.UNSUPPORTED}
 
 
 def interpreting() -> bool:

@@ -14,9 +14,9 @@ import pytest
 
 SCRIPT = r"""
 import json, sys
-from amdqb.backends.triton import codegen, layout, router
+from amdqb.backends.triton import aux_loss, codegen, layout, router
 rows = []
-for module in (router, layout):
+for module in (router, layout, aux_loss):
     for spec in module.codegen_specs():
         for arch in codegen.AMD_TARGETS:
             try:

@@ -29,6 +29,20 @@ def test_public_signatures_match_spec():
         "qb_bin_bounds",
         "qb_histogram_mode",
     ]
+    assert list(inspect.signature(amdqb.fused_compute_score_for_moe_aux_loss).parameters)[:4] == [
+        "logits",
+        "topk",
+        "score_function",
+        "routing_map_format",
+    ]
+    assert list(inspect.signature(amdqb.fused_moe_aux_loss).parameters)[:6] == [
+        "probs",
+        "tokens_per_expert",
+        "total_num_tokens",
+        "num_experts",
+        "topk",
+        "coeff",
+    ]
     assert list(inspect.signature(amdqb.biased_topk).parameters)[:3] == [
         "logits",
         "topk",
@@ -383,7 +397,9 @@ def test_device_mismatch_names_the_argument():
 
 
 def test_custom_ops_registered_for_compile():
-    for name in ("router_fwd", "router_bwd", "biased_topk", "route_rows", "chunk_copy"):
+    names = ("router_fwd", "router_bwd", "biased_topk", "route_rows", "chunk_copy")
+    names += ("aux_scores_fwd", "aux_scores_bwd", "aux_loss_fwd", "aux_loss_bwd")
+    for name in names:
         assert hasattr(torch.ops.amdqb, name), name
 
 

@@ -34,6 +34,18 @@ never allocate output buffers the caller sees. Signatures:
 ``chunk_copy(src [N,H], row_map int32 [P], dst, reverse: bool) -> None``
     forward (``reverse=False``): ``dst[p] = src[row_map[p]]`` or 0; reverse: ``dst[row_map[p]] =
     src[p]`` for ``row_map[p] >= 0`` (``dst`` pre-zeroed by the op).
+``aux_scores_fwd(logits [T,E], topk, score_function, scores_out fp32 [T,E], map_out, map_kind)
+    -> None``: TE's aux-loss scores (softmax, or the activation normalised over all E) and the
+    Top-k map of them; ``map_kind`` ``"bytemap"`` (bool [T,E]) or ``"bitmap"`` (uint8
+    [T,ceil(E/8)]).
+``aux_scores_bwd(grad_scores fp32 [T,E], logits [T,E], score_function, grad_logits_out [T,E])
+    -> None`` (``grad_logits_out`` in the logits dtype; activations recomputed from the logits).
+``aux_loss_fwd(probs [R,C], tokens_per_expert [C], total_num_tokens int64 [] | None, coeff_host,
+    coeff_prefix, loss_out [] (probs dtype), coeff_out fp32 [2]) -> None``: ``C = coeff_prefix /
+    T / T`` in fp32 from the device token count (never read by the host) or ``C = coeff_host``
+    when it is None; ``coeff_out = [C, loss]`` (kept for the backward, like TE's ``Const_buf``).
+``aux_loss_bwd(coeff_buf fp32 [2], tokens_per_expert [C], grad_loss [], grad_probs_out [R,C])
+    -> None``: ``grad_probs[r, c] = (C * tokens_per_expert[c]) * grad_loss``.
 """
 
 OP_NAMES = (
@@ -46,4 +58,8 @@ OP_NAMES = (
     "align_block_size",
     "chunk_row_map",
     "chunk_copy",
+    "aux_scores_fwd",
+    "aux_scores_bwd",
+    "aux_loss_fwd",
+    "aux_loss_bwd",
 )

@@ -255,6 +255,20 @@ def _normalise_map_format(routing_map_format) -> str:
     )
 
 
+def _normalise_qb_mode(qb_histogram_mode) -> str:
+    """``qb_histogram_mode`` from a string, TE's ``QBHistogramMode`` or its int (0 / 1)."""
+    if isinstance(qb_histogram_mode, int) and not isinstance(qb_histogram_mode, bool):
+        if qb_histogram_mode in (0, 1):
+            return QB_MODES[qb_histogram_mode]
+    name = getattr(qb_histogram_mode, "name", qb_histogram_mode)
+    if isinstance(name, str) and name.lower() in QB_MODES:
+        return name.lower()
+    raise ValueError(
+        f"qb_histogram_mode must be one of {QB_MODES} (or TE's QBHistogramMode / 0 / 1), "
+        f"got {qb_histogram_mode!r}"
+    )
+
+
 def fused_topk_with_score_function(
     logits: torch.Tensor,
     topk: int,
@@ -290,7 +304,8 @@ def fused_topk_with_score_function(
             filled in place (selection order) and returned instead of a routing map.
         qb_histogram: int32 ``[E, B]``, accumulated in place (QB).
         qb_bin_bounds: fp32 ``[2]`` device tensor ``[L, U]`` (QB).
-        qb_histogram_mode: ``"two_kernel"``, ``"fused_atomic"`` or ``"auto"`` (QB).
+        qb_histogram_mode: ``"two_kernel"``, ``"fused_atomic"`` or ``"auto"`` (QB); TE's
+            ``QBHistogramMode`` or its int (0 / 1) also work.
         backend: force ``"hip"``, ``"triton"`` or ``"torch"`` (default: the dispatcher's choice).
 
     Returns:
@@ -338,7 +353,7 @@ def fused_topk_with_score_function(
                 f"Quantile Balancing only supports 0 < topk < num_experts, got topk={topk}, "
                 f"num_experts={num_experts}"
             )
-        check_choice("qb_histogram_mode", qb_histogram_mode, QB_MODES)
+        qb_histogram_mode = _normalise_qb_mode(qb_histogram_mode)
         check_tensor(
             "qb_histogram",
             qb_histogram,

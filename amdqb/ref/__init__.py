@@ -1,6 +1,7 @@
 """Pure-PyTorch oracles (fp32 math, CPU and GPU). Importable by users; every kernel is tested
 against these. Nothing here launches a custom kernel."""
 
+from .aux_loss import compute_scores_for_aux_loss, moe_aux_loss
 from .chunks import chunk_row_map, moe_sort_chunks_and_pad, moe_unpad_and_restore_chunks
 from .ordering import order_key, ranked_indices
 from .qb import (

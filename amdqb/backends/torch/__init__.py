@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ... import ref
+from ...ref import aux_loss as ref_aux
 from ...ref.router import NORM_EPS, activation
 
 
@@ -164,6 +165,50 @@ def chunk_copy(src, row_map, dst, reverse):
         dst.copy_(ref.chunks.gather_rows(src, row_map))
 
 
+def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
+    with torch.no_grad():
+        routing_map, scores = ref_aux.compute_scores_for_aux_loss(logits, topk, score_function)
+    scores_out.copy_(scores)
+    map_out.copy_(routing_map if map_kind == "bytemap" else ref.pack_bitmap(routing_map))
+
+
+def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
+    """TE's backward of the aux-loss scores, written out (normalisation over all experts)."""
+    z = logits.float()
+    g = grad_scores.float()
+    if score_function == "softmax":
+        act = torch.softmax(z, dim=-1)
+        grad_logits_out.copy_(act * (g - (g * act).sum(-1, keepdim=True)))
+        return
+    act = activation(z, score_function)
+    denom = act.sum(-1, keepdim=True) + NORM_EPS
+    g = g / denom - (g * act).sum(-1, keepdim=True) / (denom * denom)
+    if score_function == "sigmoid":
+        g = g * act * (1.0 - act)
+    else:  # d sqrt(softplus(x)) / dx = sigmoid(x) / (2 y), sigmoid -> 1 above torch's threshold 20
+        dsoft = torch.where(z > 20.0, torch.ones_like(z), torch.sigmoid(z))
+        g = g * (dsoft / (2.0 * act + NORM_EPS))
+    grad_logits_out.copy_(g)
+
+
+def aux_loss_fwd(
+    probs, tokens_per_expert, total_num_tokens, coeff_host, coeff_prefix, loss_out, coeff_out
+):
+    if total_num_tokens is not None:
+        c = ref_aux.device_coefficient(coeff_prefix, total_num_tokens)
+    else:
+        c = torch.full((), coeff_host, dtype=torch.float32, device=probs.device)
+    loss = ref_aux.aux_loss_sum(probs, tokens_per_expert) * c
+    coeff_out[0].copy_(c)
+    coeff_out[1].copy_(loss)
+    loss_out.copy_(loss)
+
+
+def aux_loss_bwd(coeff_buf, tokens_per_expert, grad_loss, grad_probs_out):
+    row = (coeff_buf[0] * tokens_per_expert.float()) * grad_loss.float()
+    grad_probs_out.copy_(row.expand_as(grad_probs_out))
+
+
 OPS = {
     "router_fwd": router_fwd,
     "router_bwd": router_bwd,
@@ -174,4 +219,8 @@ OPS = {
     "align_block_size": align_block_size,
     "chunk_row_map": chunk_row_map,
     "chunk_copy": chunk_copy,
+    "aux_scores_fwd": aux_scores_fwd,
+    "aux_scores_bwd": aux_scores_bwd,
+    "aux_loss_fwd": aux_loss_fwd,
+    "aux_loss_bwd": aux_loss_bwd,
 }

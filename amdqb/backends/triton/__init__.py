@@ -1,18 +1,19 @@
 """The ``triton`` backend: portable Triton kernels for NVIDIA and AMD GPUs.
 
-One launcher module per op family (``router.py``, ``layout.py``, ``chunks.py``, ``qb.py``), the
-``@triton.jit`` bodies in the private ``_*_kernels.py`` modules; launch shapes come from the
-``triton.*`` entries of ``amdqb/configs``. On a machine without a GPU the kernels run only under
-``TRITON_INTERPRET=1`` (the test suite sets it), which is how CI checks them against the oracles.
+One launcher module per op family (``router.py``, ``layout.py``, ``chunks.py``, ``qb.py``,
+``aux_loss.py``), the ``@triton.jit`` bodies in the private ``_*_kernels.py`` modules; launch
+shapes come from the ``triton.*`` entries of ``amdqb/configs``. On a machine without a GPU the
+kernels run only under ``TRITON_INTERPRET=1`` (the test suite sets it), which is how CI checks them
+against the oracles.
 """
 
 from __future__ import annotations
 
-from . import chunks, layout, qb, router
+from . import aux_loss, chunks, layout, qb, router
 from ._common import interpreting
 from .router import score_values  # the router's own activations (tests compare on them)
 
-_MODULES = (router, layout, chunks, qb)
+_MODULES = (router, layout, chunks, qb, aux_loss)
 OPS = {name: fn for module in _MODULES for name, fn in module.OPS.items()}
 _UNSUPPORTED = {name: fn for module in _MODULES for name, fn in module.UNSUPPORTED.items()}
 

@@ -1,0 +1,289 @@
+"""Triton launchers of TransformerEngine's aux-loss router ops.
+
+Precision and tie-break contract: the one of ``amdqb.ref.aux_loss`` (see ``_aux_loss_kernels``):
+sigmoid / sqrtsoftplus activations are PyTorch's on the same device bit for bit (vendor ``exp`` /
+``log1p``, correctly rounded division and square root, no FMA contraction, no flush-to-zero on
+NVIDIA); the normalisation, softmax and loss reductions agree with PyTorch to fp32 rounding; the
+Top-k map is exact in the (score descending, expert id ascending, NaN lowest) order of the kernel's
+own scores. The aux loss never reads the token count on the host: with a device ``T`` the
+coefficient ``C`` is computed by the last kernel from the tensor at every launch (graph-safe).
+
+Launch knobs (:data:`CONFIG`, untuned defaults until bench/ measurements exist):
+
+* ``row_elems``: BT * W per scores program (BT rows of W = next_pow2(E) columns in registers);
+  ``elems_per_warp`` / ``max_warps``: num_warps = BT * W / elems_per_warp, clamped;
+* ``extract_max_k``: up to this k the map comes from k best-first extractions (2k row
+  reductions), above it from the 32 + log2(W) step exact cutoff search of the router;
+* ``loss_max_programs``: row slices of the aux-loss reduction (one fp32 partial each, folded in a
+  fixed order by one program: deterministic); ``loss_tile_elems``: rows x columns per iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+
+from . import _aux_loss_kernels as K
+from .codegen import KernelSpec
+
+MAX_EXPERTS = 8192
+
+CONFIG = {
+    "row_elems": 2048,
+    "elems_per_warp": 256,
+    "max_warps": 8,
+    "extract_max_k": 16,
+    "loss_max_programs": 256,
+    "loss_tile_elems": 4096,
+    "loss_warps": 4,
+}
+
+_SCORES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+
+
+def _floor_pow2(x: int) -> int:
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _compile_options(device: torch.device) -> dict:
+    """PyTorch's kernels are built without FMA contraction of these expressions and keep denormals;
+    Triton's NVIDIA backend links libdevice with flush-to-zero unless told otherwise."""
+    opts = {"enable_fp_fusion": False}
+    if device.type == "cuda" and torch.version.hip is None and not _interpreting():
+        opts["enable_reflect_ftz"] = False
+    return opts
+
+
+def _device_ctx(t: torch.Tensor):
+    """Launch on the tensor's device whatever the current device is."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def _tile(E: int) -> tuple[int, int, int]:
+    W = max(16, _next_pow2(E))
+    BT = _floor_pow2(max(1, CONFIG["row_elems"] // W))
+    warps = max(1, min(CONFIG["max_warps"], BT * W // CONFIG["elems_per_warp"]))
+    return W, BT, warps
+
+
+# --------------------------------------------------------------------------------------------
+# Scores for the aux loss.
+# --------------------------------------------------------------------------------------------
+def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
+    T, E = logits.shape
+    if T == 0:
+        return
+    W, BT, warps = _tile(E)
+    with _device_ctx(logits):
+        K._aux_scores_fwd_kernel[(triton.cdiv(T, BT),)](
+            logits,
+            scores_out,
+            map_out.view(torch.uint8),
+            T,
+            E=E,
+            K=topk,
+            W=W,
+            BT=BT,
+            SCORE=_SCORES[score_function],
+            MAP=1 if map_kind == "bytemap" else 2,
+            EXTRACT=topk <= CONFIG["extract_max_k"],
+            ID_BITS=max(1, (W - 1).bit_length()),
+            num_warps=warps,
+            **_compile_options(logits.device),
+        )
+
+
+def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
+    T, E = logits.shape
+    if T == 0:
+        return
+    W, BT, warps = _tile(E)
+    with _device_ctx(logits):
+        K._aux_scores_bwd_kernel[(triton.cdiv(T, BT),)](
+            grad_scores,
+            logits,
+            grad_logits_out,
+            T,
+            E=E,
+            W=W,
+            BT=BT,
+            SCORE=_SCORES[score_function],
+            num_warps=warps,
+            **_compile_options(logits.device),
+        )
+
+
+def activation_values(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """fp32 sigmoid / sqrtsoftplus of ``logits``, by exactly the aux-loss kernels' code."""
+    x = logits.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n = x.numel()
+    if n == 0:
+        return out
+    block = 1024
+    with _device_ctx(x):
+        K._activation_kernel[(triton.cdiv(n, block),)](
+            x, out, n, BLOCK=block, SCORE=_SCORES[score_function], **_compile_options(x.device)
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Aux loss.
+# --------------------------------------------------------------------------------------------
+def _loss_tile(C: int) -> tuple[int, int]:
+    BC = min(_next_pow2(C), 1024)
+    BR = _floor_pow2(max(1, CONFIG["loss_tile_elems"] // BC))
+    return BC, BR
+
+
+def aux_loss_fwd(
+    probs, tokens_per_expert, total_num_tokens, coeff_host, coeff_prefix, loss_out, coeff_out
+):
+    R, C = probs.shape
+    BC, BR = _loss_tile(C)
+    progs = max(1, min(CONFIG["loss_max_programs"], triton.cdiv(R, BR)))
+    rows_per = max(1, triton.cdiv(R, progs))
+    progs = max(1, triton.cdiv(R, rows_per))
+    opts = _compile_options(probs.device)
+    with _device_ctx(probs):
+        partial = torch.empty(progs, dtype=torch.float32, device=probs.device)
+        K._aux_loss_partial_kernel[(progs,)](
+            probs,
+            tokens_per_expert,
+            partial,
+            R,
+            rows_per,
+            C=C,
+            BC=BC,
+            BR=BR,
+            num_warps=CONFIG["loss_warps"],
+            **opts,
+        )
+        has_t = total_num_tokens is not None
+        K._aux_loss_final_kernel[(1,)](
+            partial,
+            total_num_tokens if has_t else partial,
+            loss_out,
+            coeff_out,
+            progs,
+            float(coeff_host),
+            float(coeff_prefix),
+            PB=max(16, _next_pow2(progs)),
+            HAS_T=has_t,
+            num_warps=1,
+            **opts,
+        )
+
+
+def aux_loss_bwd(coeff_buf, tokens_per_expert, grad_loss, grad_probs_out):
+    R, C = grad_probs_out.shape
+    if R == 0:
+        return
+    BC, BR = _loss_tile(C)
+    with _device_ctx(grad_probs_out):
+        K._aux_loss_bwd_kernel[(triton.cdiv(R, BR), triton.cdiv(C, BC))](
+            coeff_buf,
+            tokens_per_expert,
+            grad_loss,
+            grad_probs_out,
+            R,
+            C=C,
+            BR=BR,
+            BC=BC,
+            num_warps=CONFIG["loss_warps"],
+            **_compile_options(grad_probs_out.device),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatcher hooks.
+# --------------------------------------------------------------------------------------------
+def _scores_unsupported(info, features):
+    e = features.get("num_experts", 0)
+    if e > MAX_EXPERTS:
+        return f"E > {MAX_EXPERTS} (num_experts={e}): a whole row is kept in registers"
+    return None
+
+
+OPS = {
+    "aux_scores_fwd": aux_scores_fwd,
+    "aux_scores_bwd": aux_scores_bwd,
+    "aux_loss_fwd": aux_loss_fwd,
+    "aux_loss_bwd": aux_loss_bwd,
+}
+UNSUPPORTED = {"aux_scores_fwd": _scores_unsupported, "aux_scores_bwd": _scores_unsupported}
+
+
+# --------------------------------------------------------------------------------------------
+# AMD code generation checks (op_tests/test_amd_codegen.py).
+# --------------------------------------------------------------------------------------------
+def codegen_specs(family: str = "gfx942") -> list:
+    """Aux-loss kernels at a TE test shape (E=1024) and at the seed shape (E=896, k=16)."""
+    specs = []
+    for name, E, k, score, kind in (
+        ("aux_scores_sigmoid_bytemap", 896, 16, 0, 1),
+        ("aux_scores_softmax_bitmap", 1024, 32, 2, 2),
+        ("aux_scores_sqrtsoftplus_k4", 256, 4, 1, 1),
+    ):
+        W, BT, warps = _tile(E)
+        const = dict(
+            E=E,
+            K=k,
+            W=W,
+            BT=BT,
+            SCORE=score,
+            MAP=kind,
+            EXTRACT=k <= CONFIG["extract_max_k"],
+            ID_BITS=max(1, (W - 1).bit_length()),
+        )
+        sig = {"logits_ptr": "*fp32", "scores_ptr": "*fp32", "map_ptr": "*u8", "T": "i32"}
+        sig.update({n: "constexpr" for n in const})
+        specs.append(KernelSpec(name, K._aux_scores_fwd_kernel, sig, const, num_warps=warps))
+    W, BT, warps = _tile(896)
+    bwd_const = dict(E=896, W=W, BT=BT, SCORE=1)
+    bwd_sig = {"grad_ptr": "*fp32", "logits_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32"}
+    bwd_sig.update({n: "constexpr" for n in bwd_const})
+    specs.append(
+        KernelSpec(
+            "aux_scores_bwd_sqrtsoftplus", K._aux_scores_bwd_kernel, bwd_sig, bwd_const, warps
+        )
+    )
+    BC, BR = _loss_tile(1024)
+    part_const = dict(C=1024, BC=BC, BR=BR)
+    part_sig = {"probs_ptr": "*bf16", "tpe_ptr": "*i32", "partial_ptr": "*fp32", "R": "i32"}
+    part_sig.update({"rows_per_prog": "i32", **{n: "constexpr" for n in part_const}})
+    specs.append(
+        KernelSpec(
+            "aux_loss_partial",
+            K._aux_loss_partial_kernel,
+            part_sig,
+            part_const,
+            CONFIG["loss_warps"],
+        )
+    )
+    fin_const = dict(PB=256, HAS_T=True)
+    fin_sig = {"partial_ptr": "*fp32", "total_ptr": "*i64", "loss_ptr": "*bf16"}
+    fin_sig.update({"coeff_ptr": "*fp32", "P": "i32", "coeff_host": "fp32", "coeff_prefix": "fp32"})
+    fin_sig.update({n: "constexpr" for n in fin_const})
+    specs.append(KernelSpec("aux_loss_final", K._aux_loss_final_kernel, fin_sig, fin_const, 1))
+    bl_const = dict(C=1024, BR=BR, BC=BC)
+    bl_sig = {"coeff_ptr": "*fp32", "tpe_ptr": "*i64", "grad_ptr": "*bf16", "out_ptr": "*bf16"}
+    bl_sig.update({"R": "i32", **{n: "constexpr" for n in bl_const}})
+    specs.append(
+        KernelSpec("aux_loss_bwd", K._aux_loss_bwd_kernel, bl_sig, bl_const, CONFIG["loss_warps"])
+    )
+    return specs

@@ -204,5 +204,5 @@ def fused_topk_with_score_function_qb_fwd(
         )
         num_experts = logits.shape[-1]
         raw_scores = torch.sigmoid(logits.float())
-        _, cutoff = qb_cutoff_and_routes(raw_scores.reshape(-1, num_experts), expert_bias, topk)
+        _, cutoff, _ = qb_cutoff_and_routes(raw_scores.reshape(-1, num_experts), expert_bias, topk)
     return probs, routing_output, raw_scores, cutoff.reshape(logits.shape[:-1]), histogram

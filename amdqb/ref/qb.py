@@ -27,7 +27,6 @@ import torch
 from .ordering import ranked_indices
 from .router import activation
 
-
 LOG_MARGIN_RHO = 1e-4  # eps = rho * bias spread; with B = 64 the axis reaches |d| = 6.55 spreads
 LOG_MARGIN_EPS0 = 1e-30  # eps while every bias is equal (spread 0)
 

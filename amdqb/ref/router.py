@@ -265,7 +265,9 @@ def fused_topk_with_score_function(
 
     if qb_histogram is not None:
         s = act_for_weights
-        idx, alpha, values = qb_cutoff_and_routes(s.detach(), expert_bias, topk, selection, complements)
+        idx, alpha, values = qb_cutoff_and_routes(
+            s.detach(), expert_bias, topk, selection, complements
+        )
         qb_histogram += qb_histogram_counts(
             s.detach(), alpha, qb_bin_bounds, qb_histogram.shape[1], qb_binning, values
         )

@@ -9,8 +9,8 @@ compile them with FMA contraction off and, on NVIDIA, without libdevice's flush-
 PyTorch's kernels are built. The normalisation ``a / (sum_E a + 1e-20)``, the softmax and the
 aux-loss reductions sum in this kernel's order, so they agree with PyTorch to fp32 rounding.
 
-Under ``TRITON_INTERPRET=1`` (CPU) the extern library cannot run: ``exp`` is the interpreter's
-(numpy's) and ``log1p`` is written with Kahan's compensation on top of it, accurate to an ulp.
+Under ``TRITON_INTERPRET=1`` (CPU) the extern library cannot run: the router's stand-ins are used
+(``_router_kernels``).
 
 Tie-break contract: the Top-k map ranks the normalised scores by (value descending, expert id
 ascending, NaN lowest) through the router's monotone int32 key, so exactly k distinct experts are
@@ -19,49 +19,21 @@ set per token for any data.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from ._router_kernels import INT32_MIN, _exact_cutoff, _order_key
-
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-
-    @triton.jit
-    def _exp(x):
-        return tl.exp(x)
-
-    @triton.jit
-    def _log1p(x):
-        u = 1.0 + x
-        return tl.where(u == 1.0, x, tl.log(u) * tl.math.div_rn(x, u - 1.0))
-
-else:
-    from triton.language.extra import libdevice
-
-    @triton.jit
-    def _exp(x):
-        return libdevice.exp(x)
-
-    @triton.jit
-    def _log1p(x):
-        return libdevice.log1p(x)
+from ._router_kernels import INT32_MIN, _exact_cutoff, _lib_exp, _order_key, _score
 
 
 @triton.jit
-def _sigmoid(z):
-    return tl.math.div_rn(tl.zeros_like(z) + 1.0, 1.0 + _exp(-z))
+def _exp(x):
+    return _lib_exp(x)
 
 
 @triton.jit
 def _activation(z, SCORE: tl.constexpr):
-    """0: sigmoid, 1: sqrt(softplus), both as PyTorch evaluates them in fp32."""
-    if SCORE == 0:
-        a = _sigmoid(z)
-    else:
-        a = tl.sqrt_rn(tl.where(z > 20.0, z, _log1p(_exp(z))))
-    return a
+    """0: sigmoid, 1: sqrt(softplus), both as PyTorch evaluates them in fp32 (the router's)."""
+    return _score(z, SCORE)
 
 
 @triton.jit
@@ -169,7 +141,7 @@ def _aux_scores_bwd_kernel(
         if SCORE == 0:
             grad = gn * a * (1.0 - a)
         else:  # d sqrt(softplus(x)) / dx = sigmoid(x) / (2 y); sigmoid -> 1 above 20
-            dsoft = tl.where(z > 20.0, 1.0, _sigmoid(z))
+            dsoft = tl.where(z > 20.0, 1.0, _score(z, 0))
             grad = gn * tl.math.div_rn(dsoft, 2.0 * a + 1e-20)
     tl.store(out_ptr + offs, grad.to(out_ptr.dtype.element_ty), mask=mask2)
 

@@ -19,6 +19,16 @@ def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def compile_options(device: torch.device) -> dict:
+    """Options of launches that must compute torch's bits: no FMA contraction, and on NVIDIA
+    libdevice without flush-to-zero (Triton links it with denormals flushed unless told
+    otherwise; torch's kernels keep them)."""
+    opts = {"enable_fp_fusion": False}
+    if device.type == "cuda" and torch.version.hip is None and not interpreting():
+        opts["enable_reflect_ftz"] = False
+    return opts
+
+
 def on_device(t: torch.Tensor):
     """Launch on ``t``'s device whatever the current device is (Triton uses the current one)."""
     if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():

@@ -8,7 +8,7 @@ Top-k map is exact in the (score descending, expert id ascending, NaN lowest) or
 own scores. The aux loss never reads the token count on the host: with a device ``T`` the
 coefficient ``C`` is computed by the last kernel from the tensor at every launch (graph-safe).
 
-Launch knobs (:data:`CONFIG`, untuned defaults until bench/ measurements exist):
+Launch knobs: the ``triton.aux_loss.*`` entries of ``amdqb/configs``:
 
 * ``row_elems``: BT * W per scores program (BT rows of W = next_pow2(E) columns in registers);
   ``elems_per_warp`` / ``max_warps``: num_warps = BT * W / elems_per_warp, clamped;
@@ -20,26 +20,15 @@ Launch knobs (:data:`CONFIG`, untuned defaults until bench/ measurements exist):
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 import triton
 
+from ... import configs
 from . import _aux_loss_kernels as K
+from ._common import compile_options, on_device
 from .codegen import KernelSpec
 
 MAX_EXPERTS = 8192
-
-CONFIG = {
-    "row_elems": 2048,
-    "elems_per_warp": 256,
-    "max_warps": 8,
-    "extract_max_k": 16,
-    "loss_max_programs": 256,
-    "loss_tile_elems": 4096,
-    "loss_warps": 4,
-}
 
 _SCORES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
 
@@ -52,30 +41,23 @@ def _floor_pow2(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def _config_of(family: str) -> dict:
+    """The ``triton.aux_loss.*`` entries of ``family``'s config without their prefix."""
+    cfg = configs.load(family)
+    prefix = "triton.aux_loss."
+    return {key[len(prefix) :]: cfg[key] for key in cfg.keys() if key.startswith(prefix)}
 
 
-def _compile_options(device: torch.device) -> dict:
-    """PyTorch's kernels are built without FMA contraction of these expressions and keep denormals;
-    Triton's NVIDIA backend links libdevice with flush-to-zero unless told otherwise."""
-    opts = {"enable_fp_fusion": False}
-    if device.type == "cuda" and torch.version.hip is None and not _interpreting():
-        opts["enable_reflect_ftz"] = False
-    return opts
+def _config(device: torch.device) -> dict:
+    from ... import dispatch
+
+    return _config_of(dispatch.device_info(device).arch_family)
 
 
-def _device_ctx(t: torch.Tensor):
-    """Launch on the tensor's device whatever the current device is."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
-def _tile(E: int) -> tuple[int, int, int]:
+def _tile(E: int, cfg: dict) -> tuple[int, int, int]:
     W = max(16, _next_pow2(E))
-    BT = _floor_pow2(max(1, CONFIG["row_elems"] // W))
-    warps = max(1, min(CONFIG["max_warps"], BT * W // CONFIG["elems_per_warp"]))
+    BT = _floor_pow2(max(1, cfg["row_elems"] // W))
+    warps = max(1, min(cfg["max_warps"], BT * W // cfg["elems_per_warp"]))
     return W, BT, warps
 
 
@@ -86,8 +68,9 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
     T, E = logits.shape
     if T == 0:
         return
-    W, BT, warps = _tile(E)
-    with _device_ctx(logits):
+    cfg = _config(logits.device)
+    W, BT, warps = _tile(E, cfg)
+    with on_device(logits):
         K._aux_scores_fwd_kernel[(triton.cdiv(T, BT),)](
             logits,
             scores_out,
@@ -99,10 +82,10 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
             BT=BT,
             SCORE=_SCORES[score_function],
             MAP=1 if map_kind == "bytemap" else 2,
-            EXTRACT=topk <= CONFIG["extract_max_k"],
+            EXTRACT=topk <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
             num_warps=warps,
-            **_compile_options(logits.device),
+            **compile_options(logits.device),
         )
 
 
@@ -110,8 +93,9 @@ def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
     T, E = logits.shape
     if T == 0:
         return
-    W, BT, warps = _tile(E)
-    with _device_ctx(logits):
+    cfg = _config(logits.device)
+    W, BT, warps = _tile(E, cfg)
+    with on_device(logits):
         K._aux_scores_bwd_kernel[(triton.cdiv(T, BT),)](
             grad_scores,
             logits,
@@ -122,7 +106,7 @@ def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
             BT=BT,
             SCORE=_SCORES[score_function],
             num_warps=warps,
-            **_compile_options(logits.device),
+            **compile_options(logits.device),
         )
 
 
@@ -134,9 +118,9 @@ def activation_values(logits: torch.Tensor, score_function: str) -> torch.Tensor
     if n == 0:
         return out
     block = 1024
-    with _device_ctx(x):
+    with on_device(x):
         K._activation_kernel[(triton.cdiv(n, block),)](
-            x, out, n, BLOCK=block, SCORE=_SCORES[score_function], **_compile_options(x.device)
+            x, out, n, BLOCK=block, SCORE=_SCORES[score_function], **compile_options(x.device)
         )
     return out
 
@@ -144,9 +128,9 @@ def activation_values(logits: torch.Tensor, score_function: str) -> torch.Tensor
 # --------------------------------------------------------------------------------------------
 # Aux loss.
 # --------------------------------------------------------------------------------------------
-def _loss_tile(C: int) -> tuple[int, int]:
+def _loss_tile(C: int, cfg: dict) -> tuple[int, int]:
     BC = min(_next_pow2(C), 1024)
-    BR = _floor_pow2(max(1, CONFIG["loss_tile_elems"] // BC))
+    BR = _floor_pow2(max(1, cfg["loss_tile_elems"] // BC))
     return BC, BR
 
 
@@ -154,12 +138,13 @@ def aux_loss_fwd(
     probs, tokens_per_expert, total_num_tokens, coeff_host, coeff_prefix, loss_out, coeff_out
 ):
     R, C = probs.shape
-    BC, BR = _loss_tile(C)
-    progs = max(1, min(CONFIG["loss_max_programs"], triton.cdiv(R, BR)))
+    cfg = _config(probs.device)
+    BC, BR = _loss_tile(C, cfg)
+    progs = max(1, min(cfg["loss_max_programs"], triton.cdiv(R, BR)))
     rows_per = max(1, triton.cdiv(R, progs))
     progs = max(1, triton.cdiv(R, rows_per))
-    opts = _compile_options(probs.device)
-    with _device_ctx(probs):
+    opts = compile_options(probs.device)
+    with on_device(probs):
         partial = torch.empty(progs, dtype=torch.float32, device=probs.device)
         K._aux_loss_partial_kernel[(progs,)](
             probs,
@@ -170,7 +155,7 @@ def aux_loss_fwd(
             C=C,
             BC=BC,
             BR=BR,
-            num_warps=CONFIG["loss_warps"],
+            num_warps=cfg["loss_warps"],
             **opts,
         )
         has_t = total_num_tokens is not None
@@ -193,8 +178,9 @@ def aux_loss_bwd(coeff_buf, tokens_per_expert, grad_loss, grad_probs_out):
     R, C = grad_probs_out.shape
     if R == 0:
         return
-    BC, BR = _loss_tile(C)
-    with _device_ctx(grad_probs_out):
+    cfg = _config(grad_probs_out.device)
+    BC, BR = _loss_tile(C, cfg)
+    with on_device(grad_probs_out):
         K._aux_loss_bwd_kernel[(triton.cdiv(R, BR), triton.cdiv(C, BC))](
             coeff_buf,
             tokens_per_expert,
@@ -204,8 +190,8 @@ def aux_loss_bwd(coeff_buf, tokens_per_expert, grad_loss, grad_probs_out):
             C=C,
             BR=BR,
             BC=BC,
-            num_warps=CONFIG["loss_warps"],
-            **_compile_options(grad_probs_out.device),
+            num_warps=cfg["loss_warps"],
+            **compile_options(grad_probs_out.device),
         )
 
 
@@ -233,13 +219,14 @@ UNSUPPORTED = {"aux_scores_fwd": _scores_unsupported, "aux_scores_bwd": _scores_
 # --------------------------------------------------------------------------------------------
 def codegen_specs(family: str = "gfx942") -> list:
     """Aux-loss kernels at a TE test shape (E=1024) and at the seed shape (E=896, k=16)."""
+    cfg = _config_of(family)
     specs = []
     for name, E, k, score, kind in (
         ("aux_scores_sigmoid_bytemap", 896, 16, 0, 1),
         ("aux_scores_softmax_bitmap", 1024, 32, 2, 2),
         ("aux_scores_sqrtsoftplus_k4", 256, 4, 1, 1),
     ):
-        W, BT, warps = _tile(E)
+        W, BT, warps = _tile(E, cfg)
         const = dict(
             E=E,
             K=k,
@@ -247,13 +234,13 @@ def codegen_specs(family: str = "gfx942") -> list:
             BT=BT,
             SCORE=score,
             MAP=kind,
-            EXTRACT=k <= CONFIG["extract_max_k"],
+            EXTRACT=k <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
         )
         sig = {"logits_ptr": "*fp32", "scores_ptr": "*fp32", "map_ptr": "*u8", "T": "i32"}
         sig.update({n: "constexpr" for n in const})
         specs.append(KernelSpec(name, K._aux_scores_fwd_kernel, sig, const, num_warps=warps))
-    W, BT, warps = _tile(896)
+    W, BT, warps = _tile(896, cfg)
     bwd_const = dict(E=896, W=W, BT=BT, SCORE=1)
     bwd_sig = {"grad_ptr": "*fp32", "logits_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32"}
     bwd_sig.update({n: "constexpr" for n in bwd_const})
@@ -262,7 +249,7 @@ def codegen_specs(family: str = "gfx942") -> list:
             "aux_scores_bwd_sqrtsoftplus", K._aux_scores_bwd_kernel, bwd_sig, bwd_const, warps
         )
     )
-    BC, BR = _loss_tile(1024)
+    BC, BR = _loss_tile(1024, cfg)
     part_const = dict(C=1024, BC=BC, BR=BR)
     part_sig = {"probs_ptr": "*bf16", "tpe_ptr": "*i32", "partial_ptr": "*fp32", "R": "i32"}
     part_sig.update({"rows_per_prog": "i32", **{n: "constexpr" for n in part_const}})
@@ -272,7 +259,7 @@ def codegen_specs(family: str = "gfx942") -> list:
             K._aux_loss_partial_kernel,
             part_sig,
             part_const,
-            CONFIG["loss_warps"],
+            cfg["loss_warps"],
         )
     )
     fin_const = dict(PB=256, HAS_T=True)
@@ -284,6 +271,6 @@ def codegen_specs(family: str = "gfx942") -> list:
     bl_sig = {"coeff_ptr": "*fp32", "tpe_ptr": "*i64", "grad_ptr": "*bf16", "out_ptr": "*bf16"}
     bl_sig.update({"R": "i32", **{n: "constexpr" for n in bl_const}})
     specs.append(
-        KernelSpec("aux_loss_bwd", K._aux_loss_bwd_kernel, bl_sig, bl_const, CONFIG["loss_warps"])
+        KernelSpec("aux_loss_bwd", K._aux_loss_bwd_kernel, bl_sig, bl_const, cfg["loss_warps"])
     )
     return specs

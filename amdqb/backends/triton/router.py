@@ -50,7 +50,7 @@ import triton
 
 from ... import configs
 from . import _router_kernels as K
-from ._common import interpreting, on_device
+from ._common import compile_options, interpreting, on_device
 from .codegen import KernelSpec
 
 MAX_EXPERTS = 4096
@@ -295,7 +295,7 @@ def _launch_router(
         KP=_next_pow2(plan.K),
         APPROX=bool(approx),
         num_warps=plan.num_warps,
-        enable_fp_fusion=False,
+        **compile_options(logits.device),
     )
 
 
@@ -384,7 +384,7 @@ def _launch_histogram(logits, cut, bounds, hist, family, lds_ok):
         LDS=hp.LDS,
         APPROX=False,
         num_warps=hp.num_warps,
-        enable_fp_fusion=False,
+        **compile_options(logits.device),
     )
 
 
@@ -461,7 +461,7 @@ def router_bwd(
             PRE=bool(use_pre_softmax) and score == 2,
             NORM=topk > 1,
             num_warps=warps,
-            enable_fp_fusion=False,
+            **compile_options(logits.device),
         )
 
 
@@ -487,7 +487,7 @@ def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
             SCORE=_SCORES[score_function],
             APPROX=False,
             num_warps=plan.num_warps,
-            enable_fp_fusion=False,
+            **compile_options(logits2d.device),
         )
     return out
 

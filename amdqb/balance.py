@@ -1,17 +1,25 @@
 """Quantile Balancing (Kimi K3 §2.3.3) as a persistent, graph-safe balancer, plus the
 aux-loss-free baseline and the load metrics.
 
-``QuantileBalancer`` owns three buffers whose addresses never change:
+``QuantileBalancer`` owns buffers whose addresses never change:
 
-* ``bias``       fp32 ``[E]``   selection bias, initialised to 0;
-* ``bin_bounds`` fp32 ``[2]``   histogram range ``[L, U]``, initialised to ``[-1, 1]``;
-* ``histogram``  int32 ``[E, B]`` counts accumulated by every routed (micro)batch since the last step.
+* ``bias``       fp32 ``[E]``    selection bias, initialised to 0;
+* ``bin_bounds`` fp32 ``[2]``    the histogram's axis: ``[L, U]`` for the uniform binning
+  (initialised to ``[-1, 1]``), ``[eps, 1/eps]`` for log_margin (``eps = rho * spread(bias)``);
+* ``histogram``  int32 ``[E, B]`` counts accumulated by every routed (micro)batch since the last step;
+* ``rejected_steps`` int32 ``[1]`` steps whose candidate state was not finite (kept out).
 
 ``step()`` sums the histogram over ``process_group`` (one integer all-reduce, so the recovered
 quantile is the pooled global-batch quantile, not a mean of per-rank quantiles), recovers the
-App. D bias, mixes it with the old one (``ema``), centres it, sets the bounds to
-``[min(bias) - 1, max(bias) + 1]``, marks them validated and zeroes the histogram -- all in place,
-with no host synchronisation, so it can be captured in a CUDA/HIP graph with the training step.
+App. D bias (uniform) or bias change (log_margin), mixes it with the old bias (``ema``), centres
+it, sets the new axis, marks the bounds validated and zeroes the histogram -- all in place, with
+no host synchronisation, so it can be captured in a CUDA/HIP graph with the training step. A step
+whose result is not finite commits nothing and counts in ``rejected_steps``; a bias or bounds
+overwritten with non-finite values from outside are restored from the last committed state
+before the update.
+
+Capacity: the int32 histogram holds at most ``2**31 - 1`` tokens per step summed over the ranks of
+the process group; ``route`` refuses a batch that would pass it (a host count, no device read).
 """
 
 from __future__ import annotations
@@ -20,19 +28,34 @@ from typing import Optional
 
 import torch
 
-from .ops._checks import check_float, check_int, check_tensor
+from .ops._checks import INT32_MAX, check_choice, check_float, check_int, check_tensor
 from .ops.qb import qb_step_
-from .ops.router import fused_topk_with_score_function, mark_qb_bin_bounds_validated
+from .ops.router import (
+    MAX_MARGIN_BINS,
+    check_qb_bounds_values,
+    fused_topk_with_score_function,
+    mark_qb_bin_bounds_validated,
+)
 from .ref import qb as _ref_qb
+from .ref.router import BINNINGS, SELECTIONS
+
+DEFAULT_BINS = {"log_margin": 64, "uniform": 1000}
+MAX_EXPERTS = 1 << 16
+MAX_UNIFORM_BINS = 1 << 16
 
 
 class QuantileBalancer:
     """Persistent QB state for one MoE router.
 
     Args:
-        num_experts: E.
+        num_experts: E (2 ... 65536).
         topk: experts per token (``0 < topk < E``).
-        num_bins: histogram bins B (K3 uses 1000).
+        binning: ``"log_margin"`` (default: the biased margin on a log axis scaled to the bias
+            spread, resolution relative to the correction; 64 bins) or ``"uniform"`` (K3 and TE's
+            histogram of ``alpha - s`` over ``[min b - 1, max b + 1]``; 1000 bins).
+        num_bins: B (default 64 for log_margin, 1000 for uniform).
+        selection: ``"te"`` (TE's ``s + b``) or ``"tie_free"`` (``b - sigmoid(-z)``: no fp32 ties
+            once the sigmoid saturates; log_margin only).
         ema: weight of the previous bias in ``new = ema*old + (1-ema)*recovered`` (0 = K3).
         process_group: group to all-reduce the histogram over; ``None`` uses the default group
             when torch.distributed is initialised, else no collective.
@@ -43,27 +66,52 @@ class QuantileBalancer:
         self,
         num_experts: int,
         topk: int,
-        num_bins: int = 1000,
+        *,
+        binning: str = "log_margin",
+        num_bins: Optional[int] = None,
+        selection: str = "te",
         ema: float = 0.0,
         process_group=None,
         device: Optional[torch.device | str] = None,
     ):
-        check_int("num_experts", num_experts, low=2)
-        check_int("topk", topk, low=1, high=num_experts - 1)
-        check_int("num_bins", num_bins, low=2)
+        num_experts = check_int("num_experts", num_experts, low=2, high=MAX_EXPERTS)
+        topk = check_int("topk", topk, low=1, high=num_experts - 1)
+        check_choice("binning", binning, BINNINGS)
+        check_choice("selection", selection, SELECTIONS)
+        if selection == "tie_free" and binning != "log_margin":
+            raise ValueError("selection='tie_free' needs binning='log_margin'")
+        if num_bins is None:
+            num_bins = DEFAULT_BINS[binning]
+        high = MAX_MARGIN_BINS if binning == "log_margin" else MAX_UNIFORM_BINS
+        num_bins = check_int(
+            "num_bins", num_bins, low=4 if binning == "log_margin" else 2, high=high
+        )
+        if binning == "log_margin" and num_bins % 2:
+            raise ValueError(f"num_bins must be even for binning='log_margin', got {num_bins}")
         ema = check_float("ema", ema)
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
         self.num_experts = num_experts
         self.topk = topk
+        self.binning = binning
+        self.selection = selection
         self.num_bins = num_bins
         self.ema = ema
         self.process_group = process_group
         device = torch.device(device) if device is not None else torch.device("cpu")
         self.bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
-        self.bin_bounds = torch.tensor([-1.0, 1.0], dtype=torch.float32, device=device)
+        self.bin_bounds = self._initial_bounds(self.bias)
         self.histogram = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
+        self.rejected_steps = torch.zeros(1, dtype=torch.int32, device=device)
+        # the last committed state: restores a bias or bounds overwritten from outside
+        self._committed = torch.cat([self.bias, self.bin_bounds])
+        self._pending_tokens = 0
         mark_qb_bin_bounds_validated(self.bin_bounds)
+
+    def _initial_bounds(self, bias: torch.Tensor) -> torch.Tensor:
+        if self.binning == "uniform":
+            return torch.tensor([-1.0, 1.0], dtype=torch.float32, device=bias.device)
+        return _ref_qb.margin_scale(bias)
 
     @property
     def device(self) -> torch.device:
@@ -88,8 +136,16 @@ class QuantileBalancer:
         """
         if accumulate is None:
             accumulate = torch.is_grad_enabled()
+        if accumulate:
+            tokens = logits.numel() // max(1, logits.shape[-1]) if logits.dim() else 0
+            if (self._pending_tokens + tokens) * self._world_size() > INT32_MAX:
+                raise ValueError(
+                    f"routing {tokens} more tokens before step() would pass the int32 histogram's "
+                    f"2^31 - 1 tokens per step (pending {self._pending_tokens}, "
+                    f"x{self._world_size()} ranks); call step() more often"
+                )
         qb = (self.histogram, self.bin_bounds, histogram_mode) if accumulate else (None,) * 3
-        return fused_topk_with_score_function(
+        out = fused_topk_with_score_function(
             logits,
             self.topk,
             scaling_factor=scaling_factor,
@@ -100,8 +156,13 @@ class QuantileBalancer:
             qb_histogram=qb[0],
             qb_bin_bounds=qb[1],
             qb_histogram_mode=qb[2],
+            selection=self.selection,
+            qb_binning=self.binning,
             backend=backend,
         )
+        if accumulate:
+            self._pending_tokens += tokens
+        return out
 
     def _group(self):
         if self.process_group is not None:
@@ -111,6 +172,14 @@ class QuantileBalancer:
         if dist.is_available() and dist.is_initialized():
             return dist.group.WORLD
         return None
+
+    def _world_size(self) -> int:
+        group = self._group()
+        if group is None:
+            return 1
+        import torch.distributed as dist
+
+        return dist.get_world_size(group)
 
     def all_reduce_histogram(self) -> None:
         """Sum the histogram over the process group in place (no-op without a group)."""
@@ -123,11 +192,31 @@ class QuantileBalancer:
 
     @torch.no_grad()
     def step(self, *, backend: Optional[str] = None) -> None:
-        """All-reduce, recover, EMA, centre, new bounds, mark validated, zero the histogram."""
+        """All-reduce, recover, EMA, centre, new bounds, mark validated, zero the histogram.
+
+        A bias or bounds entry made non-finite (or bounds made invalid) from outside is first
+        restored from the last committed state; a candidate state that is not finite is not
+        committed and counts in ``rejected_steps``. Device ops only: no host sync."""
         self.all_reduce_histogram()
-        qb_step_(self.bias, self.histogram, self.bin_bounds, self.topk, self.ema, backend=backend)
+        e = self.num_experts
+        committed_bias, committed_bounds = self._committed[:e], self._committed[e:]
+        torch.where(torch.isfinite(self.bias), self.bias, committed_bias, out=self.bias)
+        valid = _ref_qb.step_is_finite(committed_bias, self.bin_bounds, self.binning)
+        torch.where(valid, self.bin_bounds, committed_bounds, out=self.bin_bounds)
+        qb_step_(
+            self.bias,
+            self.histogram,
+            mark_qb_bin_bounds_validated(self.bin_bounds),
+            self.topk,
+            self.ema,
+            binning=self.binning,
+            rejected=self.rejected_steps,
+            backend=backend,
+        )
+        torch.cat([self.bias, self.bin_bounds], out=self._committed)
         mark_qb_bin_bounds_validated(self.bin_bounds)
         self.histogram.zero_()
+        self._pending_tokens = 0
 
     def state_dict(self) -> dict:
         return {
@@ -136,24 +225,50 @@ class QuantileBalancer:
             "num_bins": self.num_bins,
             "topk": self.topk,
             "ema": self.ema,
+            "binning": self.binning,
+            "selection": self.selection,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Copy a saved state into the existing buffers (addresses unchanged)."""
+        """Copy a saved state into the existing buffers (addresses unchanged), after checking all
+        of it: the settings must match this balancer's, ``ema`` lie in ``[0, 1)``, the bias be
+        finite and the bounds valid for the binning. Nothing is changed when a check fails."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state).__name__}")
         for key in ("bias", "bin_bounds", "num_bins", "topk", "ema"):
             if key not in state:
                 raise ValueError(f"state_dict is missing {key!r}")
-        if state["num_bins"] != self.num_bins or state["topk"] != self.topk:
+        binning = state.get("binning", "uniform")  # states saved before the binning existed
+        selection = state.get("selection", "te")
+        settings = (state["num_bins"], state["topk"], binning, selection)
+        if settings != (self.num_bins, self.topk, self.binning, self.selection):
             raise ValueError(
-                f"state_dict has num_bins={state['num_bins']}, topk={state['topk']}; this balancer "
-                f"has num_bins={self.num_bins}, topk={self.topk}"
+                f"state_dict has num_bins={state['num_bins']}, topk={state['topk']}, "
+                f"binning={binning!r}, selection={selection!r}; this balancer has "
+                f"num_bins={self.num_bins}, topk={self.topk}, binning={self.binning!r}, "
+                f"selection={self.selection!r}"
             )
-        check_tensor("state_dict['bias']", state["bias"], shape=(self.num_experts,))
-        check_tensor("state_dict['bin_bounds']", state["bin_bounds"], shape=(2,))
-        self.bias.copy_(state["bias"])
-        self.bin_bounds.copy_(state["bin_bounds"])
-        self.ema = float(state["ema"])
+        ema = check_float("state_dict['ema']", state["ema"])
+        if not 0.0 <= ema < 1.0:
+            raise ValueError(f"state_dict['ema'] must be in [0, 1), got {ema}")
+        bias = check_tensor(
+            "state_dict['bias']", state["bias"], dtypes=(torch.float32,), shape=(self.num_experts,)
+        )
+        bounds = check_tensor(
+            "state_dict['bin_bounds']", state["bin_bounds"], dtypes=(torch.float32,), shape=(2,)
+        )
+        # a load is a host-side event: reading the values here is allowed
+        if not bool(torch.isfinite(bias).all()):
+            raise ValueError("state_dict['bias'] must be finite")
+        lower, upper = (float(v) for v in bounds.detach().cpu().tolist())
+        check_qb_bounds_values(lower, upper, self.binning, "state_dict['bin_bounds']")
+        self.bias.copy_(bias)
+        self.bin_bounds.copy_(bounds)
+        torch.cat([self.bias, self.bin_bounds], out=self._committed)
+        mark_qb_bin_bounds_validated(self.bin_bounds)
+        self.ema = ema
         self.histogram.zero_()
+        self._pending_tokens = 0
 
 
 @torch.no_grad()

@@ -1,8 +1,14 @@
-"""Quantile Balancing bias recovery (Kimi K3 App. D) and the exact, bin-free estimate.
+"""Quantile Balancing bias recovery (Kimi K3 App. D), the balancer step and the exact, bin-free
+estimate.
 
 Precision notes: counts accumulate in int64; the target rank ``ceil(m*k/E)`` is exact integer
 arithmetic; the interpolation runs in float64 with the fp32 bounds promoted; the result and the
 centred bias are fp32. ``m`` is each histogram row's own sum, read on the device (no host sync).
+
+Binnings (``amdqb.ref.qb``): ``"uniform"`` recovers the bias from a histogram of
+``r = alpha - s`` over the bounds ``[L, U]``; ``"log_margin"`` recovers the bias change from a
+histogram of the biased margin over the scale ``[eps, 1/eps]`` and adds it to the bias the margins
+were measured against.
 """
 
 from __future__ import annotations
@@ -13,37 +19,70 @@ import torch
 
 from .. import dispatch, ref
 from .._library import impl, kernel_op
-from ._checks import FLOAT_DTYPES, check_float, check_int, check_tensor
+from ..ref.qb import LOG_MARGIN_RHO
+from ..ref.router import BINNINGS
+from ._checks import FLOAT_DTYPES, check_choice, check_float, check_int, check_tensor
+
+MAX_BINS = 1 << 20  # histogram bins per expert accepted by the recovery ops
 
 
 @kernel_op("qb_recover", mutates_args=("out",))
 def _qb_recover(
-    histogram: torch.Tensor, bin_bounds: torch.Tensor, topk: int, out: torch.Tensor, backend: str
+    histogram: torch.Tensor,
+    bin_bounds: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+    binning: str,
+    expert_bias: Optional[torch.Tensor],
+    backend: str,
 ) -> None:
-    impl("qb_recover", backend)(histogram, bin_bounds, topk, out)
+    impl("qb_recover", backend)(histogram, bin_bounds, topk, out, binning, expert_bias)
 
 
-@kernel_op("qb_step", mutates_args=("bias", "bin_bounds"))
+@kernel_op("qb_step", mutates_args=("bias", "bin_bounds", "rejected"))
 def _qb_step(
     bias: torch.Tensor,
     histogram: torch.Tensor,
     bin_bounds: torch.Tensor,
     topk: int,
     ema: float,
+    binning: str,
+    rho: float,
+    rejected: Optional[torch.Tensor],
     backend: str,
 ) -> None:
-    impl("qb_step", backend)(bias, histogram, bin_bounds, topk, ema)
+    impl("qb_step", backend)(bias, histogram, bin_bounds, topk, ema, binning, rho, rejected)
 
 
-def check_histogram(histogram, bin_bounds, topk) -> None:
+def check_histogram(histogram, bin_bounds, topk, binning="uniform") -> None:
+    """The histogram, its bounds (validated like the router's: once per tensor version, a host
+    read outside graph capture) and ``topk``."""
+    from .router import validate_qb_bin_bounds
+
     check_tensor("histogram", histogram, dtypes=(torch.int32, torch.int64), dim=2, contiguous=True)
     num_experts, num_bins = histogram.shape
-    if num_experts < 1 or num_bins < 2:
-        raise ValueError(f"histogram must be [E >= 1, B >= 2], got {tuple(histogram.shape)}")
+    if num_experts < 2 or not 2 <= num_bins <= MAX_BINS:
+        raise ValueError(
+            f"histogram must be [E >= 2, 2 <= B <= {MAX_BINS}], got {tuple(histogram.shape)}"
+        )
+    if binning == "log_margin" and num_bins % 2:
+        raise ValueError(f"the log_margin histogram needs an even bin count, got B={num_bins}")
     check_tensor(
         "bin_bounds", bin_bounds, dtypes=(torch.float32,), shape=(2,), device=histogram.device
     )
-    check_int("topk", topk, low=1, high=max(num_experts - 1, 1))
+    check_int("topk", topk, low=1, high=num_experts - 1)
+    validate_qb_bin_bounds(bin_bounds, binning, name="bin_bounds")
+
+
+def _check_bias(name, bias, histogram):
+    return check_tensor(
+        name,
+        bias,
+        dtypes=(torch.float32,),
+        shape=(histogram.shape[0],),
+        device=histogram.device,
+        contiguous=True,
+    )
 
 
 def qb_recover_bias(
@@ -51,21 +90,31 @@ def qb_recover_bias(
     bin_bounds: torch.Tensor,
     topk: int,
     *,
+    binning: str = "uniform",
+    expert_bias: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """Centred App. D bias estimate, fp32 ``[E]``.
 
     For each expert row: ``m`` = the row's sum, ``q = m*k/E``, ``beta`` = first bin whose cumulative
-    count reaches ``ceil(q)``, ``c`` = the count before it, ``h`` = its count, ``w = (U-L)/B``;
-    ``bhat = L + (beta + clip((q-c)/h, 0, 1)) * w``; then the mean is subtracted. A row with no
-    counts recovers ``(L+U)/2``.
+    count reaches ``ceil(q)``, ``c`` = the count before it, ``h`` = its count; the quantile sits at
+    ``beta + clip((q-c)/h, 0, 1)`` bins. ``"uniform"``: ``bhat = L + position * (U-L)/B`` (a row
+    with no counts recovers ``(L+U)/2``). ``"log_margin"``: ``bhat = expert_bias + delta`` with the
+    position mapped back to a margin (``expert_bias`` required: the bias the histogram was routed
+    with). Then the mean is subtracted.
     """
-    check_histogram(histogram, bin_bounds, topk)
+    check_choice("binning", binning, BINNINGS)
+    check_histogram(histogram, bin_bounds, topk, binning)
+    if binning == "log_margin":
+        if expert_bias is None:
+            raise ValueError("binning='log_margin' needs expert_bias (the bias of the histogram)")
+        _check_bias("expert_bias", expert_bias, histogram)
     chosen_backend = dispatch.backend_name(
         "qb_recover", histogram.device, backend, num_bins=histogram.shape[1]
     )
     out = torch.empty(histogram.shape[0], dtype=torch.float32, device=histogram.device)
-    _qb_recover(histogram, bin_bounds, topk, out, chosen_backend)
+    bias = expert_bias if binning == "log_margin" else None
+    _qb_recover(histogram, bin_bounds, topk, out, binning, bias, chosen_backend)
     return out
 
 
@@ -76,29 +125,41 @@ def qb_step_(
     topk: int,
     ema: float = 0.0,
     *,
+    binning: str = "uniform",
+    rho: float = LOG_MARGIN_RHO,
+    rejected: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> None:
     """In-place balancer update after the all-reduce (no host sync, graph-capturable).
 
     ``bias <- centre(ema*bias + (1-ema)*recover(histogram))`` (unchanged when the histogram is
-    empty); ``bin_bounds <- [min(bias) - 1, max(bias) + 1]``. The histogram is not zeroed here.
+    empty); uniform bounds ``<- [min(bias) - 1, max(bias) + 1]``, log_margin's ``<- [eps, 1/eps]``
+    with ``eps = rho * (max(bias) - min(bias))``. The update commits only a finite bias and finite
+    bounds; otherwise both keep their values and ``rejected`` (int32 ``[1]``, optional) gains one.
+    The histogram is not zeroed here.
     """
-    check_histogram(histogram, bin_bounds, topk)
-    check_tensor(
-        "bias",
-        bias,
-        dtypes=(torch.float32,),
-        shape=(histogram.shape[0],),
-        device=histogram.device,
-        contiguous=True,
-    )
+    check_choice("binning", binning, BINNINGS)
+    check_histogram(histogram, bin_bounds, topk, binning)
+    _check_bias("bias", bias, histogram)
     ema = check_float("ema", ema)
     if not 0.0 <= ema < 1.0:
         raise ValueError(f"ema must be in [0, 1), got {ema}")
+    rho = check_float("rho", rho)
+    if not 0.0 < rho <= 1.0:
+        raise ValueError(f"rho must be in (0, 1], got {rho}")
+    if rejected is not None:
+        check_tensor(
+            "rejected",
+            rejected,
+            dtypes=(torch.int32,),
+            shape=(1,),
+            device=histogram.device,
+            contiguous=True,
+        )
     chosen_backend = dispatch.backend_name(
         "qb_step", histogram.device, backend, num_bins=histogram.shape[1]
     )
-    _qb_step(bias, histogram, bin_bounds, topk, ema, chosen_backend)
+    _qb_step(bias, histogram, bin_bounds, topk, ema, binning, rho, rejected, chosen_backend)
 
 
 def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) -> torch.Tensor:
@@ -110,7 +171,9 @@ def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) ->
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     num_experts = logits.shape[-1]
-    check_int("topk", topk, low=1, high=max(num_experts - 1, 1))
+    if num_experts < 2:
+        raise ValueError(f"logits must have at least 2 experts (last dim), got {num_experts}")
+    check_int("topk", topk, low=1, high=num_experts - 1)
     check_tensor(
         "expert_bias",
         expert_bias,

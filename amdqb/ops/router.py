@@ -23,7 +23,7 @@ import torch
 
 from .. import dispatch
 from .._library import impl, kernel_op
-from ..ref.router import SCORE_FUNCTIONS, unpack_bitmap
+from ..ref.router import BINNINGS, SCORE_FUNCTIONS, SELECTIONS, unpack_bitmap
 from ._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -35,6 +35,7 @@ from ._checks import (
 )
 
 ROUTING_MAP_FORMATS = ("bytemap", "bitmap_u8")
+MAX_MARGIN_BINS = 256  # log_margin bins fit a byte (the two-kernel mode stores them per element)
 QB_MODES = ("two_kernel", "fused_atomic", "auto")
 _VALIDATED_ATTR = "_amdqb_qb_bounds_validated_version"
 
@@ -58,8 +59,11 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def validate_qb_bin_bounds(bin_bounds: torch.Tensor) -> None:
-    """Check ``[L, U]`` once per tensor version (a host read, allowed only outside capture)."""
+def validate_qb_bin_bounds(
+    bin_bounds: torch.Tensor, binning: str = "uniform", name: str = "qb_bin_bounds"
+) -> None:
+    """Check the bounds once per tensor version (a host read, allowed only outside capture):
+    uniform ``[L, U]`` finite with ``L < U``; log_margin ``[eps, 1/eps]`` finite and positive."""
     if torch.compiler.is_compiling():
         # A traced graph cannot read the device: compiled callers validate eagerly first (or mark
         # a trusted producer), exactly as for graph capture.
@@ -68,14 +72,26 @@ def validate_qb_bin_bounds(bin_bounds: torch.Tensor) -> None:
         return
     if _capturing(bin_bounds.device):
         raise ValueError(
-            "qb_bin_bounds must be validated by an eager router call (or marked with "
+            f"{name} must be validated by an eager router call (or marked with "
             "amdqb.mark_qb_bin_bounds_validated after a trusted in-place update) before CUDA/HIP "
             "graph capture; its current version was never validated"
         )
     lower, upper = (float(v) for v in bin_bounds.detach().cpu().tolist())
-    if not (math.isfinite(lower) and math.isfinite(upper) and lower < upper):
-        raise ValueError(f"qb_bin_bounds must be finite with lower < upper, got [{lower}, {upper}]")
+    check_qb_bounds_values(lower, upper, binning, name)
     setattr(bin_bounds, _VALIDATED_ATTR, bin_bounds._version)
+
+
+def check_qb_bounds_values(lower: float, upper: float, binning: str, name="qb_bin_bounds"):
+    """The value rule of QB bounds (host floats): the router's and the recovery ops' check."""
+    finite = math.isfinite(lower) and math.isfinite(upper)
+    if binning == "uniform":
+        if not (finite and lower < upper):
+            raise ValueError(f"{name} must be finite with lower < upper, got [{lower}, {upper}]")
+    elif not (finite and lower > 0 and upper > 0):
+        raise ValueError(
+            f"{name} of the log_margin binning must be [eps, 1/eps], finite and > 0, got "
+            f"[{lower}, {upper}]"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,6 +113,8 @@ def _router_fwd(
     qb_histogram: Optional[torch.Tensor],
     qb_bin_bounds: Optional[torch.Tensor],
     qb_mode: Optional[str],
+    selection: str,
+    qb_binning: str,
     backend: str,
 ) -> None:
     impl("router_fwd", backend)(
@@ -114,6 +132,8 @@ def _router_fwd(
         qb_histogram,
         qb_bin_bounds,
         qb_mode,
+        selection,
+        qb_binning,
     )
 
 
@@ -182,8 +202,9 @@ class _RouterFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits2d, cfg, user_indices, qb):
         topk, score_function, use_pre_softmax, groups, scaling_factor, bias, map_kind, backends = (
-            cfg
+            cfg[:8]
         )
+        selection, qb_binning = cfg[8]
         backend = backends[0]  # (forward, backward)
         probs, map_out = _alloc_outputs(logits2d, topk, map_kind, user_indices)
         _router_fwd(
@@ -199,6 +220,8 @@ class _RouterFunction(torch.autograd.Function):
             map_out,
             map_kind,
             *qb,
+            selection,
+            qb_binning,
             backend,
         )
         ctx.save_for_backward(logits2d, map_out)
@@ -213,7 +236,7 @@ class _RouterFunction(torch.autograd.Function):
     def backward(ctx, grad_probs, _grad_map):
         logits2d, map_out = ctx.saved_tensors
         topk, score_function, use_pre_softmax, _groups, scaling_factor, _b, map_kind, backends = (
-            ctx.cfg
+            ctx.cfg[:8]
         )
         backend = backends[1]
         routed = _routed_mask(map_out, map_kind, logits2d.shape[1])
@@ -284,6 +307,8 @@ def fused_topk_with_score_function(
     qb_bin_bounds: Optional[torch.Tensor] = None,
     qb_histogram_mode: Optional[str] = None,
     *,
+    selection: str = "te",
+    qb_binning: str = "uniform",
     backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused score function + Top-k (+ opt-in QB histogram), TransformerEngine-compatible.
@@ -306,6 +331,14 @@ def fused_topk_with_score_function(
         qb_bin_bounds: fp32 ``[2]`` device tensor ``[L, U]`` (QB).
         qb_histogram_mode: ``"two_kernel"``, ``"fused_atomic"`` or ``"auto"`` (QB); TE's
             ``QBHistogramMode`` or its int (0 / 1) also work.
+        selection: ``"te"`` ranks by ``s + b`` (TE's routes); ``"tie_free"`` (sigmoid with a bias)
+            by ``b - sigmoid(-z)``, the same order in exact arithmetic without the ties and
+            roundings of fp32 ``s + b`` once the sigmoid saturates (routes may then differ from
+            TE's). Beyond TE's signature.
+        qb_binning: ``"uniform"`` (K3, TE's: ``r = alpha - s`` on B bins of ``[L, U]``) or
+            ``"log_margin"`` (the biased margin ``d = alpha - u`` on a symmetric log axis; the
+            bounds tensor holds ``[eps, 1/eps]``, ``4 <= B <= 256`` bins, even). Beyond TE's
+            signature; ``amdqb.QuantileBalancer`` owns the matching update.
         backend: force ``"hip"``, ``"triton"`` or ``"torch"`` (default: the dispatcher's choice).
 
     Returns:
@@ -323,6 +356,12 @@ def fused_topk_with_score_function(
     if scaling_factor is not None:
         scaling_factor = check_float("scaling_factor", scaling_factor)
     map_format = _normalise_map_format(routing_map_format)
+    check_choice("selection", selection, SELECTIONS)
+    check_choice("qb_binning", qb_binning, BINNINGS)
+    if selection == "tie_free" and (score_function != "sigmoid" or expert_bias is None):
+        raise ValueError(
+            "selection='tie_free' only supports score_function='sigmoid' with expert_bias"
+        )
     if expert_bias is not None:
         if score_function == "softmax":
             raise ValueError("expert_bias only supports the sigmoid and sqrtsoftplus scores")
@@ -366,12 +405,22 @@ def fused_topk_with_score_function(
             raise ValueError(
                 f"qb_histogram must have shape [E={num_experts}, B], got {tuple(qb_histogram.shape)}"
             )
-        if qb_histogram.shape[1] < 2:
-            raise ValueError(f"qb_histogram needs B >= 2 bins, got B={qb_histogram.shape[1]}")
+        num_bins = qb_histogram.shape[1]
+        if num_bins < 2:
+            raise ValueError(f"qb_histogram needs B >= 2 bins, got B={num_bins}")
+        if qb_binning == "log_margin" and not (
+            4 <= num_bins <= MAX_MARGIN_BINS and num_bins % 2 == 0
+        ):
+            raise ValueError(
+                f"qb_binning='log_margin' needs an even B in [4, {MAX_MARGIN_BINS}] "
+                f"(qb_histogram [E, B]), got B={num_bins}"
+            )
+        if selection == "tie_free" and qb_binning != "log_margin":
+            raise ValueError("selection='tie_free' under QB needs qb_binning='log_margin'")
         check_tensor(
             "qb_bin_bounds", qb_bin_bounds, dtypes=(torch.float32,), shape=(2,), device=device
         )
-        validate_qb_bin_bounds(qb_bin_bounds)
+        validate_qb_bin_bounds(qb_bin_bounds, qb_binning)
 
     lead = logits.shape[:-1]
     logits2d = logits.reshape(-1, num_experts)
@@ -405,6 +454,8 @@ def fused_topk_with_score_function(
         grouped=num_groups is not None,
         qb=use_qb,
         num_bins=qb_histogram.shape[1] if use_qb else 0,
+        selection=selection,
+        qb_binning=qb_binning if use_qb else "uniform",
     )
     qb = (qb_histogram, qb_bin_bounds, qb_histogram_mode) if use_qb else (None, None, None)
     if torch.is_grad_enabled() and logits.requires_grad:
@@ -421,6 +472,7 @@ def fused_topk_with_score_function(
             expert_bias,
             map_kind,
             (chosen_backend, bwd_backend),
+            (selection, qb_binning),
         )
         probs, map_out = _RouterFunction.apply(logits2d, cfg, topk_indices, qb)
     else:
@@ -438,6 +490,8 @@ def fused_topk_with_score_function(
             map_out,
             map_kind,
             *qb,
+            selection,
+            qb_binning,
             chosen_backend,
         )
     probs = probs.view(*lead, num_experts)

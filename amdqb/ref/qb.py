@@ -167,6 +167,14 @@ def qb_step_update(
     return new, bounds
 
 
+def step_is_finite(bias: torch.Tensor, bounds: torch.Tensor, binning: str) -> torch.Tensor:
+    """0-dim bool: a step's candidate may be committed (a finite bias and valid finite bounds)."""
+    finite = torch.isfinite(bias).all() & torch.isfinite(bounds).all()
+    if binning == "uniform":
+        return finite & (bounds[0] < bounds[1])
+    return finite & (bounds > 0).all()
+
+
 def aux_free_bias_update(
     bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float = 1e-3
 ) -> torch.Tensor:

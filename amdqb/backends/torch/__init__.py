@@ -10,6 +10,7 @@ import torch
 
 from ... import ref
 from ...ref import aux_loss as ref_aux
+from ...ref.qb import LOG_MARGIN_RHO
 from ...ref.router import NORM_EPS, activation
 
 
@@ -32,6 +33,8 @@ def router_fwd(
     qb_histogram,
     qb_bin_bounds,
     qb_mode,
+    selection="te",
+    qb_binning="uniform",
 ):
     with torch.no_grad():
         probs, idx, routing_map = ref.fused_topk_with_score_function(
@@ -45,6 +48,8 @@ def router_fwd(
             expert_bias=expert_bias,
             qb_histogram=qb_histogram,
             qb_bin_bounds=qb_bin_bounds,
+            selection=selection,
+            qb_binning=qb_binning,
         )
     probs_out.copy_(probs)
     if map_kind == "bytemap":
@@ -121,14 +126,19 @@ def biased_topk(
     ids_out.copy_(ids)
 
 
-def qb_recover(histogram, bin_bounds, topk, out):
-    out.copy_(ref.qb_recover_bias(histogram, bin_bounds, topk))
+def qb_recover(histogram, bin_bounds, topk, out, binning="uniform", expert_bias=None):
+    out.copy_(ref.qb_recover_bias(histogram, bin_bounds, topk, binning, expert_bias))
 
 
-def qb_step(bias, histogram, bin_bounds, topk, ema):
-    new_bias, new_bounds = ref.qb_step_update(bias, histogram, bin_bounds, topk, ema)
-    bias.copy_(new_bias)
-    bin_bounds.copy_(new_bounds)
+def qb_step(
+    bias, histogram, bin_bounds, topk, ema, binning="uniform", rho=LOG_MARGIN_RHO, rejected=None
+):
+    new_bias, new_bounds = ref.qb_step_update(bias, histogram, bin_bounds, topk, ema, binning, rho)
+    ok = ref.qb.step_is_finite(new_bias, new_bounds, binning)  # on the device: no sync
+    bias.copy_(torch.where(ok, new_bias, bias))
+    bin_bounds.copy_(torch.where(ok, new_bounds, bin_bounds))
+    if rejected is not None:
+        rejected.add_((~ok).to(rejected.dtype))
 
 
 def route_rows(

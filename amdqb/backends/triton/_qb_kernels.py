@@ -18,6 +18,7 @@ import triton.language as tl
 def _qb_rows_kernel(
     hist_ptr,
     bounds_ptr,
+    bias_ptr,
     bhat_ptr,
     msum_ptr,
     E,
@@ -26,10 +27,14 @@ def _qb_rows_kernel(
     ROWS: tl.constexpr,
     BB: tl.constexpr,
     SINGLE: tl.constexpr,
+    MARGIN: tl.constexpr,
+    MBITS: tl.constexpr,
 ):
-    """App. D recovery of ``ROWS`` experts, uncentred, fp32 (``amdqb.ref.qb.recover_uncentred``):
-    int64 cumulative counts, integer target ``ceil(m*k/E)``, float64 interpolation. Also writes
-    each row's sum (int64) for the empty-histogram test of ``qb_step``.
+    """App. D recovery of ``ROWS`` experts, uncentred, fp32: int64 cumulative counts, integer
+    target ``ceil(m*k/E)``, float64 interpolation. Uniform (``amdqb.ref.qb.recover_uncentred``):
+    ``L + position * (U - L) / B``; log_margin (``recover_margin_delta``): ``bias + delta`` with
+    the position mapped back through the margin bins. Also writes each row's sum (int64) for the
+    empty-histogram test of ``qb_step``.
 
     The first bin whose cumulative count reaches the target is ``beta = #{cum < target}``
     (cum is non-decreasing); the count before it is the largest cum below the target, and the
@@ -80,33 +85,54 @@ def _qb_rows_kernel(
     q = (m * topk).to(tl.float64) / E
     frac = tl.where(h > 0, (q - before.to(tl.float64)) / tl.maximum(h, 1).to(tl.float64), 0.0)
     frac = tl.minimum(tl.maximum(frac, 0.0), 1.0)
-    width = (upper - lower) / B
-    bhat = lower + (beta.to(tl.float64) + frac) * width
-    bhat = tl.where(m > 0, bhat, (lower + upper) / 2)
+    position = beta.to(tl.float64) + frac
+    if MARGIN:
+        # key kappa = |p - B/2|, y = 2^o (1 + f) for o, f the parts of kappa / 2^M, then
+        # delta = sign * (y - 1) / inv with inv = bounds[1], the multiplier the bins used
+        offset = position - (B // 2)
+        per_octave = (1 << MBITS) * 1.0
+        scaled = tl.abs(offset) / per_octave
+        octave = tl.floor(scaled)
+        two_o = ((octave.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
+        y = (1.0 + (scaled - octave)) * two_o
+        sign = tl.where(offset > 0, 1.0, tl.where(offset < 0, -1.0, 0.0))
+        delta = sign * (y - 1.0) / upper
+        old = tl.load(bias_ptr + r, mask=rm, other=0.0).to(tl.float64)
+        bhat = old + tl.where(m > 0, delta, 0.0)
+    else:
+        bhat = lower + position * ((upper - lower) / B)
+        bhat = tl.where(m > 0, bhat, (lower + upper) / 2)
     tl.store(bhat_ptr + r, bhat.to(tl.float32), mask=rm)
     tl.store(msum_ptr + r, m, mask=rm)
 
 
-@triton.jit(do_not_specialize=["ema_bits", "keep_bits"])
+@triton.jit(do_not_specialize=["ema_bits", "keep_bits", "rho_bits"])
 def _qb_finish_kernel(
     bhat_ptr,
     msum_ptr,
     bias_ptr,
     bounds_ptr,
     out_ptr,
+    rejected_ptr,
     E,
     ema_bits,
     keep_bits,
+    rho_bits,
     EB: tl.constexpr,
     STEP: tl.constexpr,
+    MARGIN: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
     """Single program. Recover: ``out = centre(bhat)``. Step (``amdqb.ref.qb.qb_step_update``):
     ``bias = centre(fp32(ema*old + (1-ema)*centre(bhat)))`` unless the histogram is empty, then
-    ``bounds = [min(bias) - 1, max(bias) + 1]``. Means are float64 sums of fp32 values.
+    ``bounds = [min(bias) - 1, max(bias) + 1]`` (log_margin: ``[eps, 1/eps]`` with
+    ``eps = rho * (max - min)`` in float64, ``1e-30`` for a spread of 0, the reciprocal of the fp32
+    eps). Means are float64 sums of fp32 values. The step commits only a finite bias and finite
+    bounds; otherwise bias and bounds keep their values and ``rejected[0]`` (``COUNT``) gains one.
 
-    ``ema`` and ``1 - ema`` arrive as the bits of the host's float64 values (a Python float
-    argument would be narrowed to fp32). Chunks of ``EB`` are recomputed in each pass instead of
-    being stored and re-read, which would need a barrier between threads.
+    ``ema``, ``1 - ema`` and ``rho`` arrive as the bits of the host's float64 values (a Python
+    float argument would be narrowed to fp32). The candidate bias goes through ``bhat`` (the
+    program's own scratch, read back after a barrier).
     """
     acc = tl.zeros([], dtype=tl.float64)
     for c0 in range(0, E, EB):
@@ -131,6 +157,7 @@ def _qb_finish_kernel(
         mean2 = acc2 / E
         lo = tl.full([], float("inf"), tl.float32)
         hi = tl.full([], float("-inf"), tl.float32)
+        bad = tl.zeros([], dtype=tl.int32)
         for c0 in range(0, E, EB):
             idx = c0 + tl.arange(0, EB)
             m = idx < E
@@ -140,11 +167,42 @@ def _qb_finish_kernel(
             mixed = (ema * old.to(tl.float64) + keep * cen.to(tl.float64)).to(tl.float32)
             new = (mixed.to(tl.float64) - mean2).to(tl.float32)
             new = tl.where(total > 0, new, old)
-            tl.store(bias_ptr + idx, new, mask=m)
+            bad += tl.sum((m & (tl.abs(new) == float("inf")) | (m & (new != new))).to(tl.int32), 0)
             lo = tl.minimum(lo, tl.min(tl.where(m, new, float("inf")), 0))
             hi = tl.maximum(hi, tl.max(tl.where(m, new, float("-inf")), 0))
-        tl.store(bounds_ptr, lo - 1.0)
-        tl.store(bounds_ptr + 1, hi + 1.0)
+        tl.debug_barrier()  # every thread has read bhat: it becomes the candidate's scratch
+        for c0 in range(0, E, EB):
+            idx = c0 + tl.arange(0, EB)
+            m = idx < E
+            v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
+            cen = (v - mean1).to(tl.float32)
+            old = tl.load(bias_ptr + idx, mask=m, other=0.0)
+            mixed = (ema * old.to(tl.float64) + keep * cen.to(tl.float64)).to(tl.float32)
+            new = (mixed.to(tl.float64) - mean2).to(tl.float32)
+            new = tl.where(total > 0, new, old)
+            tl.store(bhat_ptr + idx, new, mask=m)
+        if MARGIN:
+            rho = rho_bits.to(tl.int64).to(tl.float64, bitcast=True)
+            spread = hi.to(tl.float64) - lo.to(tl.float64)
+            b0 = tl.where(spread > 0, rho * spread, 1e-30).to(tl.float32)
+            b1 = (1.0 / b0.to(tl.float64)).to(tl.float32)
+            bounds_ok = (b0 > 0) & (b0 < float("inf")) & (b1 > 0) & (b1 < float("inf"))
+        else:
+            b0 = lo - 1.0
+            b1 = hi + 1.0
+            bounds_ok = (b0 < b1) & (b0 > float("-inf")) & (b1 < float("inf"))
+        ok = (bad == 0) & bounds_ok
+        tl.debug_barrier()  # the candidates are in bhat
+        for c0 in range(0, E, EB):
+            idx = c0 + tl.arange(0, EB)
+            m = idx < E
+            new = tl.load(bhat_ptr + idx, mask=m, other=0.0)
+            old = tl.load(bias_ptr + idx, mask=m, other=0.0)
+            tl.store(bias_ptr + idx, tl.where(ok, new, old), mask=m)
+        tl.store(bounds_ptr, tl.where(ok, b0, tl.load(bounds_ptr)))
+        tl.store(bounds_ptr + 1, tl.where(ok, b1, tl.load(bounds_ptr + 1)))
+        if COUNT:
+            tl.atomic_add(rejected_ptr, tl.where(ok, 0, 1).to(tl.int32), sem="relaxed")
     else:
         for c0 in range(0, E, EB):
             idx = c0 + tl.arange(0, EB)

@@ -174,6 +174,29 @@ def _qb_bins(r, lower, scale, NBINS: tl.constexpr):
 
 
 @triton.jit
+def _margin_bins(d, inv, NBINS: tl.constexpr, MBITS: tl.constexpr):
+    """log_margin bin of the biased margin d (``amdqb.ref.router.qb_margin_bin_index``): the key
+    ``(bits(1 + |d| * inv) >> (23 - M)) - (127 << M)`` clamped to B/2 - 1, on the side of d's
+    sign; NaN -> 0. Integer arithmetic on the float bits, the same on every device."""
+    y = 1.0 + tl.abs(d) * inv
+    key = (y.to(tl.int32, bitcast=True) >> (23 - MBITS)) - (127 << MBITS)
+    c = tl.minimum(tl.maximum(key, 0), NBINS // 2 - 1)
+    bins = tl.where(d >= 0.0, NBINS // 2 + c, NBINS // 2 - 1 - c)
+    return tl.where(d != d, 0, bins)
+
+
+@triton.jit
+def _tie_free_values(z, b, APPROX: tl.constexpr):
+    """``(s, v)``: the sigmoid and the tie-free selection value ``v = b - c``, ``c = sigmoid(-z)``
+    from the sigmoid's own ``e = exp(-z)``: ``e * s`` for ``z >= 0``, ``1 - s`` below
+    (``amdqb.ref.router.sigmoid_complement``)."""
+    e = _exp(-z, APPROX)
+    s = tl.math.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + e)
+    c = tl.where(z >= 0.0, e * s, 1.0 - s)
+    return s, b - c
+
+
+@triton.jit
 def _exact_cutoff(key, ids, R: tl.constexpr, BT: tl.constexpr, ID_BITS: tl.constexpr):
     """(key, id) of the rank-R element of every row, for any data.
 
@@ -249,6 +272,9 @@ def _router_fwd_kernel(
     COMPACT_W: tl.constexpr,  # write compact weights [T, K] (w_ptr)
     KP: tl.constexpr,  # next_pow2(K): the by-rank value slots of a row's scratch
     APPROX: tl.constexpr,  # the opt-in approximate exponential (tl.exp) instead of torch's
+    TIE_FREE: tl.constexpr,  # select by b - sigmoid(-z) instead of s + b (sigmoid with a bias)
+    MARGIN: tl.constexpr,  # QB binning: False uniform (r = alpha - s), True log_margin (d)
+    MBITS: tl.constexpr,  # log_margin: 2^MBITS bins per octave
 ):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -289,12 +315,16 @@ def _router_fwd_kernel(
     else:
         m = tl.zeros([BT], dtype=tl.float32)
         ssum = tl.zeros([BT], dtype=tl.float32)
-        wv = _score(z, SCORE, APPROX)
-        if HAS_BIAS:
+        if TIE_FREE:
             b = tl.load(bias_ptr + col, mask=valid, other=0.0)
-            sel = wv + b[None, :]
+            wv, sel = _tie_free_values(z, b[None, :], APPROX)
         else:
-            sel = wv
+            wv = _score(z, SCORE, APPROX)
+            if HAS_BIAS:
+                b = tl.load(bias_ptr + col, mask=valid, other=0.0)
+                sel = wv + b[None, :]
+            else:
+                sel = wv
     key = tl.where(valid[None, :], _order_key(sel), INT32_MIN)
 
     # ---- grouped Top-k: keep the GT groups whose best GN selection values sum highest ----------
@@ -484,12 +514,19 @@ def _router_fwd_kernel(
 
     # ---- Quantile Balancing -------------------------------------------------------------------
     if QB > 0:
-        alpha = _key_value(kc)  # the (k+1)-th biased score
-        if QB == 2:
+        alpha = _key_value(kc)  # the (k+1)-th selection value
+        if MARGIN:
+            # log_margin: d = alpha - (the selection value), binned by the router itself; the
+            # two-kernel mode stores the bins ([T, E] bytes) for the counting pass
+            bins = _margin_bins(alpha[:, None] - sel, tl.load(bounds_ptr + 1), NBINS, MBITS)
+            if QB == 2:
+                tl.store((cut_ptr + rbase)[:, None] + col[None, :], bins.to(tl.uint8), mask=mask2)
+        elif QB == 2:
             tl.store(cut_ptr + rows, alpha, mask=row_ok)
         else:
             lower, scale = _qb_scale(bounds_ptr, NBINS)
             bins = _qb_bins(alpha[:, None] - wv, lower, scale, NBINS)
+        if QB == 1:
             ones = tl.full([BT, W], 1, dtype=tl.int32)
             tl.atomic_add(hist_ptr + col[None, :] * NBINS + bins, ones, mask=mask2, sem="relaxed")
 
@@ -512,6 +549,7 @@ def _qb_hist_kernel(
     NB: tl.constexpr,  # private histogram size: next_pow2(EPP * NBINS)
     LDS: tl.constexpr,  # True: tl.histogram (workgroup-private), False: global atomics
     APPROX: tl.constexpr,  # the router's activation: the opt-in approximate exponential
+    FROM_BINS: tl.constexpr,  # log_margin: count the router's bins (cut_ptr: uint8 [T, E])
 ):
     pe = tl.program_id(0)
     ps = tl.program_id(1)
@@ -527,11 +565,13 @@ def _qb_hist_kernel(
         rows = t0 + tl.arange(0, BT)
         rok = rows < t_end
         msk = rok[:, None] & cok[None, :]
-        z = tl.load(
-            logits_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], mask=msk, other=0.0
-        ).to(tl.float32)
-        alpha = tl.load(cut_ptr + rows, mask=rok, other=0.0)
-        bins = _qb_bins(alpha[:, None] - _score(z, 0, APPROX), lower, scale, NBINS)
+        offs = rows.to(tl.int64)[:, None] * E + cols[None, :]
+        if FROM_BINS:
+            bins = tl.load(cut_ptr + offs, mask=msk, other=0).to(tl.int32)
+        else:
+            z = tl.load(logits_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+            alpha = tl.load(cut_ptr + rows, mask=rok, other=0.0)
+            bins = _qb_bins(alpha[:, None] - _score(z, 0, APPROX), lower, scale, NBINS)
         hkey = le[None, :] * NBINS + bins
         if LDS:
             acc += tl.histogram(

@@ -49,6 +49,7 @@ import torch
 import triton
 
 from ... import configs
+from ...ref.router import margin_octave_bits
 from . import _router_kernels as K
 from ._common import compile_options, interpreting, on_device
 from .codegen import KernelSpec
@@ -257,6 +258,8 @@ def _launch_router(
     bounds=None,
     cut=None,
     approx=False,
+    tie_free=False,
+    margin=False,
 ):
     T = logits.shape[0]
     grid = (triton.cdiv(T, plan.BT),)
@@ -294,6 +297,9 @@ def _launch_router(
         COMPACT_W=weights is not None,
         KP=_next_pow2(plan.K),
         APPROX=bool(approx),
+        TIE_FREE=bool(tie_free),
+        MARGIN=bool(margin),
+        MBITS=margin_octave_bits(nbins),
         num_warps=plan.num_warps,
         **compile_options(logits.device),
     )
@@ -322,6 +328,8 @@ def router_fwd(
     qb_histogram,
     qb_bin_bounds,
     qb_mode,
+    selection="te",
+    qb_binning="uniform",
 ):
     T, E = logits.shape
     if T == 0:
@@ -339,32 +347,36 @@ def router_fwd(
         map_kwargs = {"map_out": map_out, "map_code": 2}
     else:
         map_kwargs = {"ids": map_out, "map_code": map_code}
-    common = dict(score=score, pre=pre, renorm=renorm, bias=expert_bias, scaling=scaling_factor)
+    common = dict(
+        score=score,
+        pre=pre,
+        renorm=renorm,
+        bias=expert_bias,
+        scaling=scaling_factor,
+        tie_free=selection == "tie_free",
+    )
     with on_device(logits):
         if not use_qb:
             _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common)
             return
         B = qb_histogram.shape[1]
+        margin = qb_binning == "log_margin"
+        qb = dict(nbins=B, hist=qb_histogram, bounds=qb_bin_bounds, margin=margin)
         mode, lds_ok = _resolve_qb_mode(qb_mode, T, logits.device, family)
         if mode == "fused_atomic":
-            _launch_router(
-                logits,
-                plan,
-                probs=probs_out,
-                **map_kwargs,
-                **common,
-                qb=1,
-                nbins=B,
-                hist=qb_histogram,
-                bounds=qb_bin_bounds,
-            )
+            _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common, qb=1, **qb)
             return
-        cut = torch.empty(T, dtype=torch.float32, device=logits.device)
-        _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common, qb=2, cut=cut)
-        _launch_histogram(logits, cut, qb_bin_bounds, qb_histogram, family, lds_ok)
+        # two kernels: the router writes each token's cutoff (uniform) or every bin (log_margin,
+        # uint8 [T, E]); the second kernel counts
+        if margin:
+            cut = torch.empty(T, E, dtype=torch.uint8, device=logits.device)
+        else:
+            cut = torch.empty(T, dtype=torch.float32, device=logits.device)
+        _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common, qb=2, cut=cut, **qb)
+        _launch_histogram(logits, cut, qb_bin_bounds, qb_histogram, family, lds_ok, margin)
 
 
-def _launch_histogram(logits, cut, bounds, hist, family, lds_ok):
+def _launch_histogram(logits, cut, bounds, hist, family, lds_ok, from_bins=False):
     T, E = logits.shape
     B = hist.shape[1]
     hp = plan_histogram(E, B, T, family, lds_ok)
@@ -383,6 +395,7 @@ def _launch_histogram(logits, cut, bounds, hist, family, lds_ok):
         NB=hp.NB,
         LDS=hp.LDS,
         APPROX=False,
+        FROM_BINS=bool(from_bins),
         num_warps=hp.num_warps,
         **compile_options(logits.device),
     )
@@ -553,6 +566,9 @@ def _fwd_spec(name, plan, *, types, score, pre, renorm, qb, nbins, map_code, den
         COMPACT_W=compact,
         KP=_next_pow2(plan.K),
         APPROX=False,
+        TIE_FREE=False,
+        MARGIN=False,
+        MBITS=0,
     )
     for key in constexprs:
         sig[key] = "constexpr"
@@ -658,7 +674,9 @@ def codegen_specs(family: str = "gfx942") -> list:
     }
     # The LDS variant at the real bin count, with a short token block per tl.histogram call (the
     # ballot lowering unrolls per element and would take minutes to compile at the full block).
-    hist_const = dict(E=E, NBINS=B, EPP=hp.EPP, BT=64, NB=hp.NB, LDS=True, APPROX=False)
+    hist_const = dict(
+        E=E, NBINS=B, EPP=hp.EPP, BT=64, NB=hp.NB, LDS=True, APPROX=False, FROM_BINS=False
+    )
     specs.append(
         KernelSpec(
             "qb_histogram_two_kernel_lds",
@@ -670,7 +688,9 @@ def codegen_specs(family: str = "gfx942") -> list:
         )
     )
     hg = plan_histogram(E, B, 16384, family, lds_ok=False)
-    glob_const = dict(E=E, NBINS=B, EPP=hg.EPP, BT=hg.BT, NB=hg.NB, LDS=False, APPROX=False)
+    glob_const = dict(
+        E=E, NBINS=B, EPP=hg.EPP, BT=hg.BT, NB=hg.NB, LDS=False, APPROX=False, FROM_BINS=False
+    )
     specs.append(
         KernelSpec(
             "qb_histogram_two_kernel_global",

@@ -469,6 +469,10 @@ AMDQB_DEVICE i32 order_key(float v) {
   return k;
 }
 
+// The fp32 value of a key (the inverse of order_key; -0.0 comes back as +0.0, the NaN key as a
+// NaN).
+AMDQB_DEVICE float key_value(i32 k) { return bits_float((u32)(k < 0 ? k ^ 0x7fffffff : k)); }
+
 // Is (ka, ida) ahead of (kb, idb) in the selection order?
 AMDQB_DEVICE bool ahead(i32 ka, i32 ida, i32 kb, i32 idb) {
   return ka > kb || (ka == kb && ida < idb);

@@ -1,6 +1,9 @@
-// Quantile Balancing histogram bins (amdqb.ref.router.qb_bin_index), K3's uniform binning:
-//   r = alpha - s_j, scale = fp32(B) / (U - L), bin = clamp(floor((r - L) * scale), 0, B - 1),
-// in fp32 without contraction; a NaN r counts in bin 0.
+// Quantile Balancing histogram bins, in fp32 without contraction:
+//   uniform (K3, amdqb.ref.router.qb_bin_index): r = alpha - s_j, scale = fp32(B) / (U - L),
+//     bin = clamp(floor((r - L) * scale), 0, B - 1); a NaN r counts in bin 0;
+//   log_margin (amdqb.ref.router.qb_margin_bin_index): the biased margin d = alpha - u_j, the key
+//     (bits(1 + |d| * inv) >> (23 - M)) - (127 << M) clamped to [0, B/2 - 1] on the side of d's
+//     sign (bin B/2 + key for d >= 0, B/2 - 1 - key below); a NaN d counts in bin 0.
 #pragma once
 
 #include "amdqb_activation.h"
@@ -67,6 +70,17 @@ AMDQB_DEVICE int qb_bin_of_logit(const QbCut& c, float z, float lower, float sca
   int bin;
   if (qb_bin_fast(c, z, scale, num_bins, bin)) return bin;
   return qb_bin(c.alpha - sigmoid(z), lower, scale, num_bins);
+}
+
+// log_margin bin of the biased margin d: inv = 1/eps of the margin axis, half = B / 2, mbits = M
+// (2^M bins per octave of 1 + |d| / eps). Integer arithmetic on the float bits: the same bin on
+// every device.
+AMDQB_DEVICE int margin_bin(float d, float inv, int half, int mbits) {
+  if (d != d) return 0;
+  const float y = 1.0f + fabsf(d) * inv;
+  int key = (int)(float_bits(y) >> (23 - mbits)) - (127 << mbits);
+  key = key < 0 ? 0 : (key > half - 1 ? half - 1 : key);
+  return d >= 0.0f ? half + key : half - 1 - key;
 }
 
 }  // namespace amdqb

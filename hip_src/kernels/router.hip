@@ -3,7 +3,8 @@
 //
 // Compile-time constants (-D, amdqb.backends.hip._spec.router_module, from amdqb/configs):
 //   AMDQB_NUM_EXPERTS (E), AMDQB_IN_DTYPE (0 fp32, 1 fp16, 2 bf16), AMDQB_SCORE (0 sigmoid,
-//   1 sqrtsoftplus, 2 softmax), AMDQB_APPROX_ACTIVATION (0 exact), AMDQB_ROUTER_WARPS (tokens in
+//   1 sqrtsoftplus, 2 softmax), AMDQB_APPROX_ACTIVATION (0 exact), AMDQB_TIE_FREE (1: rank
+//   sigmoid scores by b - sigmoid(-z) instead of s + b), AMDQB_ROUTER_WARPS (tokens in
 //   flight per block), AMDQB_ROUTER_CAP (candidate buffer, the largest Top-n),
 //   AMDQB_ROUTER_MIN_BLOCKS (NVIDIA register cap), AMDQB_DECODE_EPW (experts per warp of the
 //   decode kernel), AMDQB_QB_HIST_BLOCK / _UNROLL / _MIN_BLOCKS (the histogram pass), and
@@ -22,12 +23,15 @@
 // every expert. Each lane holds VPL = ceil(E/32) experts (id = j*32 + lane) in registers and the
 // Top-n (n = k, or k + 1 under QB) comes from select_top (amdqb_select.h); membership of every
 // expert is a local compare against the k-th element.
-// QB: Top-(k+1) of u = s + b, alpha = u of the (k+1)-th, the first k are routed; for every expert
-// r = alpha - s_j, scale = fp32(B) / (U - L), bin = clamp(floor((r - L) * scale), 0, B - 1) in fp32
-// (NaN -> 0); fused mode adds 1 to hist[j * B + bin] with a device atomic in the epilogue (bins
-// through qb_bin_of_logit, bit for bit the exact formula), two-kernel mode writes alpha and
-// amdqb_qb_hist recomputes the bins from the logits. Both give identical histograms. (QB is
-// sigmoid-only at the op level.)
+// QB: Top-(k+1) of the selection values (u = s + b, or v = b - c with AMDQB_TIE_FREE), alpha =
+// the (k+1)-th value, the first k are routed. Uniform binning, for every expert: r = alpha - s_j,
+// scale = fp32(B) / (U - L), bin = clamp(floor((r - L) * scale), 0, B - 1) in fp32 (NaN -> 0);
+// the fused mode adds 1 to hist[j * B + bin] with a device atomic in the epilogue (bins through
+// qb_bin_of_logit, bit for bit the exact formula), the two-kernel mode writes alpha and
+// amdqb_qb_hist recomputes the bins from the logits. log_margin binning: the router bins the
+// margin d = alpha - value_j of every expert from its key (margin_bin); the fused mode adds them
+// up with atomics, the two-kernel mode stores them as bytes [T, E] for amdqb_qb_hist_bins. Both
+// modes give identical histograms. (QB is sigmoid-only at the op level.)
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
 #include "amdqb_qb_bins.h"
@@ -36,6 +40,7 @@
 using namespace amdqb;
 
 #if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_SCORE) ||        \
+    !defined(AMDQB_TIE_FREE) ||                                                                \
     !defined(AMDQB_ROUTER_WARPS) || !defined(AMDQB_ROUTER_CAP) ||                              \
     !defined(AMDQB_ROUTER_MIN_BLOCKS) || !defined(AMDQB_DECODE_EPW) ||                         \
     !defined(AMDQB_QB_HIST_BLOCK) || !defined(AMDQB_QB_HIST_UNROLL) ||                         \
@@ -60,7 +65,8 @@ constexpr int ROUTER_BLOCK = 32 * WARPS;
 constexpr int CAP = AMDQB_ROUTER_CAP;         // candidate buffer per warp; the largest n
 
 enum MapKind { kMapNone = 0, kByteMap = 1, kBitMap = 2, kIdx16 = 3, kIdx32 = 4, kIdx64 = 5 };
-enum QbMode { kQbNone = 0, kQbFused = 1, kQbAlpha = 2 };
+enum QbMode { kQbNone = 0, kQbFused = 1, kQbAlpha = 2 };  // two-kernel: alpha (or the bins)
+enum QbBinning { kUniform = 0, kLogMargin = 1 };
 
 #if AMDQB_IN_DTYPE == 0
 typedef float in_t;
@@ -145,6 +151,27 @@ AMDQB_DEVICE void activate(const in_t (&raw)[V], Valid valid, float (&s)[V]) {
 #pragma unroll
   for (int j = 0; j < V; ++j) s[j] = act_elementwise(valid(j) ? to_f32(raw[j]) : 0.0f);
 #endif
+}
+
+// The tie-free selection values of V loaded logits with their biases (bias(j)): s[j] the sigmoid
+// (bit for bit act_elementwise) and v[j] = bias(j) - c, c = sigmoid(-z) from the sigmoid's own
+// e = e^-z: e * s for z >= 0 (relative precision kept as s saturates), 1 - s below
+// (amdqb.ref.router.sigmoid_complement). Padding slots score as logit 0.
+template <int V, typename Valid, typename Bias>
+AMDQB_DEVICE void activate_tie_free(const in_t (&raw)[V], Valid valid, Bias bias, float (&s)[V],
+                                    float (&v)[V]) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const float z = valid(j) ? to_f32(raw[j]) : 0.0f;
+#if AMDQB_APPROX_ACTIVATION
+    const float e = approx_exp2(z * -kLog2e);
+#else
+    const float e = expf(-z);
+#endif
+    const float d = 1.0f + e;
+    s[j] = sigmoid_fast_ok(d) ? sigmoid_fast(d) : 1.0f / d;
+    v[j] = bias(j) - (z >= 0.0f ? e * s[j] : 1.0f - s[j]);
+  }
 }
 
 // Scores of one token from its loaded logits: s[j] of expert j*32 + lane (0 on padding). softmax:
@@ -243,6 +270,26 @@ AMDQB_DEVICE void add_fused_bins(const in_t (&raw)[V], Base base, Valid valid, i
   }
 }
 
+// log_margin QB: the margin bin of every expert e = base(j) + lane of token t from its key (the
+// selection value); fused: one device atomic per (token, expert) into hist, two-kernel: the bin
+// as a byte of bins_out [T, E].
+template <int V, typename Base, typename Valid>
+AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, int lane, i64 t,
+                                  float alpha, float inv, int num_bins, int mbits, int qb_mode,
+                                  int* hist, u8* bins_out) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (valid(j)) {
+      const int e = base(j) + lane;
+      const int bin = margin_bin(alpha - key_value(key[j]), inv, num_bins >> 1, mbits);
+      if (qb_mode == kQbFused)
+        atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
+      else
+        bins_out[t * E + e] = (u8)bin;
+    }
+  }
+}
+
 }  // namespace
 
 // One logical warp per token, WARPS tokens per block, persistent grid-stride loop over tokens.
@@ -254,7 +301,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     amdqb_router(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
                  int normalize, int softmax_pre, float scale, in_t* probs, void* map, int map_kind,
                  int qb_mode, int* hist, const float* bounds, int num_bins, float* alpha_out,
-                 float* w_out, int* id_out) {
+                 float* w_out, int* id_out, int qb_binning, int margin_bits, u8* bins_out) {
   AMDQB_SHARED(i32, sh_ckey, WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, WARPS * CAP);
   AMDQB_SHARED(i32, sh_skey, WARPS * CAP);
@@ -270,10 +317,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
   allow_dependent_launch();
 
   float qb_lower = 0.0f, qb_scale = 0.0f;
-  if (qb_mode == kQbFused) {
+  if (qb_mode == kQbFused && qb_binning == kUniform) {
     qb_lower = bounds[0];
     qb_scale = (float)num_bins / (bounds[1] - qb_lower);
   }
+  const float margin_inv = qb_mode != kQbNone && qb_binning == kLogMargin ? bounds[1] : 0.0f;
 
   // The warp's first token is prefetched before the bias is staged in LDS, so that at decode
   // sizes (one token per warp) the two fetches overlap instead of costing two round trips; the
@@ -300,6 +348,14 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
       in_t raw[VPL];
       float s[VPL];
       load_row(row, lane, raw);
+#if AMDQB_TIE_FREE
+      float v[VPL];
+      activate_tie_free(
+          raw, [&](int j) { return valid_slot(j, lane); },
+          [&](int j) { return valid_slot(j, lane) ? sh_bias[j * 32 + lane] : 0.0f; }, s, v);
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) key[j] = valid_slot(j, lane) ? order_key(v[j]) : kInt32Min;
+#else
       scores_from_raw(raw, lane, s, softmax_pre, st);
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
@@ -310,6 +366,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
           key[j] = kInt32Min;  // padding: ids >= E rank below every expert
         }
       }
+#endif
     }
     select_top<CAP>(key, nsel, lane, b);
 #pragma unroll
@@ -351,9 +408,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     }
 
     if (qb_mode != kQbNone) {
-      const i32 aid = b.sid[topk];  // the (k+1)-th: the cutoff alpha
-      const float alpha = bias != nullptr ? b.ss[topk] + sh_bias[aid] : b.ss[topk];
-      if (qb_mode == kQbAlpha) {
+      const float alpha = key_value(b.skey[topk]);  // the (k+1)-th selection value
+      if (qb_binning == kLogMargin) {
+        margin_bins_out(key, base, valid, lane, t, alpha, margin_inv, num_bins, margin_bits,
+                        qb_mode, hist, bins_out);
+      } else if (qb_mode == kQbAlpha) {
         if (lane == 0) alpha_out[t] = alpha;
       } else {
         const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
@@ -418,7 +477,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     amdqb_router_decode(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
                         int normalize, int softmax_pre, float scale, in_t* probs, void* map,
                         int map_kind, int qb_mode, int* hist, const float* bounds, int num_bins,
-                        float* alpha_out, float* w_out, int* id_out) {
+                        float* alpha_out, float* w_out, int* id_out, int qb_binning,
+                        int margin_bits, u8* bins_out) {
   (void)softmax_pre;  // amdqb_router's signature; the op sends softmax scores to amdqb_router
   AMDQB_SHARED(i32, sh_ckey, DEC_WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, DEC_WARPS * CAP);
@@ -444,12 +504,21 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     bv[j] = bias != nullptr && valid(j) ? bias[e] : 0.0f;
   }
   float s[DEC_EPT];
+#if AMDQB_TIE_FREE
+  float v[DEC_EPT];
+  activate_tie_free(raw, valid, [&](int j) { return bv[j]; }, s, v);
+#else
   activate(raw, valid, s);
+#endif
   i32 key[DEC_EPT];
 #pragma unroll
   for (int j = 0; j < DEC_EPT; ++j) {
     const int e = j * DEC_THREADS + tid;
+#if AMDQB_TIE_FREE
+    const float biased = v[j];
+#else
     const float biased = bias != nullptr ? s[j] + bv[j] : s[j];
+#endif
     key[j] = valid(j) ? order_key(biased) : kInt32Min;
     if (valid(j)) {
       sh_score[e] = s[j];
@@ -464,7 +533,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 
   // Only the outputs over every expert (dense probs / maps, the fused histogram) need the whole
   // block after the selection; otherwise warp 0 finishes alone (no barrier after the last round).
-  const bool block_outputs = has_dense_outputs(probs, map_kind) || qb_mode == kQbFused;
+  const bool block_outputs = has_dense_outputs(probs, map_kind) || qb_mode == kQbFused ||
+                             (qb_mode != kQbNone && qb_binning == kLogMargin);
   if (DEC_WARPS > 1 && nsel <= 32) {  // uniform
     // Merge tree. Lists live in (src_k, src_i) at stride CAP; round r writes (dst_k, dst_i), and
     // the two swap: the barrier opening each round orders the reads of one round before the
@@ -565,7 +635,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
 
   if (qb_mode != kQbNone) {
     const float alpha = sh_biased[sh_top[topk]];  // the (k+1)-th: the cutoff alpha
-    if (qb_mode == kQbAlpha) {
+    if (qb_binning == kLogMargin) {
+      margin_bins_out(key, base, valid, lane, t, alpha, bounds[1], num_bins, margin_bits, qb_mode,
+                      hist, bins_out);
+    } else if (qb_mode == kQbAlpha) {
       if (tid == 0) alpha_out[t] = alpha;
     } else {
       const float lower = bounds[0];
@@ -713,20 +786,72 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_BLOCK, AMDQB_QB_HIST_MIN
 #endif
 }
 
+// log_margin two-kernel histogram: the router's bins (bytes [T, E]) counted per expert. Grid
+// (ceil(E / experts_per_block), token slices); each block counts its (expert, token) slice into an
+// LDS histogram [experts_per_block, B] and flushes the non-zero bins with global atomics. vec = 4:
+// each thread reads 4 consecutive experts' bins with one 32-bit load (E and experts_per_block
+// multiples of 4), else 1. Dynamic shared memory: experts_per_block * num_bins ints.
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
+    amdqb_qb_hist_bins(const u8* bins, int num_tokens, int num_bins, int experts_per_block,
+                       int tokens_per_slice, int vec, int* hist) {
+  AMDQB_DYN_SHARED(lh);
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  const int epb = experts_per_block;
+  const int e0 = (int)blockIdx.x * epb;
+  const int ne = E - e0 < epb ? E - e0 : epb;
+  const i64 t0 = (i64)blockIdx.y * tokens_per_slice;
+  const i64 t1 = t0 + tokens_per_slice < num_tokens ? t0 + tokens_per_slice : (i64)num_tokens;
+  for (int i = tid; i < epb * num_bins; i += nt) lh[i] = 0;
+  block_sync();
+  wait_for_prior_grid();  // the bins are the router's output
+  const int per_row = epb / vec;
+  const int sub = tid % per_row;
+  const int rows_per_pass = nt / per_row;
+  if (tid / per_row < rows_per_pass && sub * vec < ne) {
+    int* h = lh + sub * vec * num_bins;
+    for (i64 t = t0 + tid / per_row; t < t1; t += rows_per_pass) {
+      const u8* p = bins + t * E + e0 + sub * vec;
+      if (vec == 4) {
+        const u32 word = *reinterpret_cast<const u32*>(p);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) atomic_add_shared(&h[v * num_bins + ((word >> (8 * v)) & 0xffu)], 1);
+      } else {
+        atomic_add_shared(&h[*p], 1);
+      }
+    }
+  }
+  block_sync();
+  int* block_hist = hist + (i64)e0 * num_bins;
+  for (int i = tid; i < ne * num_bins; i += nt) {
+    const int c = lh[i];
+    if (c != 0) atomic_add_global(block_hist + i, c);
+  }
+}
+
 // fp32 scores exactly as amdqb_router computes them (softmax: over E), for tests and the oracle
-// comparison. One logical warp per token.
+// comparison; complement != 0 (sigmoid): the tie-free selection's c = sigmoid(-z) instead. One
+// logical warp per token.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(ROUTER_BLOCK)
-    amdqb_scores(const in_t* logits, int num_tokens, float* out) {
+    amdqb_scores(const in_t* logits, int num_tokens, float* out, int complement) {
   const int lane = lane_id();
+  const auto valid = [&](int j) { return valid_slot(j, lane); };
   for (i64 t = (i64)blockIdx.x * WARPS + warp_in_block(); t < num_tokens;
        t += (i64)gridDim.x * WARPS) {
     float s[VPL];
     in_t raw[VPL];
     RowStats st;
     load_row(logits + t * E, lane, raw);
-    scores_from_raw(raw, lane, s, 1, st);
+    if (complement) {
+      float v[VPL];
+      activate_tie_free(raw, valid, [](int) { return 0.0f; }, s, v);
+#pragma unroll
+      for (int j = 0; j < VPL; ++j) s[j] = -v[j];  // v = 0 - c
+    } else {
+      scores_from_raw(raw, lane, s, 1, st);
+    }
 #pragma unroll
     for (int j = 0; j < VPL; ++j)
-      if (valid_slot(j, lane)) out[t * E + j * 32 + lane] = s[j];
+      if (valid(j)) out[t * E + j * 32 + lane] = s[j];
   }
 }

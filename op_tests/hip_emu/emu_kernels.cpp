@@ -12,6 +12,7 @@ static std::atomic<long long> g_overflows{0};
 extern "C" long long amdqb_emu_overflows() { return g_overflows.load(); }
 AMDQB_EMU_REGISTER(amdqb_router)
 AMDQB_EMU_REGISTER(amdqb_qb_hist)
+AMDQB_EMU_REGISTER(amdqb_qb_hist_bins)
 AMDQB_EMU_REGISTER(amdqb_router_decode)
 AMDQB_EMU_REGISTER(amdqb_scores)
 #elif defined(AMDQB_EMU_ROUTE)

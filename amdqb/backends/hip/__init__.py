@@ -116,9 +116,10 @@ def route_rows(
     )
 
 
-def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
-    """fp32 ``[T, E]`` activations exactly as the router kernel computes them (softmax: over E)."""
-    return router.score_values(_rt(), logits2d.contiguous(), score_function)
+def score_values(logits2d: torch.Tensor, score_function: str, complement=False) -> torch.Tensor:
+    """fp32 ``[T, E]`` activations exactly as the router kernel computes them (softmax: over E);
+    ``complement``: the tie-free selection's ``sigmoid(-z)``."""
+    return router.score_values(_rt(), logits2d.contiguous(), score_function, complement=complement)
 
 
 OPS = {

@@ -26,6 +26,7 @@ import torch
 
 from . import _spec
 from ._common import cdiv, config, dev, ptr
+from ...ref.router import margin_octave_bits
 from ._spec import arg_f32, arg_i32
 
 # Limits of this backend (``unsupported`` declines beyond them; the next backend runs the op).
@@ -48,7 +49,9 @@ def router_block(cfg) -> int:
     return 32 * int(cfg["hip.router.warps"])
 
 
-def router_spec(logits, score_function, cfg, rt=None, tokens=None) -> _spec.ModuleSpec:
+def router_spec(
+    logits, score_function, cfg, rt=None, tokens=None, tie_free=False
+) -> _spec.ModuleSpec:
     """The router module for these logits. On runtimes whose launch bounds cap registers by
     resident blocks (NVIDIA), up to ``hip.router.few_tokens`` tokens and 256 < E <= 1024 it is the
     build for ``hip.router.few_tokens_min_blocks`` resident blocks (no spill: the grid has little
@@ -63,7 +66,12 @@ def router_spec(logits, score_function, cfg, rt=None, tokens=None) -> _spec.Modu
     ):
         min_blocks = cfg["hip.router.few_tokens_min_blocks"]
     return _spec.router_module(
-        num_experts, _DTYPE_NAMES[logits.dtype], score_function, cfg, min_blocks=min_blocks
+        num_experts,
+        _DTYPE_NAMES[logits.dtype],
+        score_function,
+        cfg,
+        min_blocks=min_blocks,
+        tie_free=tie_free,
     )
 
 
@@ -128,6 +136,9 @@ def _launch_router(
     w_out,
     id_out,
     decode_max_tokens=0,
+    tie_free=False,
+    margin=False,
+    bins_out=None,
 ):
     """amdqb_router (one warp per token), or its decode form amdqb_router_decode (one block per
     token) for element-wise scores and at most ``decode_max_tokens`` tokens; same outputs, bit
@@ -135,7 +146,7 @@ def _launch_router(
     tokens, num_experts = logits.shape
     _check_selection(topk, nsel, num_experts, cfg)
     device = dev(logits)
-    spec = router_spec(logits, score_function, cfg, rt, tokens)
+    spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free)
     args = [
         ptr(logits),
         arg_i32(tokens),
@@ -155,6 +166,9 @@ def _launch_router(
         ptr(alpha),
         ptr(w_out),
         ptr(id_out),
+        arg_i32(1 if margin else 0),
+        arg_i32(margin_octave_bits(num_bins) if margin else 0),
+        ptr(bins_out),
     ]
     if score_function != "softmax" and tokens <= decode_max_tokens:
         k = rt.kernel(device, spec, "amdqb_router_decode")
@@ -206,6 +220,8 @@ def router_fwd(
     qb_histogram,
     qb_bin_bounds,
     qb_mode,
+    selection="te",
+    qb_binning="uniform",
 ):
     if num_groups is not None:
         raise NotImplementedError("hip router: grouped Top-k is declined via unsupported()")
@@ -223,9 +239,13 @@ def router_fwd(
     kind = _INDEX_KINDS[map_out.dtype] if map_kind == "indices" else _MAP_KINDS[map_kind]
     softmax = score_function == "softmax"
     num_bins = qb_histogram.shape[1] if qb else 0
-    alpha = None
-    if qb and qb_mode == "two_kernel":  # the router's cutoff alpha of every token
-        alpha = torch.empty(tokens, dtype=torch.float32, device=logits.device)
+    margin = qb and qb_binning == "log_margin"
+    alpha = bins = None
+    if qb and qb_mode == "two_kernel":
+        if margin:  # the router's bin of every (token, expert)
+            bins = torch.empty(tokens, num_experts, dtype=torch.uint8, device=logits.device)
+        else:  # the router's cutoff alpha of every token
+            alpha = torch.empty(tokens, dtype=torch.float32, device=logits.device)
     fused = qb and qb_mode == "fused_atomic"
     spec = _launch_router(
         rt,
@@ -251,7 +271,12 @@ def router_fwd(
         decode_max_tokens=cfg[
             "hip.router.decode_max_tokens_fused" if fused else "hip.router.decode_max_tokens"
         ],
+        tie_free=selection == "tie_free",
+        margin=margin,
+        bins_out=bins,
     )
+    if bins is not None:
+        _count_margin_bins(rt, cfg, spec, bins, num_bins, qb_histogram)
     if alpha is not None:
         device = dev(logits)
         epb, slices, per = qb_hist_config(
@@ -276,6 +301,44 @@ def router_fwd(
                 ptr(qb_histogram),
             ],
         )
+
+
+def _count_margin_bins(rt, cfg, spec, bins, num_bins, hist):
+    """The second kernel of the log_margin two-kernel mode: amdqb_qb_hist_bins over the router's
+    bin bytes, expert groups of ``hip.qb_hist.margin_experts_per_block`` and token slices aimed at
+    ``hip.qb_hist.margin_blocks_per_cu`` blocks per CU."""
+    tokens, num_experts = bins.shape
+    device = dev(bins)
+    epb = cfg["hip.qb_hist.margin_experts_per_block"]
+    while epb > 1 and epb * num_bins * 4 > rt.smem_budget(device):
+        epb //= 2
+    groups = cdiv(num_experts, epb)
+    slices = max(
+        1,
+        min(
+            cdiv(cfg["hip.qb_hist.margin_blocks_per_cu"] * rt.num_cus(device), groups),
+            cdiv(tokens, 64),
+        ),
+    )
+    per = cdiv(tokens, slices)
+    vec = 4 if num_experts % 4 == 0 and epb % 4 == 0 else 1
+    k = rt.kernel(device, spec, "amdqb_qb_hist_bins")
+    launch = rt.launch_dependent if cfg["hip.qb_hist.dependent_launch"] else rt.launch
+    launch(
+        k,
+        (groups, cdiv(tokens, per)),
+        cfg["hip.qb_hist.block"],
+        4 * epb * num_bins,
+        [
+            ptr(bins),
+            arg_i32(tokens),
+            arg_i32(num_bins),
+            arg_i32(epb),
+            arg_i32(per),
+            arg_i32(vec),
+            ptr(hist),
+        ],
+    )
 
 
 def biased_topk(
@@ -321,8 +384,9 @@ def biased_topk(
     )
 
 
-def score_values(rt, logits2d, score_function, extra_defines=()):
-    """fp32 ``[T, E]`` scores exactly as the router kernel computes them (softmax: over E).
+def score_values(rt, logits2d, score_function, extra_defines=(), complement=False):
+    """fp32 ``[T, E]`` scores exactly as the router kernel computes them (softmax: over E);
+    ``complement`` (sigmoid): the tie-free selection's ``c = sigmoid(-z)`` instead.
     ``extra_defines``: more ``(name, value)`` compile-time constants (tests build variants)."""
     tokens = logits2d.shape[0]
     out = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
@@ -336,6 +400,6 @@ def score_values(rt, logits2d, score_function, extra_defines=()):
             _router_grid(rt, cfg, k, device, tokens),
             router_block(cfg),
             0,
-            [ptr(logits2d), arg_i32(tokens), ptr(out)],
+            [ptr(logits2d), arg_i32(tokens), ptr(out), arg_i32(1 if complement else 0)],
         )
     return out

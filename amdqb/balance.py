@@ -126,6 +126,7 @@ class QuantileBalancer:
         scaling_factor: Optional[float] = None,
         routing_map_format="bytemap",
         topk_indices: Optional[torch.Tensor] = None,
+        approximate_activation: bool = False,
         backend: Optional[str] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Route ``logits`` (sigmoid scores + ``bias``) and accumulate the QB histogram.
@@ -158,6 +159,7 @@ class QuantileBalancer:
             qb_histogram_mode=qb[2],
             selection=self.selection,
             qb_binning=self.binning,
+            approximate_activation=approximate_activation,
             backend=backend,
         )
         if accumulate:

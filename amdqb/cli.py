@@ -48,6 +48,17 @@ def _info(argv: list[str]) -> int:
     print("op -> backend (why):")
     for op, status in report["ops"].items():
         print(f"  {op:17s} {status['backend'] or '-':7s} {status['reason']}")
+    config = report["config"]
+    files = (
+        "default.json"
+        if config["arch"] == "default"
+        else f"{config['arch']}.json over default.json"
+    )
+    print(f"config (amdqb/configs/{files}):")
+    for key, entry in config["entries"].items():
+        print(
+            f"  {key:42s} {json.dumps(entry['value']):20s} [{entry['file']}] {entry['provenance']}"
+        )
     return 0
 
 

@@ -206,7 +206,17 @@ def report(device: torch.device | str | None = None) -> dict:
             ops[op] = {"backend": choice.backend, "reason": choice.reason}
         except RuntimeError as exc:
             ops[op] = {"backend": None, "reason": str(exc)}
-    return {"device": info.as_dict(), "backends": backends, "ops": ops}
+    cfg = configs.load(info.arch_family)
+    entries = {
+        key: {"value": e.value, "provenance": e.provenance, "file": e.source}
+        for key, e in cfg.items()
+    }
+    return {
+        "device": info.as_dict(),
+        "backends": backends,
+        "ops": ops,
+        "config": {"arch": cfg.arch, "entries": entries},
+    }
 
 
 def backend_name(

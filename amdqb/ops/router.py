@@ -115,6 +115,7 @@ def _router_fwd(
     qb_mode: Optional[str],
     selection: str,
     qb_binning: str,
+    approximate: bool,
     backend: str,
 ) -> None:
     impl("router_fwd", backend)(
@@ -134,6 +135,7 @@ def _router_fwd(
         qb_mode,
         selection,
         qb_binning,
+        approximate,
     )
 
 
@@ -173,6 +175,7 @@ def _biased_topk(
     group_topk: Optional[int],
     weights_out: torch.Tensor,
     ids_out: torch.Tensor,
+    approximate: bool,
     backend: str,
 ) -> None:
     impl("biased_topk", backend)(
@@ -186,6 +189,7 @@ def _biased_topk(
         group_topk,
         weights_out,
         ids_out,
+        approximate,
     )
 
 
@@ -204,7 +208,7 @@ class _RouterFunction(torch.autograd.Function):
         topk, score_function, use_pre_softmax, groups, scaling_factor, bias, map_kind, backends = (
             cfg[:8]
         )
-        selection, qb_binning = cfg[8]
+        selection, qb_binning, approximate = cfg[8]
         backend = backends[0]  # (forward, backward)
         probs, map_out = _alloc_outputs(logits2d, topk, map_kind, user_indices)
         _router_fwd(
@@ -222,6 +226,7 @@ class _RouterFunction(torch.autograd.Function):
             *qb,
             selection,
             qb_binning,
+            approximate,
             backend,
         )
         ctx.save_for_backward(logits2d, map_out)
@@ -309,6 +314,7 @@ def fused_topk_with_score_function(
     *,
     selection: str = "te",
     qb_binning: str = "uniform",
+    approximate_activation: bool = False,
     backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused score function + Top-k (+ opt-in QB histogram), TransformerEngine-compatible.
@@ -339,6 +345,10 @@ def fused_topk_with_score_function(
             ``"log_margin"`` (the biased margin ``d = alpha - u`` on a symmetric log axis; the
             bounds tensor holds ``[eps, 1/eps]``, ``4 <= B <= 256`` bins, even). Beyond TE's
             signature; ``amdqb.QuantileBalancer`` owns the matching update.
+        approximate_activation: opt-in speed over exactness for the kernel backends: e^-z through
+            the hardware 2^x (a few 2^-22 from the true sigmoid) instead of the library exp, so
+            scores, routes and histograms are no longer torch's / TE's bits (the oracles stay
+            exact). Off by default.
         backend: force ``"hip"``, ``"triton"`` or ``"torch"`` (default: the dispatcher's choice).
 
     Returns:
@@ -472,7 +482,7 @@ def fused_topk_with_score_function(
             expert_bias,
             map_kind,
             (chosen_backend, bwd_backend),
-            (selection, qb_binning),
+            (selection, qb_binning, bool(approximate_activation)),
         )
         probs, map_out = _RouterFunction.apply(logits2d, cfg, topk_indices, qb)
     else:
@@ -492,6 +502,7 @@ def fused_topk_with_score_function(
             *qb,
             selection,
             qb_binning,
+            bool(approximate_activation),
             chosen_backend,
         )
     probs = probs.view(*lead, num_experts)
@@ -510,6 +521,7 @@ def biased_topk(
     scaling_factor: Optional[float] = None,
     num_groups: Optional[int] = None,
     group_topk: Optional[int] = None,
+    approximate_activation: bool = False,
     backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Serving-form router with vLLM's and SGLang's semantics (``fused_topk``,
@@ -529,6 +541,8 @@ def biased_topk(
             keep the ``group_topk`` groups with the best group score -- the best biased score of
             the group, or with a bias the sum of its best two -- then Top-k inside them.
             ``group_topk`` need not divide ``topk``; the chosen groups must hold ``topk`` experts.
+        approximate_activation: the opt-in approximate exponential of the kernel backends (see
+            :func:`fused_topk_with_score_function`); off by default.
 
     Returns:
         ``(topk_weights fp32 [..., k], topk_ids int32 [..., k])``, ids in selection order (biased
@@ -587,6 +601,7 @@ def biased_topk(
         group_topk,
         weights,
         ids,
+        bool(approximate_activation),
         chosen_backend,
     )
     return weights.view(*lead, topk), ids.view(*lead, topk)

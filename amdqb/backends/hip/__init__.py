@@ -116,10 +116,15 @@ def route_rows(
     )
 
 
-def score_values(logits2d: torch.Tensor, score_function: str, complement=False) -> torch.Tensor:
+def score_values(
+    logits2d: torch.Tensor, score_function: str, complement=False, approximate=False
+) -> torch.Tensor:
     """fp32 ``[T, E]`` activations exactly as the router kernel computes them (softmax: over E);
-    ``complement``: the tie-free selection's ``sigmoid(-z)``."""
-    return router.score_values(_rt(), logits2d.contiguous(), score_function, complement=complement)
+    ``complement``: the tie-free selection's ``sigmoid(-z)``; ``approximate``: the opt-in
+    approximate activation's."""
+    return router.score_values(
+        _rt(), logits2d.contiguous(), score_function, complement=complement, approximate=approximate
+    )
 
 
 OPS = {

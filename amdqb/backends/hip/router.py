@@ -50,7 +50,7 @@ def router_block(cfg) -> int:
 
 
 def router_spec(
-    logits, score_function, cfg, rt=None, tokens=None, tie_free=False
+    logits, score_function, cfg, rt=None, tokens=None, tie_free=False, approximate=False
 ) -> _spec.ModuleSpec:
     """The router module for these logits. On runtimes whose launch bounds cap registers by
     resident blocks (NVIDIA), up to ``hip.router.few_tokens`` tokens and 256 < E <= 1024 it is the
@@ -72,6 +72,7 @@ def router_spec(
         cfg,
         min_blocks=min_blocks,
         tie_free=tie_free,
+        approximate=approximate,
     )
 
 
@@ -139,6 +140,7 @@ def _launch_router(
     tie_free=False,
     margin=False,
     bins_out=None,
+    approximate=False,
 ):
     """amdqb_router (one warp per token), or its decode form amdqb_router_decode (one block per
     token) for element-wise scores and at most ``decode_max_tokens`` tokens; same outputs, bit
@@ -146,7 +148,7 @@ def _launch_router(
     tokens, num_experts = logits.shape
     _check_selection(topk, nsel, num_experts, cfg)
     device = dev(logits)
-    spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free)
+    spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free, approximate)
     args = [
         ptr(logits),
         arg_i32(tokens),
@@ -222,6 +224,7 @@ def router_fwd(
     qb_mode,
     selection="te",
     qb_binning="uniform",
+    approximate=False,
 ):
     if num_groups is not None:
         raise NotImplementedError("hip router: grouped Top-k is declined via unsupported()")
@@ -274,6 +277,7 @@ def router_fwd(
         tie_free=selection == "tie_free",
         margin=margin,
         bins_out=bins,
+        approximate=approximate,
     )
     if bins is not None:
         _count_margin_bins(rt, cfg, spec, bins, num_bins, qb_histogram)
@@ -353,6 +357,7 @@ def biased_topk(
     group_topk,
     weights_out,
     ids_out,
+    approximate=False,
 ):
     if num_groups is not None:
         raise NotImplementedError("hip biased_topk: grouped Top-k is declined via unsupported()")
@@ -381,10 +386,13 @@ def biased_topk(
         w_out=weights_out,
         id_out=ids_out,
         decode_max_tokens=cfg["hip.biased_topk.decode_max_tokens"],
+        approximate=approximate,
     )
 
 
-def score_values(rt, logits2d, score_function, extra_defines=(), complement=False):
+def score_values(
+    rt, logits2d, score_function, extra_defines=(), complement=False, approximate=False
+):
     """fp32 ``[T, E]`` scores exactly as the router kernel computes them (softmax: over E);
     ``complement`` (sigmoid): the tie-free selection's ``c = sigmoid(-z)`` instead.
     ``extra_defines``: more ``(name, value)`` compile-time constants (tests build variants)."""
@@ -393,7 +401,8 @@ def score_values(rt, logits2d, score_function, extra_defines=(), complement=Fals
     if tokens:
         cfg = config(logits2d)
         device = dev(logits2d)
-        spec = router_spec(logits2d, score_function, cfg).with_defines(*extra_defines)
+        spec = router_spec(logits2d, score_function, cfg, approximate=approximate)
+        spec = spec.with_defines(*extra_defines)
         k = rt.kernel(device, spec, "amdqb_scores")
         rt.launch(
             k,

@@ -330,6 +330,7 @@ def router_fwd(
     qb_mode,
     selection="te",
     qb_binning="uniform",
+    approximate=False,
 ):
     T, E = logits.shape
     if T == 0:
@@ -354,6 +355,7 @@ def router_fwd(
         bias=expert_bias,
         scaling=scaling_factor,
         tie_free=selection == "tie_free",
+        approx=approximate,
     )
     with on_device(logits):
         if not use_qb:
@@ -373,10 +375,12 @@ def router_fwd(
         else:
             cut = torch.empty(T, dtype=torch.float32, device=logits.device)
         _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common, qb=2, cut=cut, **qb)
-        _launch_histogram(logits, cut, qb_bin_bounds, qb_histogram, family, lds_ok, margin)
+        _launch_histogram(
+            logits, cut, qb_bin_bounds, qb_histogram, family, lds_ok, margin, approximate
+        )
 
 
-def _launch_histogram(logits, cut, bounds, hist, family, lds_ok, from_bins=False):
+def _launch_histogram(logits, cut, bounds, hist, family, lds_ok, from_bins=False, approx=False):
     T, E = logits.shape
     B = hist.shape[1]
     hp = plan_histogram(E, B, T, family, lds_ok)
@@ -394,7 +398,7 @@ def _launch_histogram(logits, cut, bounds, hist, family, lds_ok, from_bins=False
         BT=hp.BT,
         NB=hp.NB,
         LDS=hp.LDS,
-        APPROX=False,
+        APPROX=bool(approx),
         FROM_BINS=bool(from_bins),
         num_warps=hp.num_warps,
         **compile_options(logits.device),
@@ -412,6 +416,7 @@ def biased_topk(
     group_topk,
     weights_out,
     ids_out,
+    approximate=False,
 ):
     T, E = logits.shape
     if T == 0:
@@ -433,6 +438,7 @@ def biased_topk(
             ids=ids_out,
             weights=weights_out,
             map_code=3,
+            approx=approximate,
         )
 
 
@@ -478,7 +484,9 @@ def router_bwd(
         )
 
 
-def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
+def score_values(
+    logits2d: torch.Tensor, score_function: str, approximate: bool = False
+) -> torch.Tensor:
     """fp32 ``[T, E]`` activations computed by exactly the router kernels' activation code.
 
     Bitwise the router's for every score function: the same jit helpers, and the softmax row sum in
@@ -498,7 +506,7 @@ def score_values(logits2d: torch.Tensor, score_function: str) -> torch.Tensor:
             W=plan.W,
             BT=plan.BT,
             SCORE=_SCORES[score_function],
-            APPROX=False,
+            APPROX=bool(approximate),
             num_warps=plan.num_warps,
             **compile_options(logits2d.device),
         )

@@ -88,6 +88,20 @@ def count(instructions, pattern) -> int:
     return sum(1 for text in instructions if re.search(pattern, text))
 
 
+def test_wave_size_and_isa_version_come_from_the_arch():
+    """No toolchain needed: gfx9 is wave64, gfx10-12 wave32 (gfx1250 has no wave64); the device
+    libraries' ISA constant is major * 1000 + minor * 100 + stepping (hex digits)."""
+    assert [_offline.wave_size(a) for a in _offline.AMD_ARCHS] == [64, 64, 32, 32, 32]
+    assert _offline.wave_size("gfx942:sramecc+:xnack-") == 64
+    assert _offline.isa_version("gfx942") == ("942", 9402)
+    assert _offline.isa_version("gfx90a") == ("90a", 9010)
+    assert _offline.isa_version("gfx1250") == ("1250", 12500)
+    assert _offline.isa_version("gfx1201") == ("1201", 12001)
+    for bad in ("sm_90", "gfx", "gfx8xx", ""):
+        with pytest.raises(ValueError, match="arch"):
+            _offline.wave_size(bad)
+
+
 # ------------------------------------------------------------------------------------------------
 # Metadata
 # ------------------------------------------------------------------------------------------------

@@ -84,23 +84,30 @@ ROUTE_KERNELS = frozenset(
 ROUTER_KERNELS = frozenset({"amdqb_router", "amdqb_qb_hist", "amdqb_scores", "amdqb_router_decode"})
 
 
+def _variants() -> list[tuple[str, _spec.ModuleSpec]]:
+    e = 896  # seeds 000 / 004: 896 routed experts, top-16
+    routers = [
+        (e, "float32", "sigmoid"),
+        (e, "bfloat16", "sigmoid"),
+        (e, "float16", "sigmoid"),
+        (e, "float32", "sqrtsoftplus"),
+        (e, "float32", "softmax"),
+        (129, "float16", "sqrtsoftplus"),
+        (17, "float32", "softmax"),
+        (2048, "bfloat16", "sigmoid"),
+    ]
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    return [("route", _spec.ROUTE_MODULE)] + [
+        (f"router E={n} {short[dt]} {sf}", _spec.router_module(n, dt, sf)) for n, dt, sf in routers
+    ]
+
+
 def module_variants() -> list[_spec.ModuleSpec]:
     """Every module the runtime can request at the seed shapes, plus the shapes the compile tests
-    cover: the route module; the router at E=896 (seed 000/004: 896 experts, top-16) in fp32 /
-    bf16 / fp16 with sigmoid, and with sqrtsoftplus and softmax; small odd E (129 fp16
-    sqrtsoftplus, 17 fp32 softmax) and E=2048 bf16 sigmoid. The one place that lists them."""
-    e = 896
-    return [
-        _spec.ROUTE_MODULE,
-        _spec.router_module(e, "float32", "sigmoid"),
-        _spec.router_module(e, "bfloat16", "sigmoid"),
-        _spec.router_module(e, "float16", "sigmoid"),
-        _spec.router_module(e, "float32", "sqrtsoftplus"),
-        _spec.router_module(e, "float32", "softmax"),
-        _spec.router_module(129, "float16", "sqrtsoftplus"),
-        _spec.router_module(17, "float32", "softmax"),
-        _spec.router_module(2048, "bfloat16", "sigmoid"),
-    ]
+    cover: the route module; the router at E=896 in fp32 / bf16 / fp16 with sigmoid, and with
+    sqrtsoftplus and softmax; small odd E (129 fp16 sqrtsoftplus, 17 fp32 softmax) and E=2048 bf16
+    sigmoid. The one place that lists them (:func:`_variants`)."""
+    return [spec for _, spec in _variants()]
 
 
 def expected_kernels(spec: _spec.ModuleSpec) -> frozenset:
@@ -492,7 +499,10 @@ def build(
             os.replace(tmp, dest)
         except OSError:  # built meanwhile by another process
             pass
-        return Build(tc.name, spec, arch, 0, proc.stderr, key, dest, seconds, False)
+        done = Build(tc.name, spec, arch, 0, proc.stderr, key, dest, seconds, False)
+        if inspect_tools() is not None:
+            inspect_build(done)  # while the other workers compile; kept as inspect.json
+        return done
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -698,12 +708,7 @@ def _tools() -> tuple[str, str]:
     return tools
 
 
-def inspect(path: Path | str, asm: Path | str | None = None) -> CodeObject:
-    """Read a code object: metadata note, symbols, disassembly (and the listing, if given)."""
-    path = Path(path)
-    with _MEMO.lock:
-        if path in _MEMO.objects:
-            return _MEMO.objects[path]
+def _read(path: Path, asm: Path | None) -> CodeObject:
     readelf, objdump = _tools()
     notes = _run([readelf, "--notes", str(path)])
     if notes.returncode:
@@ -723,7 +728,7 @@ def inspect(path: Path | str, asm: Path | str | None = None) -> CodeObject:
     if dis.returncode:
         raise RuntimeError(f"{objdump} -d {path}: {dis.stderr[-2000:]}")
     functions = parse_disassembly(dis.stdout)
-    info = parse_kernel_info(Path(asm).read_text()) if asm else {}
+    info = parse_kernel_info(asm.read_text()) if asm else {}
     kernels = {}
     for entry in entries:
         name = entry.get("name")
@@ -735,7 +740,62 @@ def inspect(path: Path | str, asm: Path | str | None = None) -> CodeObject:
         for _, text, _ in code
         if re.match(r"s_(swappc|setpc|call)_b64\b", text)
     ]
-    co = CodeObject(path, target, flags, kernels, undefined, functions, calls)
+    return CodeObject(path, target, flags, kernels, undefined, functions, calls)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _save_inspection(co: CodeObject, dest: Path, asm: Path | None) -> None:
+    data = {
+        "format": OFFLINE_FORMAT,
+        "hsaco": _digest(co.path),
+        "asm": _digest(asm) if asm else None,
+        "target": co.target,
+        "elf_flags": co.elf_flags,
+        "undefined": co.undefined,
+        "calls": co.calls,
+        "kernels": {n: {"meta": k.meta, "info": k.info} for n, k in co.kernels.items()},
+        "functions": co.functions,
+    }
+    dest.write_text(json.dumps(data))
+
+
+def _load_inspection(path: Path, asm: Path | None, src: Path) -> CodeObject | None:
+    try:
+        data = json.loads(src.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("format") != OFFLINE_FORMAT or data.get("hsaco") != _digest(path):
+        return None
+    if data.get("asm") != (_digest(asm) if asm else None):
+        return None
+    functions = {n: [tuple(x) for x in code] for n, code in data["functions"].items()}
+    kernels = {
+        n: Kernel(n, k["meta"], k["info"], functions.get(n, [])) for n, k in data["kernels"].items()
+    }
+    calls = [tuple(c) for c in data["calls"]]
+    return CodeObject(
+        path, data["target"], data["elf_flags"], kernels, data["undefined"], functions, calls
+    )
+
+
+def inspect(path: Path | str, asm: Path | str | None = None) -> CodeObject:
+    """Read a code object: metadata note, symbols, disassembly (and the listing, if given). For a
+    build in the cache the result is kept next to it (``inspect.json``)."""
+    path = Path(path)
+    asm = Path(asm) if asm else None
+    with _MEMO.lock:
+        if path in _MEMO.objects:
+            return _MEMO.objects[path]
+    saved = path.parent / "inspect.json"
+    cached = path.name == "code.hsaco" and saved.is_file()
+    co = _load_inspection(path, asm, saved) if cached else None
+    if co is None:
+        co = _read(path, asm)
+        if path.name == "code.hsaco" and (path.parent / "build.json").is_file():
+            _save_inspection(co, saved, asm)
     with _MEMO.lock:
         _MEMO.objects[path] = co
     return co
@@ -906,13 +966,7 @@ TABLE_END = "<!-- END GENERATED -->"
 
 
 def _module_title(spec: _spec.ModuleSpec) -> str:
-    if spec.kernel_file == "route.hip":
-        return "route"
-    d = dict(spec.defines)
-    dtype = {v: k for k, v in _spec.DTYPE_CODES.items()}[int(d["AMDQB_IN_DTYPE"])]
-    score = {v: k for k, v in _spec.SCORE_CODES.items()}[int(d["AMDQB_SCORE"])]
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
-    return f"router E={d['AMDQB_NUM_EXPERTS']} {short} {score}"
+    return next((title for title, v in _variants() if v == spec), spec.label())
 
 
 def render_table(builds: dict) -> str:

@@ -1,18 +1,16 @@
-"""Every hip_src kernel compiles for AMD (gfx942 wave64, gfx1100 / gfx1201 wave32) with Debian's
-clang-19 and the HIP headers of libamdhip64-dev, for NVIDIA sm_90 with nvcc, and with NVRTC through
-the backend's own compiler class when cuda-python and an NVRTC library are installed (NVRTC needs
-no GPU). The flags are the runtime's (``amdqb.backends.hip._spec``), so what compiles here is what
-hiprtc / NVRTC compile on a device.
+"""Every hip_src kernel variant the runtime can request at the seed shapes builds for AMD into a
+linked code object (``amdqb.backends.hip._offline``: Debian's clang 22 for gfx942 / gfx950 wave64 and
+gfx1100 / gfx1201 / gfx1250 wave32, clang 19 for gfx942 / gfx1100 / gfx1201, lld, ocml / ockl from
+Debian's rocm-device-libs plus the per-target constant files it lacks), compiles for NVIDIA sm_90
+with nvcc, and with NVRTC through the backend's own compiler class when cuda-python and an NVRTC
+library are installed (NVRTC needs no GPU). The flags are the runtime's (``_spec``), so what
+compiles here is what hiprtc / NVRTC compile on a device. The prelude's check that AMDQB_WAVE_SIZE
+matches the target's wave size fires with both clang versions.
 
-ISA checks (AMDGCN): the ``lds`` route kernel privatises its histogram in LDS (``ds_add``) and has
-a single global atomic site, in the per-expert interval-reservation loop (the "old" kernel's
-single site is executed once per route); the QB two-kernel histogram uses LDS atomics and one
-flush site; wave sizes match the targets; the route kernels use no scratch.
-
-hiprtc itself cannot run here (no ROCm runtime on these machines); nothing here executes a kernel.
+What the AMD code objects contain (metadata, occupancy, ISA) is checked in
+op_tests/test_amd_code_objects.py; nothing here executes a kernel.
 """
 
-import os
 import re
 import shutil
 import subprocess
@@ -22,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from amdqb.backends.hip import _spec
+from amdqb.backends.hip import _offline, _spec
 
 ROOT = _spec.source_root()
-AMD_TARGETS = {"gfx942": 64, "gfx1100": 32, "gfx1201": 32}
+# NVIDIA builds (nvcc, NVRTC): the shapes the NVIDIA checks have always covered.
 MODULES = [
     _spec.ROUTE_MODULE,
     _spec.router_module(896, "float32", "sigmoid"),
@@ -34,210 +32,85 @@ MODULES = [
     _spec.router_module(17, "float32", "softmax"),
     _spec.router_module(2048, "bfloat16", "sigmoid"),
 ]
+AMD_TARGETS = [
+    (f"clang-{m}", arch) for m in _offline.TOOLCHAIN_MAJORS for arch in _offline._ARCHS_BY_MAJOR[m]
+]
 
-
-def _clang():
-    for name in (os.environ.get("AMDQB_CLANG", ""), "clang++-19", "clang++"):
-        path = shutil.which(name) if name else None
-        if path:
-            out = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
-            if "version 19" in out or name == os.environ.get("AMDQB_CLANG"):
-                return path
-    return None
-
-
-def _hip_headers() -> bool:
-    return any(
-        Path(p, "hip", "hip_runtime.h").is_file() for p in ("/usr/include", "/opt/rocm/include")
-    )
-
-
-CLANG = _clang()
 NVCC = shutil.which("nvcc") or (
     "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None
-)
-needs_clang = pytest.mark.skipif(
-    CLANG is None or not _hip_headers(),
-    reason="needs clang++-19 and the HIP headers (apt-get install clang-19 libamdhip64-dev)",
 )
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit)")
 
 
-def compile_amd(spec, arch, out_dir):
-    wave = AMD_TARGETS[arch]
-    out = Path(out_dir) / f"{spec.label()}_{arch}.s"
-    cmd = [
-        CLANG,
-        "-x",
-        "hip",
-        "--cuda-device-only",
-        "-nogpulib",
-        "-S",
-        *_spec.hip_flags(arch, wave, spec),
-        f"-I{ROOT / 'include'}",
-        "-o",
-        str(out),
-        str(ROOT / "kernels" / spec.kernel_file),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    return spec, arch, proc.returncode, proc.stderr[-6000:], out
+def _toolchain(name):
+    tc = _offline.toolchain(int(name.split("-")[1]))
+    if tc is None or _offline.device_bitcode_source() is None or _offline.inspect_tools() is None:
+        pytest.skip("needs " + "; ".join(_offline.missing_toolchains()) + " (see .ci/run)")
+    return tc
 
 
-def parse_functions(asm: str) -> dict:
-    """{kernel: {"lines": [...], "meta": {...}}} of an AMDGCN assembly listing."""
-    funcs, current = {}, None
-    for line in asm.splitlines():
-        m = re.match(r"^(amdqb_\w+):", line)
-        if m:
-            current = m.group(1)
-            funcs[current] = {"lines": [], "meta": {}}
-            continue
-        if current and line.startswith(".Lfunc_end"):
-            current = None
-            continue
-        if current:
-            funcs[current]["lines"].append(line)
-    # Kernel metadata (YAML): .name / .wavefront_size / .private_segment_fixed_size / LDS.
-    for block in (
-        asm.split("  - .agpr_count")[1:] if ".agpr_count" in asm else asm.split("  - .args:")[1:]
-    ):
-        name = re.search(r"\.name:\s+(amdqb_\w+)", block)
-        if not name or name.group(1) not in funcs:
-            continue
-        meta = funcs[name.group(1)]["meta"]
-        for key in ("wavefront_size", "private_segment_fixed_size", "group_segment_fixed_size"):
-            m = re.search(rf"\.{key}:\s+(\d+)", block)
-            if m:
-                meta[key] = int(m.group(1))
-    return funcs
+def amd_params():
+    return [pytest.param(tc, arch, id=f"{tc}-{arch}") for tc, arch in AMD_TARGETS]
 
 
-GLOBAL_ATOMIC = re.compile(r"^\s+(global|flat|buffer)_atomic_add")
-BARRIER = re.compile(r"^\s+s_barrier(_signal)?(\s|$)")  # gfx12 splits it: signal + wait
-LDS_ATOMIC = re.compile(r"^\s+ds_add(_rtn)?_u32")
-
-
-def count(lines, pattern):
-    return sum(1 for line in lines if re.search(pattern, line))
-
-
-@pytest.fixture(scope="module")
-def amd_builds():
-    if CLANG is None or not _hip_headers():
-        pytest.skip(
-            "needs clang++-19 and the HIP headers (apt-get install clang-19 libamdhip64-dev)"
-        )
-    out_dir = tempfile.mkdtemp(prefix="amdqb_hip_compile_")
-    jobs = [(spec, arch) for spec in MODULES for arch in AMD_TARGETS]
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        results = list(pool.map(lambda j: compile_amd(j[0], j[1], out_dir), jobs))
-    builds = {}
-    for spec, arch, rc, err, out in results:
-        builds[(spec, arch)] = {
-            "rc": rc,
-            "stderr": err,
-            "funcs": parse_functions(out.read_text()) if rc == 0 else {},
-        }
-    return builds
-
-
-@needs_clang
-def test_every_kernel_compiles_for_gfx942_gfx1100_gfx1201(amd_builds):
-    failed = {f"{s.label()}@{a}": b["stderr"] for (s, a), b in amd_builds.items() if b["rc"]}
+@pytest.mark.parametrize("tc, arch", amd_params())
+def test_every_variant_builds_a_linked_code_object(tc, arch):
+    _toolchain(tc)
+    # The whole matrix at once (made once per process), so the workers stay busy.
+    builds = {k: b for k, b in _offline.build_all().items() if k[0] == tc and k[2] == arch}
+    assert len(builds) == len(_offline.module_variants())
+    failed = {b.label: b.log[-4000:] for b in builds.values() if not b.ok}
     assert not failed, failed
-    for (spec, arch), build in amd_builds.items():
-        expected = (
-            {"amdqb_router", "amdqb_qb_hist", "amdqb_scores", "amdqb_router_decode"}
-            if spec.kernel_file == "router.hip"
-            else {
-                f"amdqb_route_{k}_{t}"
-                for k in ("atomic", "lds", "det_hist", "det_rank", "compact")
-                for t in ("i32", "i64")
-            }
-            | {"amdqb_route_det_scan", "amdqb_route_finalize"}
-            | {f"amdqb_align_rank_{t}" for t in ("i32", "i64")}
+    readelf, _ = _offline.inspect_tools()
+    for b in builds.values():
+        assert b.hsaco.read_bytes()[:4] == b"\x7fELF", b.label
+        header = subprocess.run(
+            [readelf, "-h", str(b.hsaco)], check=False, capture_output=True, text=True
         )
-        assert expected <= set(build["funcs"]), (spec, arch, sorted(build["funcs"]))
+        assert re.search(r"Type:\s+DYN", header.stdout), (b.label, header.stdout)  # linked
+        assert re.search(r"Machine:\s+EM_AMDGPU", header.stdout), (b.label, header.stdout)
+        assert arch in header.stdout, (b.label, header.stdout)
+        assert "warning:" not in b.log, (b.label, b.log[-4000:])
 
 
-@needs_clang
-def test_wave_size_metadata(amd_builds):
-    for (spec, arch), build in amd_builds.items():
-        for name, f in build["funcs"].items():
-            assert f["meta"].get("wavefront_size") == AMD_TARGETS[arch], (arch, name, f["meta"])
+@pytest.mark.parametrize("tc, arch", amd_params())
+def test_wave_size_mismatch_is_a_compile_error(tc, arch):
+    """AMDQB_WAVE_SIZE other than the target's: the prelude refuses (clang 19 predefines
+    __AMDGCN_WAVEFRONT_SIZE; for clang 22 the build defines it from the arch)."""
+    toolchain = _toolchain(tc)
+    wrong = 96 - _offline.wave_size(arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = _offline.compile_command(
+            toolchain, _spec.ROUTE_MODULE, arch, Path(tmp) / "x.hsaco", amdqb_wave=wrong
+        )
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=tmp)
+    assert proc.returncode != 0
+    assert "AMDQB_WAVE_SIZE does not match the target's wavefront size" in proc.stderr, proc.stderr
 
 
-@needs_clang
-@pytest.mark.parametrize("arch", sorted(AMD_TARGETS))
-@pytest.mark.parametrize("ids", ["i32", "i64"])
-def test_lds_route_kernel_uses_lds_atomics_and_one_reservation_per_expert(amd_builds, arch, ids):
-    funcs = amd_builds[(_spec.ROUTE_MODULE, arch)]["funcs"]
-    new = funcs[f"amdqb_route_lds_{ids}"]["lines"]
-    old = funcs[f"amdqb_route_atomic_{ids}"]["lines"]
-    # old: one global atomic site, executed once per route; no LDS, no barrier.
-    assert count(old, GLOBAL_ATOMIC) == 1
-    assert count(old, LDS_ATOMIC) == 0 and count(old, BARRIER) == 0
-    # new: LDS histogram (ds_add) + LDS ranks (ds_add_rtn), three barriers, and in the per-expert
-    # loop (unrolled over a batch of 4 experts per thread) two global sites per expert: the interval
-    # reservation (returns the base) and the accepted-count reduction after it.
-    assert count(new, r"^\s+ds_add_u32") >= 1
-    assert count(new, r"^\s+ds_add_rtn_u32") >= 1
-    assert count(new, LDS_ATOMIC) >= 2 * _spec.ROUTE_ITEMS
-    assert count(new, BARRIER) == 3
-    sites = [i for i, line in enumerate(new) if GLOBAL_ATOMIC.search(line)]
-    ret = [i for i in sites if re.search(r"_rtn|\b(glc|sc0)\b|ATOMIC_RETURN", new[i])]
-    assert len(ret) == 4 and len(sites) == 8, [new[i] for i in sites]
-    # The batch is in flight at once: no base is written back to LDS (which waits for the atomic's
-    # result) before the last reservation is issued.
-    assert not any(re.search(r"^\s+ds_(store|write)", line) for line in new[ret[0] : ret[-1]])
-    # The sites sit in the per-expert loop: its loop body reads the LDS histogram (the count to
-    # reserve) and writes the interval base back; it never loads route ids from global memory.
-    header = max(i for i in range(ret[0]) if "Loop Header" in new[i])
-    body = new[header : sites[-1] + 1]
-    assert any(re.search(r"^\s+ds_(load|read)", line) for line in body), body
-    assert any(re.search(r"^\s+ds_(store|write)", line) for line in body), body
-    assert not any(re.search(r"^\s+global_load", line) for line in body), body
-    meta = funcs[f"amdqb_route_lds_{ids}"]["meta"]
-    assert meta.get("private_segment_fixed_size") == 0
-
-
-@needs_clang
-@pytest.mark.parametrize("arch", sorted(AMD_TARGETS))
-def test_qb_two_kernel_histogram_uses_lds_atomics(amd_builds, arch):
-    spec = _spec.router_module(896, "float32", "sigmoid")
-    hist = amd_builds[(spec, arch)]["funcs"]["amdqb_qb_hist"]["lines"]
-    assert count(hist, LDS_ATOMIC) >= 1
-    assert count(hist, GLOBAL_ATOMIC) == 1  # the flush of non-zero bins
-    assert count(hist, BARRIER) == 2  # zeroed; counted
-    # the vector form reads 4 experts' logits with one load: 16 bytes of fp32, 8 of bf16
-    wide = {"float32": r"global_load_(dwordx4|b128)\b", "bfloat16": r"global_load_(dwordx2|b64)\b"}
-    for dtype, pattern in wide.items():
-        lines = amd_builds[(_spec.router_module(896, dtype, "sigmoid"), arch)]["funcs"]
-        assert count(lines["amdqb_qb_hist"]["lines"], re.compile(pattern)) >= 1, (dtype, arch)
-    router = amd_builds[(spec, arch)]["funcs"]["amdqb_router"]
-    # fused_atomic epilogue: one global atomic per (token, expert), unrolled over the lane's row.
-    assert count(router["lines"], GLOBAL_ATOMIC) == -(-896 // 32)
-    assert router["meta"].get("group_segment_fixed_size", 0) <= 64 * 1024
-
-
-@needs_clang
-def test_decode_and_histogram_kernels_use_no_scratch(amd_builds):
-    """The decode-form Top-k (one block per token) and the QB histogram pass keep their per-thread
-    arrays in registers on every AMD target, for every router module (E up to 2048; the histogram
-    pass has a body in the sigmoid modules only)."""
-    for (spec, arch), build in amd_builds.items():
-        if spec.kernel_file != "router.hip":
-            continue
-        for name in ("amdqb_router_decode", "amdqb_qb_hist"):
-            meta = build["funcs"][name]["meta"]
-            assert meta.get("private_segment_fixed_size") == 0, (spec.label(), arch, name, meta)
-
-
-@needs_clang
-def test_route_kernels_use_no_scratch(amd_builds):
-    for arch in AMD_TARGETS:
-        for name, f in amd_builds[(_spec.ROUTE_MODULE, arch)]["funcs"].items():
-            assert f["meta"].get("private_segment_fixed_size") == 0, (arch, name)
+@pytest.mark.parametrize("tc", [f"clang-{m}" for m in _offline.TOOLCHAIN_MAJORS])
+def test_device_libraries_come_from_the_generated_directory(tc):
+    """Every bitcode library the compile links is in the generated directory: Debian's ocml /
+    ockl / oclc files, plus the ISA-version file of each target (and the ABI file of code object
+    v6 for clang 22), which Debian's 5.2 bitcode lacks."""
+    toolchain = _toolchain(tc)
+    devlib = _offline.device_lib_dir(toolchain)
+    made = _offline.generated_device_libs(toolchain)
+    for arch in toolchain.archs:
+        suffix, _ = _offline.isa_version(arch)
+        assert (devlib / f"oclc_isa_version_{suffix}.bc").is_file(), arch
+        cmd = _offline.compile_command(
+            toolchain, _spec.router_module(896, "float32", "sqrtsoftplus"), arch, Path("x.hsaco")
+        )
+        proc = subprocess.run([*cmd, "-###"], check=False, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        linked = re.findall(r'"-mlink-builtin-bitcode" "([^"]+)"', proc.stderr)
+        names = {Path(p).name for p in linked}
+        assert {"ocml.bc", "ockl.bc", f"oclc_isa_version_{suffix}.bc"} <= names, (arch, names)
+        assert all(Path(p).parent == devlib for p in linked), (arch, linked)
+        abi = next(n for n in names if n.startswith("oclc_abi_version_"))
+        assert (devlib / abi).is_file()
+    assert all(n.startswith("oclc_") for n in made), made
 
 
 # ------------------------------------------------------------------------------------------------

@@ -91,6 +91,43 @@
 #define AMDQB_DYN_SHARED(name) extern __shared__ int name[]
 #endif
 
+// Work-item ids and sizes (HIP): clang's AMDGPU builtins, for hiprtc and offline builds alike. The
+// HIP 5.2 headers read them through __ockl_get_local_id() and friends, which are calls into a
+// device library: unresolved under -nogpulib, and each call a real call (stack, clobbered
+// registers) until the library is linked in. The macros shadow the header's objects; their
+// members are plain unsigned values, as in CUDA. gridDim: the dispatch packet's grid size (work
+// items) over the block size, which HIP launches make an exact multiple; valid for every code
+// object version, unlike the implicit argument holding the block count (v5 and later only).
+#if defined(AMDQB_HIP)
+namespace amdqb {
+struct Dim3U {
+  unsigned x, y, z;
+};
+static __device__ inline __attribute__((always_inline)) Dim3U hip_thread_idx() {
+  return {__builtin_amdgcn_workitem_id_x(), __builtin_amdgcn_workitem_id_y(),
+          __builtin_amdgcn_workitem_id_z()};
+}
+static __device__ inline __attribute__((always_inline)) Dim3U hip_block_idx() {
+  return {__builtin_amdgcn_workgroup_id_x(), __builtin_amdgcn_workgroup_id_y(),
+          __builtin_amdgcn_workgroup_id_z()};
+}
+static __device__ inline __attribute__((always_inline)) Dim3U hip_block_dim() {
+  return {(unsigned)__builtin_amdgcn_workgroup_size_x(),
+          (unsigned)__builtin_amdgcn_workgroup_size_y(),
+          (unsigned)__builtin_amdgcn_workgroup_size_z()};
+}
+static __device__ inline __attribute__((always_inline)) Dim3U hip_grid_dim() {
+  const Dim3U b = hip_block_dim();
+  return {__builtin_amdgcn_grid_size_x() / b.x, __builtin_amdgcn_grid_size_y() / b.y,
+          __builtin_amdgcn_grid_size_z() / b.z};
+}
+}  // namespace amdqb
+#define threadIdx (::amdqb::hip_thread_idx())
+#define blockIdx (::amdqb::hip_block_idx())
+#define blockDim (::amdqb::hip_block_dim())
+#define gridDim (::amdqb::hip_grid_dim())
+#endif
+
 namespace amdqb {
 
 typedef int i32;

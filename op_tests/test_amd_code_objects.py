@@ -1,0 +1,318 @@
+"""What the linked AMD code objects of every hip_src kernel say about themselves.
+
+The code objects come from ``amdqb.backends.hip._offline`` (the runtime's flags, Debian's clang 22
+for gfx942 / gfx950 / gfx1100 / gfx1201 / gfx1250 and clang 19 for gfx942 / gfx1100 / gfx1201,
+linked with lld against ocml / ockl; op_tests/test_hip_compile.py checks they build). The checks
+read each object's AMDGPU metadata note, symbols and disassembly, not the compiler's assembly
+text: wave size; no undefined symbols, no calls, no dynamic stack; no scratch in the route, align,
+decode Top-k and QB histogram kernels; LDS inside the target's budget; the listing's resource
+comments agree with the metadata. Occupancy (waves per SIMD) is derived from the metadata with the
+per-target rules of ``_offline.RULES``, which must reproduce what LLVM prints for its own kernels
+and for probe kernels over register / LDS / block-size sweeps; docs/amd_occupancy.md must equal
+the table these builds give. ISA checks (disassembly of the linked objects): the lds route kernel
+privatises its histogram with LDS atomics and reserves each expert's interval with one returning
+global atomic per (block, expert), in its per-expert loop; the QB histogram pass counts in LDS and
+flushes once; the router's fused epilogue has one global atomic per (token, expert).
+
+Nothing here executes a kernel (no AMD GPU or ROCm runtime on these machines).
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from amdqb.backends.hip import _offline, _spec
+
+ALL_TARGETS = [
+    (f"clang-{m}", arch) for m in _offline.TOOLCHAIN_MAJORS for arch in _offline._ARCHS_BY_MAJOR[m]
+]
+DOC = Path(__file__).resolve().parents[1] / "docs" / "amd_occupancy.md"
+
+
+def _available(tc_name: str) -> bool:
+    tc = _offline.toolchain(int(tc_name.split("-")[1]))
+    return tc is not None and _offline.device_bitcode_source() is not None
+
+
+def _skip_reason() -> str:
+    return "needs " + "; ".join(_offline.missing_toolchains()) + " (see .ci/run)"
+
+
+def target_params():
+    return [
+        pytest.param(
+            tc,
+            arch,
+            id=f"{tc}-{arch}",
+            marks=pytest.mark.skipif(not _available(tc), reason=_skip_reason()),
+        )
+        for tc, arch in ALL_TARGETS
+    ]
+
+
+@pytest.fixture(scope="module")
+def objects():
+    """{(toolchain, module, arch): CodeObject} of every build (made once per process)."""
+    if not any(_available(tc) for tc, _ in ALL_TARGETS) or _offline.inspect_tools() is None:
+        pytest.skip(_skip_reason())
+    builds = _offline.build_all()
+    failed = {b.label: b.log[-3000:] for b in builds.values() if not b.ok}
+    assert not failed, failed
+    return _offline.inspect_all(builds)
+
+
+def modules_of(objects, tc, arch):
+    out = [(spec, co) for (t, spec, a), co in objects.items() if t == tc and a == arch]
+    assert len(out) == len(_offline.module_variants()), (tc, arch)
+    return out
+
+
+def code_object(objects, tc, arch, spec):
+    return objects[(tc, spec, arch)]
+
+
+GLOBAL_ATOMIC = re.compile(r"^(global|flat|buffer)_atomic_add")
+RETURNING = re.compile(r"_rtn|\b(glc|sc0)\b|TH_ATOMIC_RETURN")
+BARRIER = re.compile(r"^s_barrier(_signal)?(\s|$)")  # gfx12 splits it: signal + wait
+LDS_ATOMIC = re.compile(r"^ds_add(_rtn)?_u32")
+
+
+def sgprs(info) -> int:
+    """SGPRs incl. VCC / flat scratch / XNACK in a listing (clang 22: TotalNumSgprs; clang 19:
+    NumSgprs)."""
+    return info["TotalNumSgprs"] if "TotalNumSgprs" in info else info["NumSgprs"]
+
+
+def count(instructions, pattern) -> int:
+    return sum(1 for text in instructions if re.search(pattern, text))
+
+
+def test_wave_size_and_isa_version_come_from_the_arch():
+    """No toolchain needed: gfx9 is wave64, gfx10-12 wave32 (gfx1250 has no wave64); the device
+    libraries' ISA constant is major * 1000 + minor * 100 + stepping (hex digits)."""
+    assert [_offline.wave_size(a) for a in _offline.AMD_ARCHS] == [64, 64, 32, 32, 32]
+    assert _offline.wave_size("gfx942:sramecc+:xnack-") == 64
+    assert _offline.isa_version("gfx942") == ("942", 9402)
+    assert _offline.isa_version("gfx90a") == ("90a", 9010)
+    assert _offline.isa_version("gfx1250") == ("1250", 12500)
+    assert _offline.isa_version("gfx1201") == ("1201", 12001)
+    for bad in ("sm_90", "gfx", "gfx8xx", ""):
+        with pytest.raises(ValueError, match="arch"):
+            _offline.wave_size(bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# Metadata
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_wave_size_is_the_targets(objects, tc, arch):
+    want = _offline.wave_size(arch)
+    for spec, co in modules_of(objects, tc, arch):
+        assert co.target == f"amdgcn-amd-amdhsa--{arch}", (spec.label(), co.target)
+        for name, k in co.kernels.items():
+            assert k.wave == want, (spec.label(), arch, name, k.meta)
+
+
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_no_external_calls_no_dynamic_stack(objects, tc, arch):
+    """Linked with --no-undefined: no symbol left to resolve, no call of any kind (every device
+    function and library routine inlined), so the metadata's register and scratch counts are the
+    kernels' own, not a lower bound."""
+    for spec, co in modules_of(objects, tc, arch):
+        assert co.undefined == [], (spec.label(), co.undefined)
+        assert co.calls == [], (spec.label(), co.calls[:10])
+        for name, k in co.kernels.items():
+            assert k.dynamic_stack is False, (spec.label(), name, k.meta)
+            assert k.code, (spec.label(), name, "no disassembly")
+
+
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_no_scratch_where_promised(objects, tc, arch):
+    """Route and align kernels (every one), the decode-form Top-k and the QB histogram pass (every
+    router module, E up to 2048) keep their per-thread arrays in registers. The full router
+    (amdqb_router, amdqb_scores) is not promised: docs/amd_occupancy.md records its scratch."""
+    for spec, co in modules_of(objects, tc, arch):
+        names = (
+            sorted(co.kernels)
+            if spec.kernel_file == "route.hip"
+            else ["amdqb_router_decode", "amdqb_qb_hist"]
+        )
+        for name in names:
+            k = co.kernels[name]
+            assert k.scratch == 0 and k.spills == (0, 0), (spec.label(), arch, name, k.meta)
+
+
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_lds_inside_the_targets_budget(objects, tc, arch):
+    rules = _offline.RULES[arch]
+    for spec, co in modules_of(objects, tc, arch):
+        for name, k in co.kernels.items():
+            assert k.lds <= min(rules.lds_per_workgroup, 64 * 1024), (spec.label(), name, k.lds)
+
+
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_listing_agrees_with_the_metadata(objects, tc, arch):
+    """The ``; Kernel info`` comments of the listing the object was assembled from give the same
+    register, LDS and scratch counts as the metadata note."""
+    for spec, co in modules_of(objects, tc, arch):
+        for name, k in co.kernels.items():
+            info = k.info
+            assert info, (spec.label(), name, "no listing comments")
+            assert info.get("TotalNumVgprs", info["NumVgprs"]) == k.vgprs, (name, info, k.meta)
+            assert info.get("NumAgprs", 0) == k.agprs, (name, info, k.meta)
+            assert sgprs(info) == k.sgprs, (name, info, k.meta)
+            assert info["ScratchSize"] == k.scratch, (name, info, k.meta)
+            assert info["LDSByteSize"] == k.lds, (name, info, k.meta)
+
+
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_expected_kernels_present(objects, tc, arch):
+    for spec, co in modules_of(objects, tc, arch):
+        assert _offline.expected_kernels(spec) <= set(co.kernels), (
+            spec.label(),
+            sorted(co.kernels),
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Occupancy
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_occupancy_from_metadata_matches_llvm(objects, tc, arch):
+    """Waves per SIMD derived from the metadata equal the backend's own ``; Occupancy:``."""
+    for spec, co in modules_of(objects, tc, arch):
+        for name, k in co.kernels.items():
+            occ = _offline.occupancy(arch, k)
+            assert occ.waves == k.info["Occupancy"], (spec.label(), name, occ, k.meta, k.info)
+            assert 1 <= occ.at_block <= occ.waves, (spec.label(), name, occ)
+
+
+def _probe_cases(arch):
+    rules = _offline.RULES[arch]
+    cases = [(v, 0, 0, 1, 256) for v in range(1, 257)]
+    cases += [(0, s, 0, 1, 256) for s in range(1, 103)]
+    blocks = [
+        (1, 256),
+        (1, 1024),
+        (256, 256),
+        (1024, 1024),
+        (64, 64),
+        (128, 512),
+        (1, 64),
+        (96, 96),
+    ]
+    sizes = [0, 1024, 4096, 8192, 12288, 16384, 20000, 24576, 32768, 40000, 49152, 65536]
+    sizes += [98304, 131072, 163840, 200000, 327680]
+    cases += [
+        (0, 0, lds, lo, hi) for lo, hi in blocks for lds in sizes if lds <= rules.lds_per_workgroup
+    ]
+    cases += [(v, 0, 16384, 256, 256) for v in (40, 90, 130)]  # registers and LDS together
+    return cases
+
+
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_occupancy_rules_match_llvm_on_probe_kernels(tc, arch):
+    """The per-target register-file sizes, allocation granules, wave limits, LDS sizes and
+    workgroup limits of _offline.RULES reproduce LLVM's occupancy for every VGPR count 1..256,
+    SGPR count 1..102, and LDS sizes x block-size ranges (kernels that only clobber registers and
+    touch LDS)."""
+    toolchain = _offline.toolchain(int(tc.split("-")[1]))
+    cases = _probe_cases(arch)
+    infos = _offline.probe_occupancy(toolchain, arch, cases)
+    rules = _offline.RULES[arch]
+    bad = []
+    for (v, s, lds, lo, hi), info in zip(cases, infos):
+        assert info["LDSByteSize"] == lds
+        want = min(
+            _offline.waves_by_vgprs(rules, info["NumVgprs"]),
+            _offline.waves_by_sgprs(rules, sgprs(info)),
+            _offline.waves_by_workgroups(rules, lds, lo, hi),
+        )
+        if want != info["Occupancy"]:
+            bad.append(((v, s, lds, lo, hi), info["Occupancy"], want))
+    assert not bad, bad[:20]
+
+
+def test_occupancy_table_is_current(objects):
+    """docs/amd_occupancy.md's generated table equals what these builds give (so it cannot go
+    stale: a kernel, flag or compiler change shows here; regenerate with
+    ``python -m amdqb.backends.hip._offline table --write docs/amd_occupancy.md``)."""
+    if not all(_available(tc) for tc, _ in ALL_TARGETS):
+        pytest.skip("the table covers every toolchain: " + _skip_reason())
+    builds = _offline.build_all()
+    current = _offline.generated_section(DOC.read_text())
+    assert current is not None, f"{DOC} has no generated section"
+    assert current == _offline.render_table(builds), (
+        f"{DOC} is stale: regenerate with "
+        "`python -m amdqb.backends.hip._offline table --write docs/amd_occupancy.md`"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# ISA (disassembly of the linked code objects)
+# ------------------------------------------------------------------------------------------------
+def loops(code):
+    """[(header address, last latch address)] of a kernel's loops: the backward branches, merged
+    per header."""
+    latest = {}
+    for addr, _, target in code:
+        if target is not None and target <= addr:
+            latest[target] = max(latest.get(target, addr), addr)
+    return sorted(latest.items())
+
+
+@pytest.mark.parametrize("ids", ["i32", "i64"])
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(objects, tc, arch, ids):
+    funcs = code_object(objects, tc, arch, _spec.ROUTE_MODULE).kernels
+    new = funcs[f"amdqb_route_lds_{ids}"].code
+    old = funcs[f"amdqb_route_atomic_{ids}"].instructions()
+    # old: one global atomic site, executed once per route; no LDS, no barrier.
+    assert count(old, GLOBAL_ATOMIC) == 1
+    assert count(old, LDS_ATOMIC) == 0 and count(old, BARRIER) == 0
+    text = [t for _, t, _ in new]
+    # new: LDS histogram (ds_add) + LDS ranks (ds_add_rtn), three barriers.
+    assert count(text, r"^ds_add_u32") >= 1
+    assert count(text, r"^ds_add_rtn_u32") >= 1
+    assert count(text, LDS_ATOMIC) >= 2 * _spec.ROUTE_ITEMS
+    assert count(text, BARRIER) == 3
+    # The per-expert loop (unrolled over a batch of 4 experts per thread): per expert one
+    # returning global atomic (the interval reservation, once per (block, expert)) and one
+    # non-returning (the accepted-count reduction after it); no other global atomic.
+    sites = [(a, t) for a, t, _ in new if GLOBAL_ATOMIC.search(t)]
+    ret = [a for a, t in sites if RETURNING.search(t)]
+    assert len(ret) == 4 and len(sites) == 8, sites
+    # The batch is in flight at once: no base is written back to LDS (which waits for the
+    # atomic's result) before the last reservation is issued.
+    between = [t for a, t, _ in new if ret[0] < a < ret[-1]]
+    assert not any(re.match(r"ds_(store|write)", t) for t in between), between
+    # All sites sit in one loop, whose body reads the LDS histogram (the count to reserve) and
+    # writes the interval base back, and never loads route ids from global memory.
+    loop = [(h, e) for h, e in loops(new) if h <= sites[0][0] and sites[-1][0] <= e]
+    assert loop, (loops(new), sites)
+    head, end = min(loop, key=lambda he: he[1] - he[0])
+    body = [t for a, t, _ in new if head <= a <= end]
+    assert any(re.match(r"ds_(load|read)", t) for t in body), body
+    assert any(re.match(r"ds_(store|write)", t) for t in body), body
+    assert not any(re.match(r"global_load", t) for t in body), body
+
+
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_qb_histogram_pass_counts_in_lds(objects, tc, arch):
+    spec = _spec.router_module(896, "float32", "sigmoid")
+    hist = code_object(objects, tc, arch, spec).kernels["amdqb_qb_hist"].instructions()
+    assert count(hist, LDS_ATOMIC) >= 1
+    assert count(hist, GLOBAL_ATOMIC) == 1  # the flush of non-zero bins
+    assert count(hist, BARRIER) == 2  # zeroed; counted
+    # the vector form reads 4 experts' logits with one load: 16 bytes of fp32, 8 of bf16
+    wide = {
+        "float32": r"^global_load_(dwordx4|b128)\b",
+        "bfloat16": r"^global_load_(dwordx2|b64)\b",
+    }
+    for dtype, pattern in wide.items():
+        co = code_object(objects, tc, arch, _spec.router_module(896, dtype, "sigmoid"))
+        assert count(co.kernels["amdqb_qb_hist"].instructions(), pattern) >= 1, (dtype, arch)
+    # fused_atomic epilogue: one global atomic per (token, expert), unrolled over the lane's row.
+    router = code_object(objects, tc, arch, spec).kernels["amdqb_router"].instructions()
+    assert count(router, GLOBAL_ATOMIC) == -(-896 // 32)

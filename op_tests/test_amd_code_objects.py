@@ -30,6 +30,7 @@ ALL_TARGETS = [
 DOC = Path(__file__).resolve().parents[1] / "docs" / "amd_occupancy.md"
 
 
+
 def _available(tc_name: str) -> bool:
     tc = _offline.toolchain(int(tc_name.split("-")[1]))
     return tc is not None and _offline.device_bitcode_source() is not None
@@ -64,7 +65,7 @@ def objects():
 
 def modules_of(objects, tc, arch):
     out = [(spec, co) for (t, spec, a), co in objects.items() if t == tc and a == arch]
-    assert len(out) == len(_offline.module_variants()), (tc, arch)
+    assert len(out) == len(_offline.module_variants(arch)), (tc, arch)
     return out
 
 
@@ -135,8 +136,8 @@ def test_no_scratch_where_promised(objects, tc, arch):
     for spec, co in modules_of(objects, tc, arch):
         names = (
             sorted(co.kernels)
-            if spec.kernel_file == "route.hip"
-            else ["amdqb_router_decode", "amdqb_qb_hist"]
+            if spec.kernel_file == "layout.hip"
+            else ["amdqb_router_decode", "amdqb_qb_hist", "amdqb_qb_hist_bins"]
         )
         for name in names:
             k = co.kernels[name]
@@ -265,7 +266,7 @@ def loops(code):
 @pytest.mark.parametrize("ids", ["i32", "i64"])
 @pytest.mark.parametrize("tc, arch", target_params())
 def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(objects, tc, arch, ids):
-    funcs = code_object(objects, tc, arch, _spec.ROUTE_MODULE).kernels
+    funcs = code_object(objects, tc, arch, _spec.layout_module(_offline.arch_config(arch))).kernels
     new = funcs[f"amdqb_route_lds_{ids}"].code
     old = funcs[f"amdqb_route_atomic_{ids}"].instructions()
     # old: one global atomic site, executed once per route; no LDS, no barrier.
@@ -300,7 +301,7 @@ def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(obje
 
 @pytest.mark.parametrize("tc, arch", target_params())
 def test_qb_histogram_pass_counts_in_lds(objects, tc, arch):
-    spec = _spec.router_module(896, "float32", "sigmoid")
+    spec = _spec.router_module(896, "float32", "sigmoid", _offline.arch_config(arch))
     hist = code_object(objects, tc, arch, spec).kernels["amdqb_qb_hist"].instructions()
     assert count(hist, LDS_ATOMIC) >= 1
     assert count(hist, GLOBAL_ATOMIC) == 1  # the flush of non-zero bins
@@ -311,7 +312,12 @@ def test_qb_histogram_pass_counts_in_lds(objects, tc, arch):
         "bfloat16": r"^global_load_(dwordx2|b64)\b",
     }
     for dtype, pattern in wide.items():
-        co = code_object(objects, tc, arch, _spec.router_module(896, dtype, "sigmoid"))
+        co = code_object(
+            objects,
+            tc,
+            arch,
+            _spec.router_module(896, dtype, "sigmoid", _offline.arch_config(arch)),
+        )
         assert count(co.kernels["amdqb_qb_hist"].instructions(), pattern) >= 1, (dtype, arch)
     # fused_atomic epilogue: one global atomic per (token, expert), unrolled over the lane's row.
     router = code_object(objects, tc, arch, spec).kernels["amdqb_router"].instructions()

@@ -20,17 +20,20 @@ from pathlib import Path
 
 import pytest
 
+from amdqb import configs
 from amdqb.backends.hip import _offline, _spec
+
+CFG = configs.load("default")  # the default config's constants
 
 ROOT = _spec.source_root()
 # NVIDIA builds (nvcc, NVRTC): the shapes the NVIDIA checks have always covered.
 MODULES = [
-    _spec.ROUTE_MODULE,
-    _spec.router_module(896, "float32", "sigmoid"),
-    _spec.router_module(896, "bfloat16", "sigmoid"),
-    _spec.router_module(129, "float16", "sqrtsoftplus"),
-    _spec.router_module(17, "float32", "softmax"),
-    _spec.router_module(2048, "bfloat16", "sigmoid"),
+    _spec.layout_module(CFG),
+    _spec.router_module(896, "float32", "sigmoid", CFG),
+    _spec.router_module(896, "bfloat16", "sigmoid", CFG),
+    _spec.router_module(129, "float16", "sqrtsoftplus", CFG),
+    _spec.router_module(17, "float32", "softmax", CFG),
+    _spec.router_module(2048, "bfloat16", "sigmoid", CFG),
 ]
 AMD_TARGETS = [
     (f"clang-{m}", arch) for m in _offline.TOOLCHAIN_MAJORS for arch in _offline._ARCHS_BY_MAJOR[m]
@@ -40,6 +43,8 @@ NVCC = shutil.which("nvcc") or (
     "/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None
 )
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="needs nvcc (CUDA toolkit)")
+
+CFG = configs.load("default")  # the default config's constants
 
 
 def _toolchain(name):
@@ -58,7 +63,7 @@ def test_every_variant_builds_a_linked_code_object(tc, arch):
     _toolchain(tc)
     # The whole matrix at once (made once per process), so the workers stay busy.
     builds = {k: b for k, b in _offline.build_all().items() if k[0] == tc and k[2] == arch}
-    assert len(builds) == len(_offline.module_variants())
+    assert len(builds) == len(_offline.module_variants(arch))
     failed = {b.label: b.log[-4000:] for b in builds.values() if not b.ok}
     assert not failed, failed
     readelf, _ = _offline.inspect_tools()
@@ -81,7 +86,7 @@ def test_wave_size_mismatch_is_a_compile_error(tc, arch):
     wrong = 96 - _offline.wave_size(arch)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = _offline.compile_command(
-            toolchain, _spec.ROUTE_MODULE, arch, Path(tmp) / "x.hsaco", amdqb_wave=wrong
+            toolchain, _spec.layout_module(CFG), arch, Path(tmp) / "x.hsaco", amdqb_wave=wrong
         )
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=tmp)
     assert proc.returncode != 0
@@ -100,7 +105,10 @@ def test_device_libraries_come_from_the_generated_directory(tc):
         suffix, _ = _offline.isa_version(arch)
         assert (devlib / f"oclc_isa_version_{suffix}.bc").is_file(), arch
         cmd = _offline.compile_command(
-            toolchain, _spec.router_module(896, "float32", "sqrtsoftplus"), arch, Path("x.hsaco")
+            toolchain,
+            _spec.router_module(896, "float32", "sqrtsoftplus", CFG),
+            arch,
+            Path("x.hsaco"),
         )
         proc = subprocess.run([*cmd, "-###"], check=False, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -161,7 +169,7 @@ def _router_sass_ops(num_experts: int = 896) -> list[str]:
     if tool is None:
         pytest.skip("needs cuobjdump (CUDA toolkit or Triton's NVIDIA backend)")
     out_dir = tempfile.mkdtemp(prefix="amdqb_sass_")
-    spec = _spec.router_module(num_experts, "float32", "sigmoid")
+    spec = _spec.router_module(num_experts, "float32", "sigmoid", CFG)
     _, rc, log = compile_nvcc(spec, out_dir)
     assert rc == 0, log[-3000:]
     sass = subprocess.run(
@@ -240,17 +248,18 @@ class RecordingRuntime:
 def _record_launches():
     import torch
 
-    from amdqb.backends.hip import _ops
+    from amdqb.backends.hip import layout as hip_layout
+    from amdqb.backends.hip import router as hip_router
 
     rt = RecordingRuntime()
     ids = torch.zeros(8, 4, dtype=torch.int32)
     for dtype in (torch.int32, torch.int64):
         for det, impl, cap in ((False, "atomic", None), (False, "lds", 4), (True, "lds", None)):
             c = torch.zeros(16, dtype=torch.int32)
-            _ops.route_rows(
+            hip_layout.route_rows(
                 rt, ids.to(dtype), 16, cap, c, torch.empty_like(ids), c.clone(), det, impl
             )
-        _ops.align_block_size(
+        hip_layout.align_block_size(
             rt,
             ids.to(dtype),
             4,
@@ -262,7 +271,7 @@ def _record_launches():
     logits = torch.zeros(4, 16)
     hist = torch.zeros(16, 10, dtype=torch.int32)
     bounds = torch.tensor([-1.0, 1.0])
-    _ops.router_fwd(
+    hip_router.router_fwd(
         rt,
         logits,
         2,
@@ -279,7 +288,7 @@ def _record_launches():
         bounds,
         "two_kernel",
     )
-    _ops.biased_topk(
+    hip_router.biased_topk(
         rt,
         logits,
         2,
@@ -292,7 +301,7 @@ def _record_launches():
         torch.empty(4, 2),
         torch.empty(4, 2, dtype=torch.int32),
     )
-    _ops.score_values(rt, logits, "sigmoid")
+    hip_router.score_values(rt, logits, "sigmoid")
     return rt.calls
 
 
@@ -324,7 +333,7 @@ def test_launch_arguments_match_the_kernel_signatures():
     nvrtc = _nvrtc()
     calls = _record_launches()
     entries = {}
-    for spec in (_spec.ROUTE_MODULE, _spec.router_module(16, "float32", "sigmoid")):
+    for spec in (_spec.layout_module(CFG), _spec.router_module(16, "float32", "sigmoid", CFG)):
         source, _ = _spec.read_sources(spec, ROOT)
         ptx = nvrtc.compile(
             source, spec.kernel_file, _spec.nvrtc_flags("compute_90", spec), ROOT / "include"

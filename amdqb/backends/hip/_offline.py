@@ -81,37 +81,55 @@ ROUTE_KERNELS = frozenset(
     | {"amdqb_route_det_scan", "amdqb_route_finalize"}
     | {f"amdqb_align_rank_{t}" for t in ("i32", "i64")}
 )
-ROUTER_KERNELS = frozenset({"amdqb_router", "amdqb_qb_hist", "amdqb_scores", "amdqb_router_decode"})
+ROUTER_KERNELS = frozenset(
+    {"amdqb_router", "amdqb_qb_hist", "amdqb_qb_hist_bins", "amdqb_scores", "amdqb_router_decode"}
+)
 
 
-def _variants() -> list[tuple[str, _spec.ModuleSpec]]:
+def arch_config(arch: str):
+    """The runtime's config of ``arch`` (``amdqb/configs``, by its architecture family)."""
+    from ... import configs
+    from ...dispatch import amd_arch_family
+
+    return configs.load(amd_arch_family(arch.split(":")[0]))
+
+
+def _variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
+    cfg = arch_config(arch)
     e = 896  # seeds 000 / 004: 896 routed experts, top-16
     routers = [
-        (e, "float32", "sigmoid"),
-        (e, "bfloat16", "sigmoid"),
-        (e, "float16", "sigmoid"),
-        (e, "float32", "sqrtsoftplus"),
-        (e, "float32", "softmax"),
-        (129, "float16", "sqrtsoftplus"),
-        (17, "float32", "softmax"),
-        (2048, "bfloat16", "sigmoid"),
+        (e, "float32", "sigmoid", {}),
+        (e, "bfloat16", "sigmoid", {}),
+        (e, "float16", "sigmoid", {}),
+        (e, "float32", "sqrtsoftplus", {}),
+        (e, "float32", "softmax", {}),
+        (e, "float32", "sigmoid", {"tie_free": True}),
+        (e, "float32", "sigmoid", {"approximate": True}),
+        (129, "float16", "sqrtsoftplus", {}),
+        (17, "float32", "softmax", {}),
+        (2048, "bfloat16", "sigmoid", {}),
     ]
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    return [("route", _spec.ROUTE_MODULE)] + [
-        (f"router E={n} {short[dt]} {sf}", _spec.router_module(n, dt, sf)) for n, dt, sf in routers
+    return [("layout", _spec.layout_module(cfg))] + [
+        (
+            " ".join([f"router E={n} {short[dt]} {sf}", *opts]),
+            _spec.router_module(n, dt, sf, cfg, **opts),
+        )
+        for n, dt, sf, opts in routers
     ]
 
 
-def module_variants() -> list[_spec.ModuleSpec]:
-    """Every module the runtime can request at the seed shapes, plus the shapes the compile tests
-    cover: the route module; the router at E=896 in fp32 / bf16 / fp16 with sigmoid, and with
-    sqrtsoftplus and softmax; small odd E (129 fp16 sqrtsoftplus, 17 fp32 softmax) and E=2048 bf16
-    sigmoid. The one place that lists them (:func:`_variants`)."""
-    return [spec for _, spec in _variants()]
+def module_variants(arch: str = "gfx942") -> list[_spec.ModuleSpec]:
+    """Every module the runtime can request at the seed shapes on ``arch`` (its config's
+    constants), plus the shapes the compile tests cover: the layout module; the router at E=896 in
+    fp32 / bf16 / fp16 with sigmoid, with sqrtsoftplus and softmax, with the tie-free selection and
+    with the approximate activation; small odd E (129 fp16 sqrtsoftplus, 17 fp32 softmax) and
+    E=2048 bf16 sigmoid. The one place that lists them (:func:`_variants`)."""
+    return [spec for _, spec in _variants(arch)]
 
 
 def expected_kernels(spec: _spec.ModuleSpec) -> frozenset:
-    return ROUTE_KERNELS if spec.kernel_file == "route.hip" else ROUTER_KERNELS
+    return ROUTE_KERNELS if spec.kernel_file == "layout.hip" else ROUTER_KERNELS
 
 
 def wave_size(arch: str) -> int:
@@ -513,13 +531,12 @@ def build_matrix(
     archs: tuple[str, ...] | None = None,
 ) -> list[tuple[Toolchain, _spec.ModuleSpec, str]]:
     tcs = toolchains() if tcs is None else tcs
-    variants = module_variants() if variants is None else variants
     return [
         (tc, spec, arch)
         for tc in tcs
         for arch in tc.archs
         if archs is None or arch in archs
-        for spec in variants
+        for spec in (module_variants(arch) if variants is None else variants)
     ]
 
 
@@ -966,7 +983,8 @@ TABLE_END = "<!-- END GENERATED -->"
 
 
 def _module_title(spec: _spec.ModuleSpec) -> str:
-    return next((title for title, v in _variants() if v == spec), spec.label())
+    titles = (title for arch in AMD_ARCHS for title, v in _variants(arch) if v == spec)
+    return next(titles, spec.label())
 
 
 def render_table(builds: dict) -> str:
@@ -997,7 +1015,7 @@ def render_table(builds: dict) -> str:
             f"| {r.lds_per_workgroup} | {r.eus} | {r.max_barriers} |"
         )
     lines.append("")
-    order = {spec: i for i, spec in enumerate(module_variants())}
+    order = {spec: i for arch in AMD_ARCHS for i, spec in enumerate(module_variants(arch))}
     tc_order = {f"clang-{m}": i for i, m in enumerate(TOOLCHAIN_MAJORS)}
     for tc_name, arch in sorted(
         by_target, key=lambda t: (tc_order.get(t[0], 99), AMD_ARCHS.index(t[1]))

@@ -82,6 +82,24 @@ def test_exact_and_histogram_recovery_agree_within_one_bin(seed):
     assert torch.equal(amdqb.qb_exact_bias(logits, k, bias), exact)
 
 
+@pytest.mark.parametrize("t,e,k", [(257, 8, 3), (1, 4, 1), (3, 5, 4), (64, 16, 2)])
+def test_exact_bias_matches_independent_numpy(t, e, k):
+    # The quantile step against numpy's full column sort (midpoint of the n-th and (n+1)-th
+    # smallest required bias, NaN last), on half-integer logits (many tied required biases).
+    g = torch.Generator().manual_seed(t + e + k)
+    logits = torch.round(torch.randn(t, e, generator=g) * 2) / 2
+    n = -(-t * k // e)
+    if t > 2 * n:
+        logits[t - 1, 0] = float("nan")  # its required bias sorts last, past the quantile
+    bias = torch.round(torch.randn(e, generator=g) * 4) / 8
+    r = ref.required_bias(logits, k, bias).double().numpy()
+    r[np.isnan(r)] = np.inf
+    srt = np.sort(r, axis=0)
+    mid = ((srt[max(n - 1, 0)] + srt[min(n, t - 1)]) / 2).astype(np.float32).astype(np.float64)
+    expected = (mid - mid.mean()).astype(np.float32)
+    np.testing.assert_array_equal(ref.qb_exact_bias(logits, k, bias).numpy(), expected)
+
+
 def test_exact_bias_balances_the_batch_it_was_computed_on():
     g = torch.Generator().manual_seed(5)
     t, e, k = 2000, 10, 2

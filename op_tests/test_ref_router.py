@@ -39,9 +39,12 @@ def test_ranked_indices_matches_brute_force_with_ties_and_nan(seed):
     x[x == -3] = -float("inf")
     x[0] = -0.0
     x[1, ::2] = 0.0
-    got = ref.ranked_indices(x, 7)
-    for row in range(x.shape[0]):
-        assert got[row].tolist() == brute_topk(x[row].tolist(), 7)
+    for n in (1, 7, 10, 11, 40):  # the Top-n path (4n <= row) and the sort path
+        got = ref.ranked_indices(x, n)
+        for row in range(x.shape[0]):
+            assert got[row].tolist() == brute_topk(x[row].tolist(), n), n
+        # rows of a 3-D input rank independently (the grouped router's per-group order)
+        assert torch.equal(ref.ranked_indices(x.reshape(4, 4, 40), n).reshape(16, n), got)
 
 
 def test_sigmoid_weights_and_bias_only_shifts_selection():

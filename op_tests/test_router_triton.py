@@ -11,6 +11,7 @@ the seeds (E=896, k=16, B=1000, T up to 16384) on a GPU.
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -206,6 +207,51 @@ def test_router_ties_nan_inf_exact(backend, score):
         assert torch.equal(ids, idx_ref), (k, ids, idx_ref)
         assert torch.equal(routed, map_ref)
         assert (probs[~routed] == 0).all()
+
+
+def _interpreter_module():
+    """``triton.runtime.interpreter`` when the Triton kernels run on the CPU interpreter, else a skip."""
+    if HAS_GPU or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("checks the Triton CPU interpreter's view of the kernels (TRITON_INTERPRET=1)")
+    interp = importlib.import_module("triton.runtime.interpreter")
+    if not hasattr(getattr(interp, "_interpreter", None), "atomic_rmw"):
+        pytest.skip("this Triton's interpreter has no _interpreter.atomic_rmw to observe")
+    return interp
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_router_atomic_pointer_blocks_are_dense(backend, monkeypatch):
+    # Triton's interpreter up to 3.8 reads an atomic's pointer block as a dense array, ignoring
+    # strides: a broadcast (stride-0) block of one row made it read W pointers out of one and
+    # crash (E=64, k >= 23 without QB: one row per program, every column a candidate). The
+    # kernels must hand every atomic a computed block; checked here on any Triton version.
+    if backend != "triton":
+        pytest.skip(f"observes the Triton interpreter; backend {backend} is not Triton")
+    interp = _interpreter_module()
+    real = interp._interpreter.atomic_rmw
+    seen = []
+
+    def spy(op, ptr, val, mask, sem):
+        seen.append((ptr.shape, ptr.strides))
+        return real(op, ptr, val, mask, sem)
+
+    monkeypatch.setattr(interp._interpreter, "atomic_rmw", spy)
+    e = 64
+    z = torch.cat([tie_free_logits(3, e, seed=9), _adversarial_rows(e)])
+    s = backend_scores(backend, z, "sigmoid")
+    bias = torch.linspace(-0.2, 0.2, e, device=DEVICE)
+    for k in (20, 23, 24, e):  # the candidate-tile path with and without the tau bound
+        _, routed, ids = run_router(backend, z, k, "int32")
+        _, idx_ref, map_ref = oracle(z, k, scores=s)
+        assert torch.equal(routed, map_ref) and torch.equal(ids, idx_ref), k
+        hist, bounds = qb_buffers(e, 16, bias)
+        kw = dict(qb_histogram=hist, qb_bin_bounds=bounds, qb_histogram_mode="fused_atomic")
+        _, routed, _ = run_router(backend, z, k - 1, expert_bias=bias, **kw)
+        idx_ref, alpha = ref.qb_cutoff_and_routes(s, bias, k - 1)
+        assert torch.equal(hist, ref.qb_histogram_counts(s, alpha, bounds, 16)), k
+    assert seen
+    stride0 = [(sh, st) for sh, st in seen if any(n > 1 and d == 0 for n, d in zip(sh, st))]
+    assert not stride0, stride0[:3]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -35,6 +35,12 @@ def order_key(x: torch.Tensor) -> torch.Tensor:
 def ranked_indices(values: torch.Tensor, n: int) -> torch.Tensor:
     """Indices of the first ``n`` entries of each row in the selection order (int64 ``[..., n]``)."""
     key = order_key(values.float()).to(torch.int64)
-    # A stable descending sort keeps equal keys in ascending index order: smaller id first.
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
-    return order[..., :n]
+    size = key.shape[-1]
+    if 4 * n > size:
+        # A stable descending sort keeps equal keys in ascending index order: smaller id first.
+        order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+        return order[..., :n]
+    # Few of many: (key desc, index asc) packed in one int64 that is unique within a row, so its
+    # Top-n (descending) is exactly the stable sort's first n, at a fraction of a full sort.
+    rank = torch.arange(size - 1, -1, -1, dtype=torch.int64, device=key.device)
+    return torch.topk(key * (1 << 32) + rank, n, dim=-1).indices

@@ -135,7 +135,10 @@ def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) ->
     if m == 0:
         return torch.zeros(e, dtype=torch.float32, device=r.device)
     n = -(-m * topk // e)
-    srt = torch.sort(torch.nan_to_num(r.double(), nan=float("inf")), dim=0).values
+    # The n+1 smallest of each column, ascending (values only: ties cannot change them).
+    srt = torch.topk(
+        torch.nan_to_num(r.double(), nan=float("inf")), min(n + 1, m), dim=0, largest=False
+    ).values
     lo = srt[max(n - 1, 0)]
     hi = srt[min(n, m - 1)]
     return centre(((lo + hi) / 2).float())

@@ -372,8 +372,13 @@ def _router_fwd_kernel(
         tl.store(sbase + 2 * CAP, tl.zeros([BT], dtype=tl.int32), mask=row_ok)
         tl.debug_barrier()
         take = cand & row_ok[:, None]
+        # The counter's address per element as a computed block, not tl.broadcast_to: Triton's
+        # interpreter up to 3.8 reads an atomic's pointers as a dense array, and a broadcast block
+        # of one row is a stride-0 view there, so it read W pointers from one (segfault). Adding
+        # a zero block gives the same addresses (and compiles to the same code on a GPU).
+        cptr = (sbase + 2 * CAP)[:, None] + tl.zeros([BT, W], dtype=tl.int32)
         slot = tl.atomic_add(
-            tl.broadcast_to((sbase + 2 * CAP)[:, None], (BT, W)),
+            cptr,
             tl.full([BT, W], 1, dtype=tl.int32),
             mask=take,
             sem="relaxed",

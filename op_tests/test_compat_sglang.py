@@ -8,6 +8,9 @@ op (on the CPU Triton runs under the interpreter).
 """
 
 import inspect
+import runpy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +267,11 @@ def test_moe_align_block_size_rejections():
         sglang.moe_align_block_size(ids, 9, 4, sorted_ids[:-1], expert_ids, post, cumsum)
     with pytest.raises(TypeError, match="topk_ids"):
         sglang.moe_align_block_size(ids.float(), 9, 4, sorted_ids, expert_ids, post, cumsum)
+
+
+def test_example_layers_match_dense_reference(monkeypatch):
+    """examples/serving_compat.py: the vLLM-style, SGLang-style and EP-shard layers on the compat
+    modules equal a dense fp32 reference."""
+    example = runpy.run_path(str(Path(__file__).parents[1] / "examples" / "serving_compat.py"))
+    monkeypatch.setattr(sys, "argv", ["serving_compat.py", "--device", str(DEVICE)])
+    assert example["main"]() == 0

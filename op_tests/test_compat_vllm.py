@@ -239,10 +239,13 @@ def test_grouped_topk_one_group_is_plain_topk(backend, num_expert_group):
 # ----------------------------------------------------------------------------------------------
 # moe_align_block_size (functional and _custom_ops forms)
 # ----------------------------------------------------------------------------------------------
-def ref_align(topk_ids, bs, e, expert_map=None, ignore_invalid=False, pad=False, rows=None):
+def ref_align(
+    topk_ids, bs, e, expert_map=None, ignore_invalid=False, pad=False, rows=None, inactive=-1
+):
     """vLLM's layout: routes grouped by expert in ascending expert order (by local id when the
-    map filters), each expert padded to whole blocks, sentinel ``numel``, block expert ids (the
-    global ones mapped when the map does not filter), -1 past the padded total."""
+    map filters), each expert padded to whole blocks, sentinel ``numel``, block expert ids,
+    ``inactive`` past the padded total; without filtering every block id is then mapped through
+    the map (``expert_map[expert_ids]``, Python / PyTorch indexing)."""
     flat = topk_ids.reshape(-1).tolist()
     numel = len(flat)
     if rows is None:
@@ -263,16 +266,17 @@ def ref_align(topk_ids, bs, e, expert_map=None, ignore_invalid=False, pad=False,
                 continue
         buckets.setdefault(key, []).append(i)
     sorted_ids = [numel] * rows
-    expert_ids = [-1] * (-(-rows // bs))
+    expert_ids = [inactive] * (-(-rows // bs))
     pos = 0
     for key in sorted(buckets):
         routes = buckets[key]
         blocks = -(-len(routes) // bs)
         sorted_ids[pos : pos + len(routes)] = routes
-        label = emap[key] if emap is not None and not ignore_invalid else key
         for b in range(blocks):
-            expert_ids[pos // bs + b] = label
+            expert_ids[pos // bs + b] = key
         pos += blocks * bs
+    if emap is not None and not ignore_invalid:
+        expert_ids = [emap[x] for x in expert_ids]
     return torch.tensor(sorted_ids), torch.tensor(expert_ids), torch.tensor([pos])
 
 
@@ -403,3 +407,28 @@ def test_custom_ops_align_rejects_short_buffers():
         vllm._custom_ops.moe_align_block_size(ids, 32, 4, short, blocks, post)
     with pytest.raises(TypeError, match="experts_ids"):
         vllm._custom_ops.moe_align_block_size(ids, 32, 4, short, blocks.float(), post)
+
+
+@pytest.mark.parametrize("inactive", [-1, 0])
+@pytest.mark.parametrize("map_mode", [None, "keep", "ignore"])
+def test_align_inactive_expert_id(align_backend, monkeypatch, inactive, map_mode):
+    """Blocks past the padded total: -1 (vLLM since PR #35161) or 0 (before), set by
+    INACTIVE_EXPERT_ID; with an unfiltering map the tail goes through expert_map as in vLLM."""
+    monkeypatch.setattr(vllm, "INACTIVE_EXPERT_ID", inactive)
+    e, bs = 16, 4
+    ids = random_ids(6, 2, e, seed=inactive + 3)
+    emap = None if map_mode is None else even_map(e)
+    ignore = map_mode == "ignore"
+    got = vllm.moe_align_block_size(
+        ids.to(DEVICE), bs, e, None if emap is None else emap.to(DEVICE), True, ignore
+    )
+    check_align(got, ref_align(ids, bs, e, emap, ignore, pad=True, inactive=inactive))
+    rows = got[0].numel()
+    sorted_ids = torch.empty(rows, dtype=torch.int32, device=DEVICE)
+    blocks = torch.empty(-(-rows // bs), dtype=torch.int32, device=DEVICE)
+    post = torch.empty(1, dtype=torch.int32, device=DEVICE)
+    vllm._custom_ops.moe_align_block_size(
+        ids.to(DEVICE), e, bs, sorted_ids, blocks, post, None if emap is None else emap.to(DEVICE)
+    )
+    want = ref_align(ids, bs, e, emap, True, rows=rows, inactive=inactive)
+    check_align((sorted_ids, blocks, post), want)

@@ -23,11 +23,14 @@ Semantics (vLLM's):
   ``topk_group`` need not divide ``topk``. ``num_expert_group`` 0 or 1 is one group (plain top-k).
 * ``moe_align_block_size``: vLLM's buffer sizes (``numel + E * (block_size - 1)``, rounded up
   to ``block_size`` with ``pad_sorted_ids``, ``numel * block_size`` below ``E`` routes); flat
-  route indices, the sentinel ``numel``; blocks past ``num_tokens_post_pad`` have expert -1.
-  Ids outside ``[0, E)`` are skipped. ``expert_map`` (global -> local, -1 remote): with
-  ``ignore_invalid_experts`` (and always in the ``_custom_ops`` form) routes to remote experts are
-  skipped and the blocks carry local ids; otherwise every route is aligned by its global id and
-  the used blocks are mapped, remote ones becoming -1.
+  route indices, the sentinel ``numel``; blocks past ``num_tokens_post_pad`` have expert
+  :data:`INACTIVE_EXPERT_ID` (-1, vLLM's value since its PR #35161; set it to 0 for the vLLM
+  releases before, which wrote 0). Ids outside ``[0, E)`` are skipped. ``expert_map`` (global ->
+  local, -1 remote): with ``ignore_invalid_experts`` (and always in the ``_custom_ops`` form)
+  routes to remote experts are skipped and the blocks carry local ids; otherwise every route is
+  aligned by its global id and every block is mapped as vLLM does, ``expert_map[expert_ids]``
+  (remote experts' blocks become -1; the tail reads ``expert_map[INACTIVE_EXPERT_ID]``, PyTorch
+  indexing, which vLLM's kernels never read).
 
 Differences from vLLM (all documented in the README's "Serving: vLLM and SGLang"):
 
@@ -39,9 +42,6 @@ Differences from vLLM (all documented in the README's "Serving: vLLM and SGLang"
   expert the aligned routes are in ascending route order (vLLM: any order);
 * vLLM's kernels clamp NaN / Inf logits to 0 before the selection; amdqb ranks NaN scores last
   and keeps them (a NaN logit gives a NaN weight);
-* with ``expert_map`` and ``ignore_invalid_experts=False`` vLLM maps the -1 tail blocks through
-  ``expert_map[-1]``; here they stay -1 (vLLM's kernels never read blocks past
-  ``num_tokens_post_pad``);
 * ``fused_topk``'s third output (``token_expert_indices``, ``j * M + t``) costs an extra launch;
   the hash-routing form of ``fused_topk_bias`` (``hash_indices_table``) runs in PyTorch.
 """
@@ -59,12 +59,17 @@ from ..ref.layout import align_buffer_sizes
 from ..ref.router import activation, normalise
 
 __all__ = [
+    "INACTIVE_EXPERT_ID",
     "_custom_ops",
     "fused_topk",
     "fused_topk_bias",
     "grouped_topk",
     "moe_align_block_size",
 ]
+
+#: Expert id of the aligned blocks past the padded total (vLLM's ``inactive_expert_id``): -1 in
+#: vLLM since its PR #35161, 0 before. Read at every call.
+INACTIVE_EXPERT_ID = -1
 
 _FUSED_TOPK_SCORES = ("softmax", "sigmoid")
 _BIAS_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -222,9 +227,12 @@ def _local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_experts: in
 
 
 def _inactive_tail(expert_ids: torch.Tensor, num_tokens_post_pad, block_size: int) -> None:
-    """vLLM's ``inactive_expert_id``: -1 in every block at or past the padded total."""
+    """:data:`INACTIVE_EXPERT_ID` in every block at or past the padded total (the kernels wrote
+    expert 0 there)."""
+    if INACTIVE_EXPERT_ID == 0:
+        return
     starts = torch.arange(0, expert_ids.numel() * block_size, block_size, device=expert_ids.device)
-    expert_ids.masked_fill_(starts >= num_tokens_post_pad, -1)
+    expert_ids.masked_fill_(starts >= num_tokens_post_pad, INACTIVE_EXPERT_ID)
 
 
 def moe_align_block_size(
@@ -252,9 +260,9 @@ def moe_align_block_size(
     _layout.align_block_size_into(
         ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad
     )
-    if expert_map is not None and not ignore_invalid_experts:
-        expert_ids = expert_map.to(torch.int32)[expert_ids.long()]
     _inactive_tail(expert_ids, num_post_pad, block_size)
+    if expert_map is not None and not ignore_invalid_experts:
+        expert_ids = expert_map.to(torch.int32)[expert_ids.long()]  # vLLM's map, tail included
     return sorted_ids, expert_ids, num_post_pad
 
 
@@ -269,7 +277,8 @@ def _ops_moe_align_block_size(
 ) -> None:
     """``vllm._custom_ops.moe_align_block_size``: the layout written into the caller's int32
     buffers. ``sorted_token_ids`` is filled whole (the sentinel past the routes); ``experts_ids``
-    over ``ceil(len(sorted_token_ids) / block_size)`` blocks, -1 past the padded total. An
+    over ``ceil(len(sorted_token_ids) / block_size)`` blocks, :data:`INACTIVE_EXPERT_ID` past the
+    padded total. An
     ``expert_map`` filters remote experts (vLLM passes it here only with
     ``ignore_invalid_experts``). The buffers must hold the padded total of any routing
     (``numel + min(numel, E) * (block_size - 1)`` rows): checked from their shapes."""

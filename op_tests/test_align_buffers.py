@@ -16,6 +16,8 @@ from amdqb import ref
 from amdqb.ops.layout import align_block_size_into, align_min_rows
 from amdqb.ref.layout import align_buffer_sizes
 from conftest import DEVICE, kernel_backends
+from hip_emu.checks import make_ids
+from hip_emu.runtime import EmuRuntime, compiler
 
 BACKENDS = ["torch"] + [b for b in kernel_backends("align_block_size") if isinstance(b, str)]
 
@@ -124,3 +126,32 @@ def test_into_rejects_buffers_a_routing_could_overflow():
     with pytest.raises(ValueError, match="num_tokens_post_pad"):
         align_block_size_into(ids, 4, 16, *buffers(rows, rows // 4), post.repeat(2))
     align_block_size_into(ids, 4, 16, *buffers(rows, rows // 4), post)  # the minimum is enough
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) for the hip kernel emulator")
+@pytest.mark.parametrize("wave", [32, 64])
+def test_hip_kernels_fill_the_decode_buffers_on_the_emulator(wave):
+    """The hip launchers and kernels (hip_src/kernels/layout.hip, on the CPU emulator) with
+    buffers of vLLM's decode size equal the oracle bitwise, partial tiles and dropped ids
+    included."""
+    from amdqb.backends.hip import layout as hip_layout
+
+    rt = EmuRuntime(wave_size=wave, cus=2)
+    cases = [
+        (33, 1, 1, "uniform", 8, False),
+        (4096, 70, 4, "dropped", 128, False),
+        (4096, 70, 4, "one", 64, True),
+        (896, 10, 16, "uniform", 64, True),
+        (257, 3, 16, "shared", 32, False),
+        (300, 20, 6, "dropped", 12, True),
+    ]
+    for e, m, k, dist, bs, pad in cases:
+        for dtype in (torch.int32, torch.int64):
+            ids = make_ids(m, k, e, dist, e + m, dtype)
+            rows, blocks = align_buffer_sizes(ids.numel(), e, bs, pad)
+            assert rows == ids.numel() * bs  # fewer routes than experts: the decode rule
+            got = tuple(torch.full((n,), -7, dtype=torch.int32) for n in (rows, blocks, 1))
+            hip_layout.align_block_size(rt, ids, bs, e, *got)
+            want = ref.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad)
+            for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
+                assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist})"

@@ -181,6 +181,70 @@ def moe_route_rows(
     return rows, counts
 
 
+def align_min_rows(numel: int, num_experts: int, block_size: int) -> int:
+    """Rows any routing of ``numel`` routes over ``num_experts`` experts can pad to: at most
+    ``min(numel, E)`` experts are non-empty and each pads by at most ``block_size - 1``."""
+    return numel + min(numel, num_experts) * (block_size - 1)
+
+
+def _check_align(topk_ids, block_size, num_experts) -> torch.Tensor:
+    _check_ids(topk_ids)
+    check_int("block_size", block_size, low=1)
+    check_int("num_experts", num_experts, low=1)
+    return topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+
+
+def align_block_size_into(
+    topk_ids: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    sorted_token_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_tokens_post_pad: torch.Tensor,
+    *,
+    backend: Optional[str] = None,
+) -> None:
+    """:func:`moe_align_block_size` into the caller's int32 buffers (the preallocated form of the
+    compatibility modules). Every entry of both buffers is written: the sentinel ``numel`` past the
+    routes, expert 0 past the used blocks. ``sorted_token_ids`` must hold :func:`align_min_rows`
+    entries (checked from the shapes: the padded total of any routing fits) and ``expert_ids`` at
+    least that many rows' blocks, so no routing can make a kernel write out of bounds."""
+    ids = _check_align(topk_ids, block_size, num_experts)
+    device = ids.device
+    for name, buf in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids)):
+        check_tensor(name, buf, dtypes=(torch.int32,), dim=1, device=device, contiguous=True)
+    check_tensor("num_tokens_post_pad", num_tokens_post_pad, dtypes=(torch.int32,), device=device)
+    if num_tokens_post_pad.numel() != 1:
+        raise ValueError(
+            f"num_tokens_post_pad must hold one element, got shape {tuple(num_tokens_post_pad.shape)}"
+        )
+    rows = align_min_rows(ids.numel(), num_experts, block_size)
+    if sorted_token_ids.numel() < rows:
+        raise ValueError(
+            f"sorted_token_ids holds {sorted_token_ids.numel()} entries; {ids.numel()} routes over "
+            f"{num_experts} experts in blocks of {block_size} can need {rows}"
+        )
+    if expert_ids.numel() < rows // block_size:
+        raise ValueError(
+            f"expert_ids holds {expert_ids.numel()} blocks; {rows} rows can need "
+            f"{rows // block_size}"
+        )
+    if sorted_token_ids.numel() > INT32_MAX:
+        raise ValueError(f"aligned buffer of {sorted_token_ids.numel()} rows exceeds int32")
+    chosen_backend = dispatch.backend_name(
+        "align_block_size", device, backend, num_experts=num_experts
+    )
+    _align_block_size(
+        ids,
+        block_size,
+        num_experts,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_pad.view(1),
+        chosen_backend,
+    )
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor,
     block_size: int,
@@ -192,16 +256,18 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """vLLM-compatible alignment of routes to ``block_size`` blocks, one expert per block.
 
-    Returns ``(sorted_token_ids int32 [numel + E*(block_size-1)] (rounded up to block_size when
-    pad_sorted_ids), expert_ids int32 [ceil(len/block_size)], num_tokens_post_pad int32 [1])``.
+    Returns ``(sorted_token_ids int32 [R], expert_ids int32 [ceil(R / block_size)],
+    num_tokens_post_pad int32 [1])`` with vLLM's buffer rule (:func:`amdqb.ref.layout.
+    align_buffer_sizes`): ``R = numel + E * (block_size - 1)``, rounded up to ``block_size`` when
+    ``pad_sorted_ids``, and ``numel * block_size`` when there are fewer routes than experts.
     ``sorted_token_ids`` holds flat route indices (token = index // k) padded with ``numel``; the
-    order inside an expert is ascending (deterministic). Unused tail blocks have expert 0, mapped
-    through ``expert_map`` (global -> local, -1 for remote experts) when given.
+    order inside an expert is ascending (deterministic). Ids outside ``[0, E)`` are dropped. Unused
+    tail blocks have expert 0; every block is then mapped through ``expert_map`` (global -> local,
+    -1 for remote experts) when given, as vLLM's ``ignore_invalid_experts=False`` path does
+    (``amdqb.compat.vllm`` has the filtering path and vLLM's -1 tail).
     """
-    _check_ids(topk_ids)
-    check_int("block_size", block_size, low=1)
-    check_int("num_experts", num_experts, low=1)
-    device = topk_ids.device
+    ids = _check_align(topk_ids, block_size, num_experts)
+    device = ids.device
     if expert_map is not None:
         check_tensor(
             "expert_map",
@@ -210,7 +276,6 @@ def moe_align_block_size(
             shape=(num_experts,),
             device=device,
         )
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     numel = ids.numel()
     max_padded, max_blocks = align_buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
     if max_padded > INT32_MAX:

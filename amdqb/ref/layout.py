@@ -62,10 +62,19 @@ def moe_route_rows(
 
 
 def align_buffer_sizes(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool):
-    """vLLM buffer sizes: ``(max_num_tokens_padded, max_num_m_blocks)``."""
+    """vLLM's buffer sizes: ``(max_num_tokens_padded, max_num_m_blocks)``.
+
+    ``numel + E * (block_size - 1)`` rows, rounded up to ``block_size`` when ``pad_sorted_ids``;
+    with fewer routes than experts (decode) at most ``numel`` experts are non-empty, so vLLM
+    caps the rows at ``numel * block_size`` (already a multiple of ``block_size``, so the cap
+    applies after the rounding). Either way the padded total of any routing fits:
+    ``sum_e ceil(c_e / bs) * bs <= numel + min(numel, E) * (bs - 1)``.
+    """
     max_padded = numel + num_experts * (block_size - 1)
     if pad_sorted_ids:
         max_padded = -(-max_padded // block_size) * block_size
+    if numel < num_experts:
+        max_padded = min(numel * block_size, max_padded)
     return max_padded, -(-max_padded // block_size)
 
 

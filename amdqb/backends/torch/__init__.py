@@ -154,12 +154,15 @@ def route_rows(
 def align_block_size(
     topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
-    # The unpadded layout is a prefix of the padded one: the buffers' extra tail stays sentinel / 0.
+    # The layout of any buffer length is a prefix of the oracle's, the rest sentinel / expert 0:
+    # the op checked that the buffers hold the padded total, so only those fill values are cut.
     sorted_ids, expert_ids, post = ref.moe_align_block_size(topk_ids, block_size, num_experts)
+    n = min(sorted_ids.numel(), sorted_ids_out.numel())
     sorted_ids_out.fill_(topk_ids.numel())
-    sorted_ids_out[: sorted_ids.numel()].copy_(sorted_ids)
+    sorted_ids_out[:n].copy_(sorted_ids[:n])
+    nb = min(expert_ids.numel(), expert_ids_out.numel())
     expert_ids_out.zero_()
-    expert_ids_out[: expert_ids.numel()].copy_(expert_ids)
+    expert_ids_out[:nb].copy_(expert_ids[:nb])
     num_post_pad_out.copy_(post)
 
 

@@ -427,7 +427,8 @@ def _router_fwd_kernel(
         vals = tl.where(member, _exp(z - msel[:, None], APPROX), 0.0)
     else:
         vals = wv
-    if NEED_SUM or (COMPACT_W and not FAST) or (MAP == 3 and not FAST):
+    # the compact weights need the k values even without a sum (serving form, renormalize off)
+    if NEED_SUM or COMPACT_W or (MAP == 3 and not FAST):
         if FAST:
             # The ranked candidate tile holds the order; the value is recomputed from the logit
             # (same code, same bits as the dense path).

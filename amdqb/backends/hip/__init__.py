@@ -64,11 +64,6 @@ def unsupported(op: str, info, features: dict):
         return None
     if features.get("grouped"):
         return "hip: grouped Top-k is not implemented"
-    if (
-        features.get("selection", "te") != "te"
-        or features.get("qb_binning", "uniform") != "uniform"
-    ):
-        return "hip: tie_free selection and the log_margin binning are not implemented"
     num_experts = int(features.get("num_experts", 0))
     if num_experts > router.MAX_ROUTER_EXPERTS:
         return (

@@ -23,7 +23,7 @@ import torch
 
 from .. import dispatch
 from .._library import impl, kernel_op
-from ._checks import FLOAT_DTYPES, ID_DTYPES, INT32_MAX, check_int, check_tensor
+from ._checks import FLOAT_DTYPES, ID_DTYPES, INT32_MAX, check_backend, check_int, check_tensor
 
 
 def _row_map_fake(
@@ -122,9 +122,10 @@ def moe_sort_chunks_and_pad(
     chunks = split_sizes.numel()
     _check_meta("sorted_indices", sorted_indices, device, chunks)
     _check_meta("output_split_sizes", output_split_sizes, device, chunks)
-    check_int("num_out_tokens", num_out_tokens, low=inp.shape[0], high=INT32_MAX)
+    num_out_tokens = check_int("num_out_tokens", num_out_tokens, low=inp.shape[0], high=INT32_MAX)
     if probs is not None:
         check_tensor("probs", probs, dtypes=FLOAT_DTYPES, shape=(inp.shape[0],), device=device)
+    check_backend(backend)
     name = _backend(device, backend, inp.dtype)
     row_map = _chunk_row_map(
         split_sizes, sorted_indices, output_split_sizes, num_out_tokens, inp.shape[0], name
@@ -157,7 +158,8 @@ def moe_unpad_and_restore_chunks(
     check_tensor("row_map", row_map, dtypes=(torch.int32,), dim=1, device=device, contiguous=True)
     if row_map.numel() != inp.shape[0]:
         raise ValueError(f"row_map has {row_map.numel()} entries but inp has {inp.shape[0]} rows")
-    check_int("num_tokens", num_tokens, low=0, high=INT32_MAX)
+    num_tokens = check_int("num_tokens", num_tokens, low=0, high=INT32_MAX)
+    check_backend(backend)
     name = _backend(device, backend, inp.dtype)
     src = inp if inp.is_contiguous() else inp.contiguous()
     return _ChunkCopy.apply(src, row_map, num_tokens, True, name)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one project command for a GPU machine (the H200 lent through the device tool):
 #   bash scripts/gpu_check.sh MODE...   -> $OUT (<= 8 files)
-#   MODE: smoke | tests | tests-a | tests-b | fuzz | sanitize | profile | bench [SUITE] | tune |
-#         example | nccl | full
+#   MODE: smoke | tests | tests-a | tests-b | fuzz | sanitize | memsafe | profile | bench [SUITE] |
+#         tune | example | nccl | full
 # Several modes run in order in one call (a device call costs a machine start): e.g.
 #   bash scripts/gpu_check.sh tests fuzz
 # Runs from the source tree (PYTHONPATH), installs nothing.
@@ -111,6 +111,21 @@ run_sanitize() {  # memcheck + racecheck over the kernel tests (small shapes)
   cat "$OUT/sanitizer.log"
 }
 
+run_memsafe() {  # memcheck over the adversarial-metadata tests (test_memsafe_*) -> $OUT/memsafe.log
+  # guard-banded buffers and adversarial metadata for every kernel family, both kernel backends;
+  # MEMSAFE_K narrows the selection (a pytest -k expression within "memsafe")
+  echo "== memcheck -k memsafe ${MEMSAFE_K:+and ($MEMSAFE_K)}" >> "$OUT/memsafe.log"
+  AMDQB_TEST_LOG=/tmp/memsafe.live timeout "${MEMSAFE_TIMEOUT:-500}" compute-sanitizer \
+    --tool memcheck --error-exitcode 99 --report-api-errors no --target-processes all \
+    python -m pytest -q -p no:cacheprovider op_tests/test_memory_safety.py \
+    -k "memsafe${MEMSAFE_K:+ and ($MEMSAFE_K)}" 2>&1 | \
+    grep -E "ERROR SUMMARY|Invalid|passed|failed|error" | tail -n 40 >> "$OUT/memsafe.log"
+  local rc=${PIPESTATUS[0]}
+  echo "rc=$rc" >> "$OUT/memsafe.log"
+  cat "$OUT/memsafe.log"
+  return "$rc"
+}
+
 run_bench() {  # SUITE (default all) -> $OUT/h200.json, bench.md
   timeout "${BENCH_TIMEOUT:-300}" python -m amdqb bench "${1:-all}" --json "$OUT/h200.json" \
     >> "$OUT/bench.md" 2> /tmp/bench.err
@@ -148,6 +163,7 @@ while [ $# -gt 0 ]; do
     tests-b) AMDQB_RESUME_FROM=$RESUME_FROM FILES=$PART_B run_tests || status=1 ;;
     fuzz) run_fuzz || status=1 ;;
     sanitize) run_sanitize || status=1 ;;
+    memsafe) run_memsafe || status=1 ;;
     profile) run_profile || status=1 ;;
     nccl) run_nccl || status=1 ;;
     tune) run_tune || status=1 ;;

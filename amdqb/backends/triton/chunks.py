@@ -78,6 +78,7 @@ UNSUPPORTED: dict = {}
 
 def codegen_specs() -> list:
     """Every chunk kernel at the seed shapes (H=2048 bf16, 128 chunks)."""
+    i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
     return [
         typed_spec(
             "chunk_map_c128", K._chunk_map_kernel,

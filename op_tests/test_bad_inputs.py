@@ -985,6 +985,12 @@ bad("te logits fp64", TR, te_router(logits=_logits(dtype=torch.float64)), ValueE
 bad("te topk 0", TR, te_router(topk=0), ValueError, "topk")
 bad("te qb bad mode", TR, te_router(**{k: v for k, v in qb(qb_histogram_mode="x").items() if k != "logits"}), ValueError, "qb_histogram_mode")  # fmt: skip
 good(
+    "te map format numpy 1",
+    TR,
+    te_router(routing_map_format=np.int64(1)),
+    lambda out, a: out[1].dtype == torch.uint8,
+)
+good(
     "te map format enum",
     TR,
     te_router(routing_map_format=te.RoutingMapFormat.BITMAP_U8),

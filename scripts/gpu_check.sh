@@ -46,11 +46,12 @@ python -c "import xdist" 2>/dev/null && XDIST=(--numprocesses "$JOBS")
 
 # Fixed halves of the suite (tests-a / tests-b), an alternative to resuming from a live log.
 PART_A="op_tests/test_router_triton.py op_tests/test_hip_backend.py op_tests/test_api.py
-  op_tests/test_balancer.py op_tests/test_training_loop.py op_tests/test_serving.py"
+  op_tests/test_balancer.py op_tests/test_training_loop.py op_tests/test_serving.py
+  op_tests/test_bad_inputs.py op_tests/test_cli.py"
 PART_B="op_tests/test_layout_triton.py op_tests/test_fuzz.py op_tests/test_large_shapes.py
   op_tests/test_ref_router.py op_tests/test_ref_qb.py op_tests/test_ref_layout.py
   op_tests/test_demo.py op_tests/test_hip_compile.py op_tests/test_hip_emu.py
-  op_tests/test_amd_codegen.py"
+  op_tests/test_amd_codegen.py op_tests/test_memory_safety.py"
 
 run_tests() {  # the suite (or FILES) on the GPU, every available backend -> $OUT/LOG
   local sel=${1:-} log=${LOG:-tests.log} logdir=${LOGDIR:-$OUT}

@@ -9,6 +9,10 @@ Binnings (``amdqb.ref.qb``): ``"uniform"`` recovers the bias from a histogram of
 ``r = alpha - s`` over the bounds ``[L, U]``; ``"log_margin"`` recovers the bias change from a
 histogram of the biased margin over the scale ``[eps, 1/eps]`` and adds it to the bias the margins
 were measured against.
+
+The counts are values, never addresses: any histogram (negative counts, counts near the int32
+limit, an empty row) is memory-safe and gives the formula's result on the counts as given (the
+bin position is clamped to ``[0, B]``); only the shapes and the bounds are checked.
 """
 
 from __future__ import annotations

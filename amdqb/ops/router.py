@@ -12,6 +12,11 @@ below every number; every token gets exactly k distinct experts. Under QB the cu
 The QB histogram ``qb_histogram[j, bin] += 1`` uses ``r = alpha - s_j``, ``scale = fp32(B) / (U-L)``
 and ``bin = clamp(floor((r - L) * scale), 0, B - 1)`` (NaN ``r`` -> bin 0): every row gains exactly
 T counts per call, and both histogram modes give bitwise-identical counts.
+
+Bounds a trusted producer marked validated (:func:`mark_qb_bin_bounds_validated`) are used unread:
+any values are memory-safe -- the bins are clamped in fp32 before the integer conversion, and a
+NaN position (NaN or infinite bounds, bias or logits) counts in bin 0 -- so every histogram row
+still gains exactly T counts inside its ``[E, B]`` buffer.
 """
 
 from __future__ import annotations

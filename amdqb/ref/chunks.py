@@ -17,6 +17,8 @@ Inconsistent metadata (the device never reports it; every backend gives these ou
 * a source row ``>= T`` (split sizes summing past the input): not copied (``row_map`` ``-1``, a
   zero row) -- dropped;
 * ``output_split_sizes[i] < split_sizes[sorted_indices[i]]``: the chunk is cut to the output size;
+* ``num_out_tokens`` other than ``sum(output_split_sizes)``: rows past the last output chunk are
+  padding (``-1``, zero), output chunks past ``num_out_tokens`` are cut;
 * restore (``moe_unpad_and_restore_chunks``): a ``row_map`` entry outside ``[0, num_tokens)``
   writes nothing (dropped); two entries naming one row leave one of the two inputs there
   (unspecified which).

@@ -145,7 +145,9 @@ def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024, 2048)):
     bias, bounds, hist = _qb_inputs(dev, g)
     big = 1 << 30
     forms = {
-        "hip.biased_topk.decode_max_tokens": lambda z: amdqb.biased_topk(z, K, bias, backend="hip"),
+        "hip.biased_topk.decode_max_tokens": lambda z: amdqb.biased_topk(
+            z, K, bias, backend="hip"
+        ),
         "hip.router.decode_max_tokens": lambda z: amdqb.fused_topk_with_score_function(
             z, K, expert_bias=bias, backend="hip"
         ),

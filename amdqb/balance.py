@@ -28,7 +28,16 @@ from typing import Optional
 
 import torch
 
-from .ops._checks import INT32_MAX, check_choice, check_float, check_int, check_tensor
+from .ops._checks import (
+    INT32_MAX,
+    LOAD_DTYPES,
+    check_backend,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    check_tensor,
+)
 from .ops.qb import qb_step_
 from .ops.router import (
     MAX_MARGIN_BINS,
@@ -42,6 +51,7 @@ from .ref.router import BINNINGS, SELECTIONS
 DEFAULT_BINS = {"log_margin": 64, "uniform": 1000}
 MAX_EXPERTS = 1 << 16
 MAX_UNIFORM_BINS = 1 << 16
+MAX_HISTOGRAM = 1 << 27  # E * B counts of the int32 histogram (512 MiB)
 
 
 class QuantileBalancer:
@@ -88,9 +98,15 @@ class QuantileBalancer:
         )
         if binning == "log_margin" and num_bins % 2:
             raise ValueError(f"num_bins must be even for binning='log_margin', got {num_bins}")
+        if num_experts * num_bins > MAX_HISTOGRAM:
+            raise ValueError(
+                f"num_experts * num_bins = {num_experts * num_bins} histogram counts exceed "
+                f"{MAX_HISTOGRAM} (num_experts={num_experts}, num_bins={num_bins})"
+            )
         ema = check_float("ema", ema)
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
+        device = _check_device(device)
         self.num_experts = num_experts
         self.topk = topk
         self.binning = binning
@@ -98,7 +114,6 @@ class QuantileBalancer:
         self.num_bins = num_bins
         self.ema = ema
         self.process_group = process_group
-        device = torch.device(device) if device is not None else torch.device("cpu")
         self.bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
         self.bin_bounds = self._initial_bounds(self.bias)
         self.histogram = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
@@ -135,8 +150,19 @@ class QuantileBalancer:
         route with the current bias but leave the histogram alone unless asked explicitly, so they
         never leak into the next training step.
         """
+        check_tensor("logits", logits, min_dim=1)
+        if logits.shape[-1] != self.num_experts:
+            raise ValueError(
+                f"logits must have num_experts={self.num_experts} columns (last dim), got shape "
+                f"{tuple(logits.shape)}"
+            )
+        if logits.device != self.device:
+            raise ValueError(
+                f"logits must be on the balancer's device {self.device}, got {logits.device}"
+            )
         if accumulate is None:
             accumulate = torch.is_grad_enabled()
+        accumulate = check_bool("accumulate", accumulate)
         if accumulate:
             tokens = logits.numel() // max(1, logits.shape[-1]) if logits.dim() else 0
             if (self._pending_tokens + tokens) * self._world_size() > INT32_MAX:
@@ -199,6 +225,7 @@ class QuantileBalancer:
         A bias or bounds entry made non-finite (or bounds made invalid) from outside is first
         restored from the last committed state; a candidate state that is not finite is not
         committed and counts in ``rejected_steps``. Device ops only: no host sync."""
+        check_backend(backend)
         self.all_reduce_histogram()
         e = self.num_experts
         committed_bias, committed_bounds = self._committed[:e], self._committed[e:]
@@ -273,25 +300,45 @@ class QuantileBalancer:
         self._pending_tokens = 0
 
 
+def _check_device(device) -> torch.device:
+    """``device=``: None (the CPU), a ``torch.device`` or its string; an available one."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device must be a torch device or its name, got {device!r}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} is not available (no CUDA/ROCm device)")
+    return device
+
+
 @torch.no_grad()
 def aux_free_bias_update_(
     bias: torch.Tensor, tokens_per_expert: torch.Tensor, rate: float = 1e-3
 ) -> torch.Tensor:
     """DeepSeek-V3 aux-loss-free update in place: ``b += rate * sign(mean_load - load)``."""
     check_tensor("bias", bias, dtypes=(torch.float32,), dim=1)
-    check_tensor("tokens_per_expert", tokens_per_expert, shape=(bias.numel(),), device=bias.device)
-    rate = check_float("rate", rate)
+    check_tensor(
+        "tokens_per_expert",
+        tokens_per_expert,
+        dtypes=LOAD_DTYPES,
+        shape=(bias.numel(),),
+        device=bias.device,
+    )
+    rate = check_float("rate", rate, finite=True)
     bias.copy_(_ref_qb.aux_free_bias_update(bias, tokens_per_expert, rate))
     return bias
 
 
 def maxvio(tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """MaxVio = ``max(load) / mean(load) - 1`` (0-dim fp32 tensor, no host sync)."""
-    check_tensor("tokens_per_expert", tokens_per_expert, dim=1)
+    """MaxVio = ``max(load) / mean(load) - 1`` (0-dim fp32 tensor, no host sync; 0 for an empty
+    load or one with no tokens)."""
+    check_tensor("tokens_per_expert", tokens_per_expert, dtypes=LOAD_DTYPES, dim=1)
     return _ref_qb.maxvio(tokens_per_expert)
 
 
 def cv2(tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """CV^2 of the load shares (0-dim fp32 tensor)."""
-    check_tensor("tokens_per_expert", tokens_per_expert, dim=1)
+    """CV^2 of the load shares (0-dim fp32 tensor; 0 for an empty load)."""
+    check_tensor("tokens_per_expert", tokens_per_expert, dtypes=LOAD_DTYPES, dim=1)
     return _ref_qb.cv2(tokens_per_expert)

@@ -1,15 +1,93 @@
-"""``amdqb info | demo | bench``: the command line (also ``python -m amdqb``)."""
+"""``amdqb info | demo | bench``: the command line (also ``python -m amdqb``).
+
+Every command parses its options with argparse: ``amdqb COMMAND --help`` lists them, an unknown
+command or a bad option value is named in an error with exit status 2. The argparse types here
+(:func:`int_range`, :func:`float_range`) are shared with ``amdqb demo``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
+import textwrap
+
+COMMAND_HELP = {
+    "info": (
+        "device, architecture and backends",
+        "the device (vendor, arch, wave size, LDS, CUs), the library versions, every backend "
+        "(available or why not) and the backend chosen for every op, with the reason",
+    ),
+    "demo": (
+        "QB balancing at a glance",
+        "four balancers (none / aux-loss-free sign rule / QB histogram / QB exact) on one "
+        "drifting, skewed token stream: MaxVio and CV2 per step, summary.json and a plot",
+    ),
+    "bench": (
+        "microbenchmarks (suites below)",
+        "kernels vs baselines, each case checked against the oracle first; tables with the "
+        "device / versions / shape header and p20 / p50 / p80 us per call; --json PATH",
+    ),
+}
+
+BENCH_SUITES = {  # kept in step with bench/cli.py's SUITE_HELP (op_tests/test_cli.py checks it)
+    "route": "moe_route_rows (atomic / lds / deterministic) and moe_align_block_size vs torch",
+    "router": "fused router without / with QB (two_kernel, fused_atomic) and biased_topk",
+    "chunks": "moe_sort_chunks_and_pad + moe_unpad_and_restore_chunks round trip vs split/cat",
+    "balance": "QuantileBalancer.step() (recover, EMA, centre, bounds, zero)",
+    "serving": "routing share of a serving MoE layer (biased_topk + align), eager and graph",
+    "all": "every suite above, in that order",
+}
 
 
+# ------------------------------------------------------------------------------------------------
+# argparse types with ranges
+# ------------------------------------------------------------------------------------------------
+def int_range(low: int | None = None, high: int | None = None):
+    """argparse ``type=``: an int in ``[low, high]`` (either bound optional)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be in {_span(low, high)}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its messages
+    return parse
+
+
+def float_range(low: float | None = None, high: float | None = None, *, open_low: bool = False):
+    """argparse ``type=``: a finite float in ``[low, high]`` (``(low, high]`` with ``open_low``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        bad_low = low is not None and (value <= low if open_low else value < low)
+        if not math.isfinite(value) or bad_low or (high is not None and value > high):
+            span = _span(low, high).replace("[", "(", 1) if open_low else _span(low, high)
+            raise argparse.ArgumentTypeError(f"must be a finite number in {span}, got {text}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def _span(low, high) -> str:
+    return f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
+
+
+# ------------------------------------------------------------------------------------------------
+# Commands
+# ------------------------------------------------------------------------------------------------
 def _info(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="amdqb info", description=__doc__)
+    parser = argparse.ArgumentParser(prog="amdqb info", description=COMMAND_HELP["info"][1])
     parser.add_argument("--device", default=None, help="device to describe (default: cuda if any)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     args = parser.parse_args(argv)
@@ -18,7 +96,10 @@ def _info(argv: list[str]) -> int:
 
     from . import __version__, dispatch
 
-    report = dispatch.report(args.device)
+    try:
+        report = dispatch.report(args.device)
+    except ValueError as exc:
+        parser.error(f"--device: {exc}")
     versions = {
         "amdqb": __version__,
         "python": platform.python_version(),
@@ -79,7 +160,7 @@ def _bench(argv: list[str]) -> int:
         from bench import cli as bench_cli
     except ImportError as exc:
         print(
-            "amdqb bench needs the repository's bench/ folder on the path "
+            "amdqb bench: error: needs the repository's bench/ folder on the path "
             f"(run from a source checkout): {exc}",
             file=sys.stderr,
         )
@@ -90,12 +171,43 @@ def _bench(argv: list[str]) -> int:
 COMMANDS = {"info": _info, "demo": _demo, "bench": _bench}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: its help lists every command (and bench's suites)."""
+    from . import __version__
+
+    suites = "\n".join(f"    {name:8s} {text}" for name, text in BENCH_SUITES.items())
+    details = "\n".join(
+        textwrap.fill(text[1], 96, initial_indent=f"  {name:7s}", subsequent_indent=" " * 9)
+        for name, text in COMMAND_HELP.items()
+    )
+    parser = argparse.ArgumentParser(
+        prog="amdqb",
+        description="amdqb: exact, graph-safe MoE routing kernels with Quantile Balancing.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            f"{details}\n\nbench suites (amdqb bench SUITE):\n{suites}\n\n"
+            "amdqb COMMAND --help lists a command's options."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"amdqb {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, (short, _) in COMMAND_HELP.items():
+        sub.add_parser(name, help=short, add_help=False)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: amdqb {info,demo,bench} [options]   (amdqb <command> --help for details)")
-        print("  info   device, architecture, backends and the backend chosen for every op")
-        print("  demo   QB balancing at a glance: none / aux-free / QB histogram / QB exact")
-        print("  bench  microbenchmarks: route | router | chunks | balance")
-        return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
-    return COMMANDS[argv[0]](argv[1:])
+    try:
+        if argv and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]](argv[1:])
+        parser = build_parser()
+        if not argv:
+            parser.print_help()
+            return 0
+        parser.parse_args(argv)  # --help / --version exit 0; anything else is an error (2)
+        parser.error(f"unknown command {argv[0]!r}")
+    except SystemExit as exc:  # argparse's exits, as a status (the entry point exits with it)
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 2)
+    return 2

@@ -440,6 +440,9 @@ def plot(path: str, methods, hist, final, config: dict, window: int) -> None:
 # Command line.
 # --------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
+    from .cli import float_range, int_range  # argparse types with ranges: errors name the option
+
+    pos = int_range(1)
     parser = argparse.ArgumentParser(
         prog="amdqb demo",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -466,46 +469,54 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--kimi", action="store_true", help="Kimi K3 shape: E=896, k=16, T=16384 (meant for a GPU)"
     )
-    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per step (default 4096)")
-    parser.add_argument("--experts", type=int, default=None, help="experts E (default 64)")
-    parser.add_argument("--topk", type=int, default=None, help="experts per token k (default 4)")
-    parser.add_argument("--dim", type=int, default=64, help="router input width d (default 64)")
-    parser.add_argument("--seed", type=int, default=0, help="stream seed (default 0)")
+    parser.add_argument("--steps", type=pos, default=200, help="training steps (default 200)")
+    parser.add_argument("--tokens", type=pos, default=None, help="tokens per step (default 4096)")
+    parser.add_argument("--experts", type=int_range(2), default=None, help="experts E (default 64)")
+    parser.add_argument("--topk", type=pos, default=None, help="experts per token k (default 4)")
+    parser.add_argument("--dim", type=pos, default=64, help="router input width d (default 64)")
+    parser.add_argument("--seed", type=int_range(0), default=0, help="stream seed (default 0)")
     parser.add_argument(
         "--logit-scale",
-        type=float,
+        type=float_range(0.0, open_low=True),
         default=DEFAULT_LOGIT_SCALE,
         help=f"std of the router logits (default {DEFAULT_LOGIT_SCALE:g}; try 10, see below)",
     )
     parser.add_argument(
-        "--hot", type=int, default=None, help="number of hot experts (default E // 16)"
+        "--hot", type=int_range(0), default=None, help="number of hot experts (default E // 16)"
     )
     parser.add_argument(
         "--hot-offset",
-        type=float,
+        type=float_range(),
         default=1.0,
         help="logit offset of the hot experts, before scaling (default 1.0)",
     )
     parser.add_argument(
         "--drift",
-        type=float,
+        type=float_range(0.0),
         default=0.25,
         help="std over experts of the drifting token mean's logit shift, before scaling (0.25)",
     )
-    parser.add_argument("--bins", type=int, default=1000, help="QB histogram bins B (default 1000)")
     parser.add_argument(
-        "--aux-rate", type=float, default=1e-3, help="sign-rule step (default 1e-3)"
+        "--bins",
+        type=int_range(2, 1 << 16),
+        default=1000,
+        help="QB histogram bins B (default 1000)",
     )
     parser.add_argument(
-        "--window", type=int, default=50, help="late window for the summary (default 50 steps)"
+        "--aux-rate", type=float_range(0.0), default=1e-3, help="sign-rule step (default 1e-3)"
     )
     parser.add_argument(
-        "--print-every", type=int, default=0, help="table row every N steps (default steps // 10)"
+        "--window", type=pos, default=50, help="late window for the summary (default 50 steps)"
+    )
+    parser.add_argument(
+        "--print-every",
+        type=int_range(0),
+        default=0,
+        help="table row every N steps (default steps // 10)",
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=int_range(0),
         default=1,
         help="torch CPU threads for the run (default 1: the per-step tensors are small and extra "
         "intra-op threads only add overhead, badly so on a busy CPU; 0 leaves torch's setting)",

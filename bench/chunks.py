@@ -2,7 +2,8 @@
 
 hidden 2048 bf16, 8 ranks x 16 experts = 128 rank-major chunks, sorted expert-major with each
 expert padded to a multiple of 128 on its last rank chunk; N in {8192, 32768} dispatched tokens.
-Reports µs, GB/s of the round trip (bytes read + written by both copies), % of the measured device
+Rows: ``backend`` (amdqb's: ``impl="fused"``; the baseline: ``backend="torch"``,
+``impl="split_cat"``). Reports µs, GB/s of the round trip (bytes read + written by both copies), % of the measured device
 copy bandwidth, and the extra peak memory over the inputs.
 """
 
@@ -73,7 +74,9 @@ def run(
     env = environment(device)
     bw, copy_us = copy_bandwidth(device, cfg=cfg) if device.type == "cuda" else (float("nan"), 0)
     env["copy_GBps"] = bw
-    report = Report("chunks", env)
+    shape = dict(H=hidden, dtype=str(dtype).replace("torch.", ""), chunks=ranks * experts)
+    shape.update(ranks=ranks, experts=experts, align=align)
+    report = Report("chunks", env, shape=shape)
     g = torch.Generator().manual_seed(0)
     progress = Progress(len(tokens), "chunks")
     backends = backends_for("chunk_copy", device, ("hip", "triton", "torch"))
@@ -103,7 +106,7 @@ def run(
         base_out, base_p = torch_split_cat(inp, probs, *lists, num_out)
         if not (torch.equal(base_out, want) and torch.equal(base_p, want_p)):
             raise AssertionError("the torch split/cat baseline disagrees with the oracle")
-        impls["torch_split_cat"] = lambda: torch_restore(
+        impls["baseline"] = lambda: torch_restore(
             torch_split_cat(inp, probs, *lists, num_out)[0], *lists[:2], lists[2]
         )
         if device.type == "cuda":
@@ -115,7 +118,7 @@ def run(
                 torch.cuda.synchronize()
                 peak[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
         # the torch backend and the split/cat baseline size or index by device values: eager
-        eager = {n: impls.pop(n) for n in ("torch", "torch_split_cat") if n in impls}
+        eager = {n: impls.pop(n) for n in ("torch", "baseline") if n in impls}
         times = time_alternating(impls, device, cfg)
         times.update(time_alternating(eager, device, cfg, graphs=False))
         elt = inp.element_size()
@@ -123,12 +126,16 @@ def run(
         outputs_mib = (num_out * hidden * elt + num_out * 4 * 2 + n * hidden * elt) / 2**20
         for name, us in times.items():
             gbps = nbytes / (us * 1e-6) / 1e9
+            backend, impl = ("torch", "split_cat") if name == "baseline" else (name, "fused")
             report.add(
                 N=n,
-                impl=name,
+                H=hidden,
+                dtype=str(dtype).replace("torch.", ""),
+                backend=backend,
+                impl=impl,
                 us=us,
-                **{"GB/s": gbps, "%copy": 100 * gbps / bw if bw == bw else float("nan")},
-                peak_extra_MiB=peak.get(name, float("nan")),
+                **({"GB/s": gbps} | ({"%copy": 100 * gbps / bw} if bw == bw else {})),
+                **({"peak_extra_MiB": peak[name]} if name in peak else {}),
                 outputs_MiB=outputs_mib,
             )
         progress.step(f"N={n}")

@@ -3,15 +3,19 @@
 Timing method (GPU): every implementation is captured once in a CUDA/HIP graph holding
 ``calls`` back-to-back calls on preallocated buffers; a sample replays the graph ``replays``
 times between two events; implementations are sampled in alternating order (A B C, C B A, ...)
-and the per-call median over samples is reported. On the CPU (no graphs) a sample is the wall
-time of ``calls`` eager calls. Every case is checked for correctness before it is timed.
+and the per-call 20th / 50th / 80th percentiles over the samples are reported (``us`` is the
+median). On the CPU (no graphs) a sample is the wall time of ``calls`` eager calls, with torch's
+intra-op threads pinned by the CLI (1 unless ``--threads``). Every case is checked for
+correctness before it is timed.
+
+Targets and peer anchors (SPEC §5) were measured on an H200: they appear only in rows measured on
+an H200 (:func:`is_h200`).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -31,7 +35,36 @@ class TimingConfig:
 
 
 def quick_config() -> TimingConfig:
-    return TimingConfig(calls=4, replays=2, samples=3, warmup=1)
+    return TimingConfig(calls=4, replays=2, samples=5, warmup=1)
+
+
+class Stats(float):
+    """Microseconds per call: the median as a float, with the 20th / 80th percentiles."""
+
+    p20: float
+    p80: float
+
+    def __new__(cls, samples: list[float]):
+        p20, p50, p80 = (_percentile(samples, q) for q in (20, 50, 80))
+        self = super().__new__(cls, p50)
+        self.p20, self.p80 = p20, p80
+        return self
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default method)."""
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    pos = (len(v) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def is_h200(env: dict) -> bool:
+    """Whether the rows of ``env`` were measured on an H200 (where the SPEC §5 targets apply)."""
+    return "H200" in str(env.get("device", ""))
 
 
 def on_gpu(device: torch.device) -> bool:
@@ -60,7 +93,8 @@ def time_alternating(
     cfg: TimingConfig,
     graphs: bool = True,
 ) -> dict[str, float]:
-    """Median microseconds per call of each implementation, sampled in alternating order.
+    """:class:`Stats` (median and p20 / p80 microseconds per call) of each implementation,
+    sampled in alternating order.
 
     ``graphs=False`` on a GPU times eager calls between events (launch overhead included).
     """
@@ -103,19 +137,26 @@ def time_alternating(
                 for _ in range(cfg.calls):
                     impls[n]()
                 samples[n].append((time.perf_counter() - t0) * 1e6 / cfg.calls)
-    return {n: statistics.median(v) for n, v in samples.items()}
+    return {n: Stats(v) for n, v in samples.items()}
 
 
 def backends_for(op: str, device: torch.device, names=("hip", "triton")) -> list[str]:
-    """The backends among ``names`` that are available on ``device`` and implement ``op``."""
+    """The backends among ``names`` that are available on ``device`` and implement ``op``, plus
+    the dispatcher's own choice for ``op`` when it is none of them (on a CPU without the Triton
+    interpreter: the torch backend), so that every device shows amdqb's rows."""
     from amdqb import dispatch
 
     info = dispatch.device_info(device)
-    return [
+    found = [
         n
         for n in names
         if dispatch.backend_status(n, info)[0] and op in dispatch._backend_module(n).OPS
     ]
+    try:
+        chosen = dispatch.select(op, device).backend
+    except RuntimeError:
+        return found
+    return found if chosen in found else [*found, chosen]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 58 * 2**20, cfg: TimingConfig | None = None):
@@ -148,8 +189,13 @@ def environment(device: torch.device) -> dict:
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         sha = ""
+    name = info.name
+    if info.vendor == "cpu":
+        import platform
+
+        name = f"cpu ({platform.processor() or platform.machine()}, {info.cu_count} cores)"
     return {
-        "device": info.name,
+        "device": name,
         "arch": info.arch,
         "cu_count": info.cu_count,
         "torch": torch.__version__,
@@ -159,32 +205,70 @@ def environment(device: torch.device) -> dict:
         "amdqb": __version__,
         "git": sha,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **RUN_INFO,
     }
 
 
 # JSON path that every Report rewrites after each row (set by the CLI's --json).
 AUTOSAVE: str | Path | None = None
+# How this run times (method, calls, samples, CPU threads): set by the CLI, stored in every env.
+RUN_INFO: dict = {}
 
 
 @dataclass
 class Report:
-    """Rows of one benchmark run, printed as a markdown table and optionally written as JSON."""
+    """Rows of one benchmark run, printed as a markdown table (under a header with the device,
+    the versions, the commit, the shape and the timing method) and optionally written as JSON.
+    ``shape``: the suite's fixed sizes, also stored in the JSON ``env``."""
 
     title: str
     env: dict
     rows: list[dict] = field(default_factory=list)
+    shape: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.env = {**self.env, "shape": dict(self.shape)} if self.shape else dict(self.env)
 
     def add(self, **row) -> None:
+        us = row.get("us")
+        if isinstance(us, Stats):  # the percentiles next to the median ("us")
+            spread = {}
+            for key, value in row.items():
+                if key == "us":
+                    spread.update(p20_us=us.p20, us=float(us), p80_us=us.p80)
+                else:
+                    spread[key] = value
+            row = spread
         self.rows.append(row)
         if AUTOSAVE is not None:  # a run cut off by a time limit keeps every finished row
             write_json(AUTOSAVE, [self])
             print(f"[{self.title}] " + json.dumps(row, default=str), file=sys.stderr, flush=True)
 
+    def header(self) -> list[str]:
+        env = self.env
+        versions = ", ".join(
+            f"{k} {env[k]}" for k in ("amdqb", "torch", "triton", "cuda", "hip") if env.get(k)
+        )
+        where = env.get("device")
+        if env.get("arch") != "cpu":
+            where = f"{where} ({env.get('arch')}, {env.get('cu_count')} CUs)"
+        lines = [
+            f"device: {where} | {versions} | commit {env.get('git') or '?'} | {env.get('date')}"
+        ]
+        if env.get("shape"):
+            lines.append("shape: " + ", ".join(f"{k}={v}" for k, v in env["shape"].items()))
+        timing = env.get("timing")
+        if timing:
+            lines.append(f"timing: {timing}")
+        return lines
+
     def markdown(self, columns: list[str] | None = None) -> str:
+        head = [f"### {self.title}", *(f"{line}  " for line in self.header())]
         if not self.rows:
-            return f"### {self.title}\n(no rows)\n"
+            return "\n".join(head) + "\n(no rows)\n"
         cols = columns or list(dict.fromkeys(k for r in self.rows for k in r))
-        lines = [f"### {self.title}", "", "| " + " | ".join(cols) + " |"]
+        names = [{"us": "p50_us"}.get(c, c) for c in cols]
+        lines = [*head, "", "| " + " | ".join(names) + " |"]
         lines.append("|" + "|".join("---" for _ in cols) + "|")
         for r in self.rows:
             lines.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")

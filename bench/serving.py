@@ -1,35 +1,49 @@
 """Serving MoE layer: routing share (biased_topk + moe_align_block_size) of the layer time per
 batch bucket, eager vs graph, amdqb's kernels (the dispatcher's choice) vs the torch backend (eager
-only: its oracles size outputs from device values, which graph capture forbids). The route share is
-taken from graph replays for amdqb and from eager calls for torch.
+only: its oracles size outputs from device values, which graph capture forbids).
 
 Layer = amdqb.serving.moe_forward (Kimi-K3 TP8 shape by default: E=896, k=16, hidden 7168,
-expert width 384, bf16).
+expert width 384, bf16). One row per (batch, backend, part, mode): ``part`` is ``route`` or
+``layer``, ``mode`` ``eager`` or ``graph``; route rows carry ``route_%``, their share of the layer
+in the same mode.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from amdqb import biased_topk, moe_align_block_size, serving
+from amdqb import biased_topk, dispatch, moe_align_block_size, serving
 
 from .common import Progress, Report, TimingConfig, environment, time_alternating
 
 
 def run(
-    device, cfg: TimingConfig, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), config: str = "kimi"
+    device,
+    cfg: TimingConfig,
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+    config: str = "kimi",
+    num_experts=None,
+    topk=None,
 ) -> list[Report]:
     moe = serving.KIMI_K3_TP8 if config == "kimi" else serving.SMALL
+    changes = {k: v for k, v in (("num_experts", num_experts), ("topk", topk)) if v is not None}
+    moe = dataclasses.replace(moe, **changes)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     weights = serving.init_weights(moe, device, dtype)
-    report = Report("serving_moe", environment(device))
+    shape = dict(E=moe.num_experts, k=moe.topk, hidden=moe.hidden, intermediate=moe.intermediate)
+    shape.update(block=moe.block_size, dtype=str(dtype).replace("torch.", ""))
+    report = Report("serving_moe", environment(device), shape=shape)
     g = torch.Generator().manual_seed(0)
     progress = Progress(len(buckets), "serving")
+    chosen = dispatch.select("biased_topk", device).backend
     for m in buckets:
         x = torch.randn(m, moe.hidden, generator=g).to(device, dtype)
         logits = x @ weights["router"]
-        row = {"M": m}
-        for label, backend in (("amdqb", None), ("torch", "torch")):
+        for label, backend in ((chosen, None), ("torch", "torch")):
+            if backend is None and chosen == "torch":
+                continue  # the dispatcher's choice is the torch backend: one set of rows
 
             def routing(b=backend):
                 _, ids = biased_topk(logits, moe.topk, weights["expert_bias"], backend=b)
@@ -40,17 +54,17 @@ def run(
             def layer(b=backend):
                 return serving.moe_forward(x, weights, moe, backend=b)
 
-            impls = {"routing": routing, "layer": layer}
-            eager_t = time_alternating(impls, device, cfg, graphs=False)
-            row[f"{label}_route_eager_us"] = eager_t["routing"]
-            row[f"{label}_layer_eager_us"] = eager_t["layer"]
-            if backend == "torch":  # the torch oracles size outputs on the host: not capturable
-                row[f"{label}_route_%"] = 100 * eager_t["routing"] / eager_t["layer"]
-                continue
-            graph_t = time_alternating(impls, device, cfg, graphs=True)
-            row[f"{label}_route_graph_us"] = graph_t["routing"]
-            row[f"{label}_layer_graph_us"] = graph_t["layer"]
-            row[f"{label}_route_%"] = 100 * graph_t["routing"] / graph_t["layer"]
-        report.add(**row)
+            impls = {"route": routing, "layer": layer}
+            modes = {"eager": time_alternating(impls, device, cfg, graphs=False)}
+            # the torch oracles size outputs on the host: not capturable; the CPU has no graphs
+            if label != "torch" and device.type == "cuda":
+                modes["graph"] = time_alternating(impls, device, cfg, graphs=True)
+            for mode, times in modes.items():
+                for part in ("route", "layer"):
+                    row = dict(M=m, E=moe.num_experts, k=moe.topk, backend=label)
+                    row.update(part=part, mode=mode, us=times[part])
+                    if part == "route":
+                        row["route_%"] = 100 * times["route"] / times["layer"]
+                    report.add(**row)
         progress.step(f"M={m}")
     return [report]

@@ -30,10 +30,12 @@ never allocate output buffers the caller sees. Signatures:
     the op), deterministic, impl "atomic"|"lds") -> None``
 ``align_block_size(topk_ids [M,k] int32, block_size, num_experts, sorted_ids_out, expert_ids_out,
     num_post_pad_out) -> None`` (``expert_map`` is applied by the op)
-``chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out int32) -> None``
+``chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out int32,
+    num_in_tokens) -> None`` (rows past ``num_in_tokens`` are never mapped)
 ``chunk_copy(src [N,H], row_map int32 [P], dst, reverse: bool) -> None``
     forward (``reverse=False``): ``dst[p] = src[row_map[p]]`` or 0; reverse: ``dst[row_map[p]] =
-    src[p]`` for ``row_map[p] >= 0`` (``dst`` pre-zeroed by the op).
+    src[p]`` (``dst`` pre-zeroed by the op); entries outside the indexed tensor's rows are 0 /
+    skipped (any ``row_map`` is memory-safe).
 ``aux_scores_fwd(logits [T,E], topk, score_function, scores_out fp32 [T,E], map_out, map_kind)
     -> None``: TE's aux-loss scores (softmax, or the activation normalised over all E) and the
     Top-k map of them; ``map_kind`` ``"bytemap"`` (bool [T,E]) or ``"bitmap"`` (uint8

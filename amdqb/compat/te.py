@@ -11,7 +11,7 @@ moe_aux_loss``, ``fused_moe_aux_loss``, the enums ``RoutingMapFormat`` (``BYTEMA
 module (``transformer_engine_torch``) and calls from its tests, and ``mark_qb_bin_bounds_validated``
 (TE's trusted-producer marker for in-place bounds updates before graph capture).
 
-``routing_map_format`` follows TE's rules: the enum, its int (0 / 1) or the lowercase strings
+``routing_map_format`` follows TE's rules: the enum, its int (0 / 1, a NumPy int too) or the lowercase strings
 ``"bytemap"`` / ``"bitmap_u8"``; another int or string is a ``ValueError``, another type a
 ``TypeError``. ``qb_histogram_mode`` takes TE's strings and, beyond TE, the enum or its int.
 Precision, tie-break and graph-safety contracts are amdqb's (``amdqb.ops.router``,
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -64,8 +65,8 @@ def _validate_routing_map_format(routing_map_format) -> int:
     """TE's coercion of ``routing_map_format`` to 0 / 1."""
     if isinstance(routing_map_format, bool):
         raise TypeError(f"routing_map_format must not be a bool, got {routing_map_format!r}")
-    if isinstance(routing_map_format, int):  # the enum included
-        if routing_map_format in (0, 1):
+    if isinstance(routing_map_format, numbers.Integral):  # the enum and NumPy ints included
+        if int(routing_map_format) in (0, 1):
             return int(routing_map_format)
         raise ValueError(
             f"routing_map_format int must be one of [0, 1]; got {routing_map_format!r}"

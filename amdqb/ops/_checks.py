@@ -1,14 +1,34 @@
 """Argument checks shared by the ops. Every failure names the argument and is raised before any
-kernel launch; none of these reads device memory."""
+kernel launch and any allocation; none of these reads device memory.
+
+Integers: Python ints and NumPy integers (anything ``numbers.Integral``) are accepted and returned
+as ``int``; ``bool`` is rejected where an int is meant. Floats: any real number, returned as
+``float``; ``finite=True`` rejects NaN and infinities. Sizes that allocate are bounded
+(``MAX_EXPERTS`` experts) so that an absurd value fails here, not in the allocator.
+"""
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 ID_DTYPES = (torch.int32, torch.int64)
+LOAD_DTYPES = (
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+)
 INT32_MAX = 2**31 - 1
+MAX_EXPERTS = 1 << 16  # experts of an op that allocates per-expert buffers (route rows, align)
 
 
 def check_tensor(
@@ -44,9 +64,15 @@ def check_tensor(
     return value
 
 
+def _is_bool(value) -> bool:
+    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy.bool_
+
+
 def check_int(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """``value`` as an ``int`` (Python or NumPy integer, not bool) within ``[low, high]``."""
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    value = int(value)
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
@@ -54,10 +80,31 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
     return value
 
 
-def check_float(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def check_float(name: str, value, *, finite: bool = False) -> float:
+    """``value`` as a ``float`` (any real number, not bool); ``finite`` rejects NaN / inf."""
+    if _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    return float(value)
+    value = float(value)
+    if finite and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` as a ``bool``: a bool, a NumPy bool or the ints 0 / 1."""
+    if _is_bool(value):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and int(value) in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def check_backend(value) -> None:
+    """``backend=``: None or one of the backend names (checked before anything else runs)."""
+    from ..dispatch import BACKENDS
+
+    if value is not None and (not isinstance(value, str) or value not in BACKENDS):
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {value!r}")
 
 
 def check_choice(name: str, value, choices: tuple[str, ...]) -> str:
@@ -68,7 +115,7 @@ def check_choice(name: str, value, choices: tuple[str, ...]) -> str:
 
 def check_groups(
     num_groups, group_topk, topk: int, num_experts: int, *, te_rule: bool = True, biased=False
-) -> None:
+) -> tuple[int | None, int | None]:
     """Grouped Top-k arguments. ``te_rule`` (TransformerEngine's router): ``group_topk`` divides
     ``topk`` and each group holds ``topk // group_topk`` of the routes; the serving rule (vLLM /
     SGLang) only needs ``topk`` experts inside the chosen groups, and two per group when the
@@ -76,9 +123,9 @@ def check_groups(
     if (num_groups is None) != (group_topk is None):
         raise ValueError("num_groups and group_topk must be given together (or both None)")
     if num_groups is None:
-        return
-    check_int("num_groups", num_groups, low=1)
-    check_int("group_topk", group_topk, low=1, high=num_groups)
+        return None, None
+    num_groups = check_int("num_groups", num_groups, low=1, high=num_experts)
+    group_topk = check_int("group_topk", group_topk, low=1, high=num_groups)
     if num_experts % num_groups:
         raise ValueError(f"num_groups={num_groups} must divide the expert count {num_experts}")
     group_size = num_experts // num_groups
@@ -89,7 +136,7 @@ def check_groups(
             raise ValueError(
                 f"topk/group_topk={topk // group_topk} exceeds the group size {group_size}"
             )
-        return
+        return num_groups, group_topk
     if topk > group_topk * group_size:
         raise ValueError(
             f"topk={topk} exceeds the {group_topk * group_size} experts of group_topk="
@@ -100,3 +147,4 @@ def check_groups(
             "groups ranked by their best two biased scores need at least 2 experts per group, "
             f"got num_experts={num_experts}, num_groups={num_groups}"
         )
+    return num_groups, group_topk

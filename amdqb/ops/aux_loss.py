@@ -24,7 +24,6 @@ coefficient on the host (TE's fast path). Both ops trace under ``torch.compile(f
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional, Union
 
 import torch
@@ -33,7 +32,14 @@ from .. import dispatch
 from .._library import impl, kernel_op
 from ..ref import aux_loss as ref_aux
 from ..ref.router import SCORE_FUNCTIONS
-from ._checks import FLOAT_DTYPES, check_choice, check_float, check_int, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    check_backend,
+    check_choice,
+    check_float,
+    check_int,
+    check_tensor,
+)
 from .router import _normalise_map_format
 
 TOKENS_PER_EXPERT_DTYPES = (torch.int32, torch.int64, torch.float32, torch.bfloat16)
@@ -188,8 +194,9 @@ def fused_compute_score_for_moe_aux_loss(
     num_experts = logits.shape[-1]
     if num_experts < 1:
         raise ValueError("logits must have at least one expert (last dim >= 1)")
-    check_int("topk", topk, low=1, high=num_experts)
+    topk = check_int("topk", topk, low=1, high=num_experts)
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
+    check_backend(backend)
     map_kind = "bitmap" if _normalise_map_format(routing_map_format) == "bitmap_u8" else "bytemap"
     lead = logits.shape[:-1]
     logits2d = logits.reshape(-1, num_experts)
@@ -255,13 +262,14 @@ def fused_moe_aux_loss(
         shape=(cols,),
         device=device,
     )
-    check_int("num_experts", num_experts, low=1)
+    num_experts = check_int("num_experts", num_experts, low=1)
     if cols % num_experts:
         raise ValueError(
             f"probs has {cols} columns, which must be a multiple of num_experts={num_experts}"
         )
-    check_int("topk", topk, low=1)
-    coeff = check_float("coeff", coeff)
+    topk = check_int("topk", topk, low=1)
+    coeff = check_float("coeff", coeff, finite=True)
+    check_backend(backend)
     if isinstance(total_num_tokens, torch.Tensor):
         check_tensor("total_num_tokens", total_num_tokens, dtypes=(torch.int64,), device=device)
         if total_num_tokens.numel() != 1:
@@ -273,11 +281,8 @@ def fused_moe_aux_loss(
         coeff_host = 0.0
         coeff_prefix = _coefficient_prefix(num_experts, topk, coeff)
     else:
-        if isinstance(total_num_tokens, numbers.Integral) and not isinstance(
-            total_num_tokens, bool
-        ):
-            total_num_tokens = int(total_num_tokens)  # numpy integers as TE's int() accepts them
-        check_int("total_num_tokens", total_num_tokens, low=1)
+        # numpy integers too, as TE's int() accepts them
+        total_num_tokens = check_int("total_num_tokens", total_num_tokens, low=1)
         total = None
         coeff_host = _host_coefficient(num_experts, topk, coeff, total_num_tokens)
         coeff_prefix = 0.0

@@ -5,6 +5,14 @@ is never read by the host, so it may change between CUDA/HIP graph replays as lo
 sizes (``num_out_tokens``) stay fixed. Copies are exact; padding rows are zero and get zero
 gradient; ``row_map`` is ``-1`` at padding. Offsets are computed in 64-bit (``rows * hidden`` may
 pass 2^31).
+
+Any metadata value is memory-safe: no kernel reads or writes outside its tensors, whatever the
+device-side ``split_sizes``, ``sorted_indices``, ``output_split_sizes`` or ``row_map`` hold.
+Inconsistent metadata has these outcomes on every backend (``amdqb.ref.chunks``): negative sizes
+count as 0 (clamped); a ``sorted_indices`` entry outside ``[0, C)`` makes its output chunk all
+padding (dropped); source rows past the input (sizes summing past ``T``) are not copied (zero
+rows, ``row_map`` -1); a duplicate index copies the chunk twice, and the backward then keeps one
+of the two gradients; restore skips ``row_map`` entries outside ``[0, num_tokens)``.
 """
 
 from __future__ import annotations
@@ -15,10 +23,12 @@ import torch
 
 from .. import dispatch
 from .._library import impl, kernel_op
-from ._checks import FLOAT_DTYPES, ID_DTYPES, INT32_MAX, check_int, check_tensor
+from ._checks import FLOAT_DTYPES, ID_DTYPES, INT32_MAX, check_backend, check_int, check_tensor
 
 
-def _row_map_fake(split_sizes, sorted_indices, output_split_sizes, num_out_tokens, backend):
+def _row_map_fake(
+    split_sizes, sorted_indices, output_split_sizes, num_out_tokens, num_in_tokens, backend
+):
     return split_sizes.new_empty(num_out_tokens, dtype=torch.int32)
 
 
@@ -32,10 +42,13 @@ def _chunk_row_map(
     sorted_indices: torch.Tensor,
     output_split_sizes: torch.Tensor,
     num_out_tokens: int,
+    num_in_tokens: int,
     backend: str,
 ) -> torch.Tensor:
     row_map = torch.empty(num_out_tokens, dtype=torch.int32, device=split_sizes.device)
-    impl("chunk_row_map", backend)(split_sizes, sorted_indices, output_split_sizes, row_map)
+    impl("chunk_row_map", backend)(
+        split_sizes, sorted_indices, output_split_sizes, row_map, num_in_tokens
+    )
     return row_map
 
 
@@ -109,11 +122,14 @@ def moe_sort_chunks_and_pad(
     chunks = split_sizes.numel()
     _check_meta("sorted_indices", sorted_indices, device, chunks)
     _check_meta("output_split_sizes", output_split_sizes, device, chunks)
-    check_int("num_out_tokens", num_out_tokens, low=inp.shape[0], high=INT32_MAX)
+    num_out_tokens = check_int("num_out_tokens", num_out_tokens, low=inp.shape[0], high=INT32_MAX)
     if probs is not None:
         check_tensor("probs", probs, dtypes=FLOAT_DTYPES, shape=(inp.shape[0],), device=device)
+    check_backend(backend)
     name = _backend(device, backend, inp.dtype)
-    row_map = _chunk_row_map(split_sizes, sorted_indices, output_split_sizes, num_out_tokens, name)
+    row_map = _chunk_row_map(
+        split_sizes, sorted_indices, output_split_sizes, num_out_tokens, inp.shape[0], name
+    )
     src = inp if inp.is_contiguous() else inp.contiguous()
     out = _ChunkCopy.apply(src, row_map, num_out_tokens, False, name)
     out_probs = None
@@ -133,14 +149,17 @@ def moe_unpad_and_restore_chunks(
     """Inverse of :func:`moe_sort_chunks_and_pad`: drop padding, restore the original order.
 
     ``inp`` is ``[num_padded, H']`` (``H'`` may differ from the forward ``H``); returns
-    ``[num_tokens, H']`` with ``out[row_map[p]] = inp[p]``. Rows no ``row_map`` entry covers are zero.
+    ``[num_tokens, H']`` with ``out[row_map[p]] = inp[p]``. Rows no ``row_map`` entry covers are zero;
+    entries outside ``[0, num_tokens)`` write nothing; two entries naming one row leave one of the
+    two inputs there (unspecified which).
     """
     check_tensor("inp", inp, dtypes=FLOAT_DTYPES, dim=2)
     device = inp.device
     check_tensor("row_map", row_map, dtypes=(torch.int32,), dim=1, device=device, contiguous=True)
     if row_map.numel() != inp.shape[0]:
         raise ValueError(f"row_map has {row_map.numel()} entries but inp has {inp.shape[0]} rows")
-    check_int("num_tokens", num_tokens, low=0, high=INT32_MAX)
+    num_tokens = check_int("num_tokens", num_tokens, low=0, high=INT32_MAX)
+    check_backend(backend)
     name = _backend(device, backend, inp.dtype)
     src = inp if inp.is_contiguous() else inp.contiguous()
     return _ChunkCopy.apply(src, row_map, num_tokens, True, name)

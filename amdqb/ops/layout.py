@@ -7,6 +7,13 @@ expert-major layout. The order inside an expert is unspecified unless ``determin
 (ascending flat route index, bitwise reproducible). Row ids are int32: multiply by the hidden size
 in int64 downstream.
 
+Any counter value is memory-safe and has one outcome on every backend (``amdqb.ref.layout``): a
+slot outside ``[0, 2^31 - 1]`` (a negative counter, or one passing int32) is dropped -- row ``-1``,
+not counted, the counter still advances; the compact layout gives expert ``e`` the rows
+``[offset[e], offset[e] + max(counters[e], 0))`` (``offset``: exclusive cumsum of the updated
+counters clamped at 0) and drops a route whose row would leave that range or pass ``2^31 - 1``.
+So every row handed out is in ``[0, 2^31 - 1]`` and owned by exactly one route.
+
 Two implementations:
 
 * ``atomic`` -- one global atomic per route (the "old" path);
@@ -26,10 +33,20 @@ from .. import configs, dispatch
 from .._library import impl, kernel_op
 from ..dispatch import DeviceInfo
 from ..ref.layout import align_buffer_sizes
-from ._checks import INT32_MAX, ID_DTYPES, check_choice, check_int, check_tensor
+from ._checks import (
+    INT32_MAX,
+    ID_DTYPES,
+    MAX_EXPERTS,
+    check_backend,
+    check_bool,
+    check_choice,
+    check_int,
+    check_tensor,
+)
 
 ROUTE_IMPLS = ("atomic", "lds")
 LDS_MAX_EXPERTS = 4096
+MAX_ALIGN_PADDING = 1 << 26  # E * (block_size - 1) padding rows of one align buffer (256 MiB)
 
 
 def lds_route_threshold(num_experts: int, cfg) -> int:
@@ -120,10 +137,11 @@ def moe_route_rows(
 
     Args:
         topk_ids: ``[M, k]`` (or any shape) int32/int64 expert ids; ids outside ``[0, E)`` drop.
-        num_experts: E.
+        num_experts: E (1 ... 65536: the per-expert buffers are allocated here).
         capacity: rows per expert in the masked layout ``row = e * capacity + slot``.
         counters: optional int32 ``[E]`` caller-initialised slot offsets, updated in place by the
-            number of valid routes of each expert.
+            number of valid routes of each expert (int32, wrapping); slots outside
+            ``[0, 2^31 - 1]`` get no row (see the module notes).
         deterministic: ascending flat route index inside each expert, bitwise reproducible.
         impl: force ``"atomic"`` or ``"lds"`` (default: the capacity gate).
         backend: force a backend.
@@ -133,14 +151,15 @@ def moe_route_rows(
         call that received a row.
     """
     _check_ids(topk_ids)
-    check_int("num_experts", num_experts, low=1)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
     device = topk_ids.device
     if capacity is not None:
-        check_int("capacity", capacity, low=0)
+        capacity = check_int("capacity", capacity, low=0, high=INT32_MAX)
         if num_experts * capacity > INT32_MAX:
             raise ValueError(
                 f"num_experts * capacity = {num_experts * capacity} does not fit int32 rows"
             )
+    deterministic = check_bool("deterministic", deterministic)
     if counters is not None:
         check_tensor(
             "counters",
@@ -152,6 +171,7 @@ def moe_route_rows(
         )
     if impl is not None:
         check_choice("impl", impl, ROUTE_IMPLS)
+    check_backend(backend)
     ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     num_routes = ids.numel()
     chosen = impl or _auto_route_impl(str(device), num_routes, num_experts)
@@ -187,11 +207,19 @@ def align_min_rows(numel: int, num_experts: int, block_size: int) -> int:
     return numel + min(numel, num_experts) * (block_size - 1)
 
 
-def _check_align(topk_ids, block_size, num_experts) -> torch.Tensor:
+def _check_align(topk_ids, block_size, num_experts, backend=None):
+    """(contiguous ids, block_size, num_experts) of an align call, every argument checked."""
     _check_ids(topk_ids)
-    check_int("block_size", block_size, low=1)
-    check_int("num_experts", num_experts, low=1)
-    return topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    if num_experts * (block_size - 1) > MAX_ALIGN_PADDING:
+        raise ValueError(
+            f"num_experts * (block_size - 1) = {num_experts * (block_size - 1)} padding rows "
+            f"exceed {MAX_ALIGN_PADDING} (block_size={block_size}, num_experts={num_experts})"
+        )
+    check_backend(backend)
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    return ids, block_size, num_experts
 
 
 def align_block_size_into(
@@ -209,7 +237,7 @@ def align_block_size_into(
     routes, expert 0 past the used blocks. ``sorted_token_ids`` must hold :func:`align_min_rows`
     entries (checked from the shapes: the padded total of any routing fits) and ``expert_ids`` at
     least that many rows' blocks, so no routing can make a kernel write out of bounds."""
-    ids = _check_align(topk_ids, block_size, num_experts)
+    ids, block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
     device = ids.device
     for name, buf in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids)):
         check_tensor(name, buf, dtypes=(torch.int32,), dim=1, device=device, contiguous=True)
@@ -266,7 +294,8 @@ def moe_align_block_size(
     -1 for remote experts) when given, as vLLM's ``ignore_invalid_experts=False`` path does
     (``amdqb.compat.vllm`` has the filtering path and vLLM's -1 tail).
     """
-    ids = _check_align(topk_ids, block_size, num_experts)
+    ids, block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
+    pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)
     device = ids.device
     if expert_map is not None:
         check_tensor(

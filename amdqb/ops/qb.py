@@ -9,6 +9,10 @@ Binnings (``amdqb.ref.qb``): ``"uniform"`` recovers the bias from a histogram of
 ``r = alpha - s`` over the bounds ``[L, U]``; ``"log_margin"`` recovers the bias change from a
 histogram of the biased margin over the scale ``[eps, 1/eps]`` and adds it to the bias the margins
 were measured against.
+
+The counts are values, never addresses: any histogram (negative counts, counts near the int32
+limit, an empty row) is memory-safe and gives the formula's result on the counts as given (the
+bin position is clamped to ``[0, B]``); only the shapes and the bounds are checked.
 """
 
 from __future__ import annotations
@@ -21,7 +25,14 @@ from .. import dispatch, ref
 from .._library import impl, kernel_op
 from ..ref.qb import LOG_MARGIN_RHO
 from ..ref.router import BINNINGS
-from ._checks import FLOAT_DTYPES, check_choice, check_float, check_int, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    check_backend,
+    check_choice,
+    check_float,
+    check_int,
+    check_tensor,
+)
 
 MAX_BINS = 1 << 20  # histogram bins per expert accepted by the recovery ops
 
@@ -54,7 +65,7 @@ def _qb_step(
     impl("qb_step", backend)(bias, histogram, bin_bounds, topk, ema, binning, rho, rejected)
 
 
-def check_histogram(histogram, bin_bounds, topk, binning="uniform") -> None:
+def check_histogram(histogram, bin_bounds, topk, binning="uniform") -> int:
     """The histogram, its bounds (validated like the router's: once per tensor version, a host
     read outside graph capture) and ``topk``."""
     from .router import validate_qb_bin_bounds
@@ -70,8 +81,9 @@ def check_histogram(histogram, bin_bounds, topk, binning="uniform") -> None:
     check_tensor(
         "bin_bounds", bin_bounds, dtypes=(torch.float32,), shape=(2,), device=histogram.device
     )
-    check_int("topk", topk, low=1, high=num_experts - 1)
+    topk = check_int("topk", topk, low=1, high=num_experts - 1)
     validate_qb_bin_bounds(bin_bounds, binning, name="bin_bounds")
+    return topk
 
 
 def _check_bias(name, bias, histogram):
@@ -104,11 +116,12 @@ def qb_recover_bias(
     with). Then the mean is subtracted.
     """
     check_choice("binning", binning, BINNINGS)
-    check_histogram(histogram, bin_bounds, topk, binning)
+    topk = check_histogram(histogram, bin_bounds, topk, binning)
     if binning == "log_margin":
         if expert_bias is None:
             raise ValueError("binning='log_margin' needs expert_bias (the bias of the histogram)")
         _check_bias("expert_bias", expert_bias, histogram)
+    check_backend(backend)
     chosen_backend = dispatch.backend_name(
         "qb_recover", histogram.device, backend, num_bins=histogram.shape[1]
     )
@@ -139,7 +152,7 @@ def qb_step_(
     The histogram is not zeroed here.
     """
     check_choice("binning", binning, BINNINGS)
-    check_histogram(histogram, bin_bounds, topk, binning)
+    topk = check_histogram(histogram, bin_bounds, topk, binning)
     _check_bias("bias", bias, histogram)
     ema = check_float("ema", ema)
     if not 0.0 <= ema < 1.0:
@@ -156,6 +169,7 @@ def qb_step_(
             device=histogram.device,
             contiguous=True,
         )
+    check_backend(backend)
     chosen_backend = dispatch.backend_name(
         "qb_step", histogram.device, backend, num_bins=histogram.shape[1]
     )
@@ -173,7 +187,7 @@ def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) ->
     num_experts = logits.shape[-1]
     if num_experts < 2:
         raise ValueError(f"logits must have at least 2 experts (last dim), got {num_experts}")
-    check_int("topk", topk, low=1, high=num_experts - 1)
+    topk = check_int("topk", topk, low=1, high=num_experts - 1)
     check_tensor(
         "expert_bias",
         expert_bias,

@@ -12,11 +12,17 @@ below every number; every token gets exactly k distinct experts. Under QB the cu
 The QB histogram ``qb_histogram[j, bin] += 1`` uses ``r = alpha - s_j``, ``scale = fp32(B) / (U-L)``
 and ``bin = clamp(floor((r - L) * scale), 0, B - 1)`` (NaN ``r`` -> bin 0): every row gains exactly
 T counts per call, and both histogram modes give bitwise-identical counts.
+
+Bounds a trusted producer marked validated (:func:`mark_qb_bin_bounds_validated`) are used unread:
+any values are memory-safe -- the bins are clamped in fp32 before the integer conversion, and a
+NaN position (NaN or infinite bounds, bias or logits) counts in bin 0 -- so every histogram row
+still gains exactly T counts inside its ``[E, B]`` buffer.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import torch
@@ -27,6 +33,8 @@ from ..ref.router import BINNINGS, SCORE_FUNCTIONS, SELECTIONS, unpack_bitmap
 from ._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
+    check_backend,
+    check_bool,
     check_choice,
     check_float,
     check_groups,
@@ -271,10 +279,14 @@ def _alloc_outputs(logits2d, topk, map_kind, user_indices):
     return probs, torch.empty(tokens, num_experts, dtype=torch.bool, device=logits2d.device)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _normalise_map_format(routing_map_format) -> str:
-    if isinstance(routing_map_format, int) and not isinstance(routing_map_format, bool):
-        if routing_map_format in (0, 1):
-            return ROUTING_MAP_FORMATS[routing_map_format]
+    if _is_int(routing_map_format):
+        if int(routing_map_format) in (0, 1):
+            return ROUTING_MAP_FORMATS[int(routing_map_format)]
     name = getattr(routing_map_format, "name", routing_map_format)
     if isinstance(name, str) and name.lower() in ROUTING_MAP_FORMATS:
         return name.lower()
@@ -285,9 +297,9 @@ def _normalise_map_format(routing_map_format) -> str:
 
 def _normalise_qb_mode(qb_histogram_mode) -> str:
     """``qb_histogram_mode`` from a string, TE's ``QBHistogramMode`` or its int (0 / 1)."""
-    if isinstance(qb_histogram_mode, int) and not isinstance(qb_histogram_mode, bool):
-        if qb_histogram_mode in (0, 1):
-            return QB_MODES[qb_histogram_mode]
+    if _is_int(qb_histogram_mode):
+        if int(qb_histogram_mode) in (0, 1):
+            return QB_MODES[int(qb_histogram_mode)]
     name = getattr(qb_histogram_mode, "name", qb_histogram_mode)
     if isinstance(name, str) and name.lower() in QB_MODES:
         return name.lower()
@@ -360,12 +372,14 @@ def fused_topk_with_score_function(
     if num_experts < 1:
         raise ValueError("logits must have at least one expert (last dim >= 1)")
     device = logits.device
-    check_int("topk", topk, low=1, high=num_experts)
+    topk = check_int("topk", topk, low=1, high=num_experts)
+    use_pre_softmax = check_bool("use_pre_softmax", use_pre_softmax)
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
-    check_groups(num_groups, group_topk, topk, num_experts)
+    num_groups, group_topk = check_groups(num_groups, group_topk, topk, num_experts)
     if scaling_factor is not None:
-        scaling_factor = check_float("scaling_factor", scaling_factor)
+        scaling_factor = check_float("scaling_factor", scaling_factor, finite=True)
     map_format = _normalise_map_format(routing_map_format)
+    check_backend(backend)
     check_choice("selection", selection, SELECTIONS)
     check_choice("qb_binning", qb_binning, BINNINGS)
     if selection == "tie_free" and (score_function != "sigmoid" or expert_bias is None):
@@ -553,9 +567,10 @@ def biased_topk(
     if num_experts < 1:
         raise ValueError("logits must have at least one expert (last dim >= 1)")
     device = logits.device
-    check_int("topk", topk, low=1, high=num_experts)
+    topk = check_int("topk", topk, low=1, high=num_experts)
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
-    check_groups(
+    renormalize = check_bool("renormalize", renormalize)
+    num_groups, group_topk = check_groups(
         num_groups,
         group_topk,
         topk,
@@ -564,7 +579,8 @@ def biased_topk(
         biased=expert_bias is not None,
     )
     if scaling_factor is not None:
-        scaling_factor = check_float("scaling_factor", scaling_factor)
+        scaling_factor = check_float("scaling_factor", scaling_factor, finite=True)
+    check_backend(backend)
     if expert_bias is not None:
         check_tensor(
             "expert_bias",

@@ -10,7 +10,17 @@ Route contract:
 * ``capacity`` given: ``row = e * capacity + slot``, slots ``>= capacity`` dropped (row ``-1``);
   ``capacity=None``: ``row = offset[e] + slot`` with ``offset`` the exclusive cumsum of the updated
   counters, i.e. the expert-major layout of every slot claimed so far;
-* ``counts[e]`` = routes of this call that received a row; ``counters[e] +=`` valid routes to ``e``.
+* ``counts[e]`` = routes of this call that received a row; ``counters[e] +=`` valid routes to ``e``
+  (int32, wrapping).
+
+Inconsistent counters (any int32 value is memory-safe; every backend gives these outcomes):
+
+* a slot outside ``[0, 2^31 - 1]`` (a negative counter, or one that passes int32) is dropped: row
+  ``-1``, not counted; the counter still advances by the valid routes;
+* compact layout: ``offset`` is the exclusive cumsum of the updated counters clamped at 0, and
+  expert ``e`` owns rows ``[offset[e], offset[e] + max(counters[e], 0))``; a route whose slot is not
+  below its updated counter (the counter wrapped past int32) or whose row passes ``2^31 - 1`` is
+  dropped. Every row handed out is therefore in ``[0, 2^31 - 1]`` and owned by one route.
 """
 
 from __future__ import annotations
@@ -46,19 +56,30 @@ def moe_route_rows(
         if counters is None
         else counters.to(torch.int64)
     )
-    slot = c0[e] + rank
+    slot = c0[e] + rank  # exact: int32 counter + a rank below 2^31
+    accept = valid & (slot >= 0) & (slot <= INT32_MAX)
+    updated = _wrap_int32(c0 + raw)  # the counters after the call, as int32 stores them
     if capacity is not None:
-        accept = valid & (slot < capacity)
+        accept &= slot < capacity
         row = e * capacity + slot
     else:
-        accept = valid
-        total = c0 + raw
-        row = (torch.cumsum(total, 0) - total)[e] + slot
+        total = updated.clamp(min=0)
+        offset = torch.cumsum(total, 0) - total
+        row = offset[e] + slot
+        accept &= (slot < updated[e]) & (row <= INT32_MAX)
     rows = torch.where(accept, row, torch.full_like(row, -1)).to(torch.int32)
     counts = torch.bincount(e[accept], minlength=num_experts).to(torch.int32)
     if counters is not None:
-        counters += raw.to(counters.dtype)
+        counters.copy_(updated.to(counters.dtype))
     return rows.reshape(topk_ids.shape), counts
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _wrap_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values reduced to the int32 range modulo 2^32 (two's complement), as int64."""
+    return (x + 2**31) % 2**32 - 2**31
 
 
 def align_buffer_sizes(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool):

@@ -187,15 +187,21 @@ def aux_free_bias_update(
 
 
 def maxvio(tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """``max(load) / mean(load) - 1`` as a 0-dim fp32 tensor (0 for an empty load)."""
+    """``max(load) / mean(load) - 1`` as a 0-dim fp32 tensor (0 for an empty load or a load
+    with no tokens)."""
     load = tokens_per_expert.double()
+    if load.numel() == 0:  # a shape, known on the host: no sync
+        return torch.zeros((), dtype=torch.float32, device=load.device)
     mean = load.mean()
     return torch.where(mean > 0, load.max() / mean - 1.0, torch.zeros_like(mean)).float()
 
 
 def cv2(tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """Squared coefficient of variation of the load shares, ``mean((f - 1/E)^2) / (1/E)^2``."""
+    """Squared coefficient of variation of the load shares, ``mean((f - 1/E)^2) / (1/E)^2``
+    (0 for an empty load)."""
     load = tokens_per_expert.double()
     e = load.numel()
+    if e == 0:
+        return torch.zeros((), dtype=torch.float32, device=load.device)
     f = load / load.sum().clamp(min=1)
     return (((f - 1.0 / e) ** 2).mean() * e * e).float()

@@ -12,6 +12,13 @@
 //
 // Offsets are 64-bit (route count up to 2^31 - 1, the op checks it); rows are int32 (the op checks
 // E * capacity <= INT32_MAX).
+//
+// Any counter value is memory-safe and gives the oracle's outcome: slots are int32 with wrapping
+// (u32) arithmetic, and a negative slot (a negative counter, or one past int32) gets no row and no
+// count; the compact offsets are the exclusive cumsum of the updated counters clamped at 0,
+// saturating at 2^31 (stored as -1: no row fits), and amdqb_route_compact_* keeps a row only when
+// its slot lies below the expert's updated counter and the row fits int32, taking each route it
+// drops off counts (none for consistent counters).
 #include "amdqb_prelude.h"
 
 using namespace amdqb;
@@ -37,12 +44,15 @@ AMDQB_DEVICE int expert_of(const IdT* ids, i64 i, int num_experts) {
   return (v >= 0 && v < (i64)num_experts) ? (int)v : -1;
 }
 
-// How many of `count` slots starting at slot `first` lie below the capacity (all of them in the
-// compact layout, capacity < 0).
-AMDQB_DEVICE int slots_within(i64 first, int count, int capacity) {
-  if (capacity < 0) return count;
-  const i64 room = (i64)capacity - first;
-  return room <= 0 ? 0 : (room < count ? (int)room : count);
+// How many of the `count` slots from slot `first` (an int32 counter value: when it wrapped past
+// int32, every slot of the interval is negative as int32) lie in [0, capacity), or in [0, 2^31) in
+// the compact layout (capacity < 0).
+AMDQB_DEVICE int slots_within(int first, int count, int capacity) {
+  const i64 lo = first > 0 ? (i64)first : 0;
+  const i64 lim = capacity < 0 ? ((i64)1 << 31) : (i64)capacity;
+  const i64 end = (i64)first + count;
+  const i64 hi = end < lim ? end : lim;
+  return hi > lo ? (int)(hi - lo) : 0;
 }
 
 // Deterministic slot of each lane's route among the warp's 32 in flat order: lanes with the same
@@ -55,13 +65,14 @@ AMDQB_DEVICE int warp_claim_slot(int* next, int e, int lane) {
   int start = 0;
   if (e >= 0 && lane == leader) {
     start = next[e];
-    next[e] = start + popc32(peers);
+    next[e] = (int)((u32)start + (u32)popc32(peers));  // int32 slots wrap (the caller's counters)
   }
   start = shfl_i32(start, leader);
-  return start + popc32(peers & lanemask_lt());
+  return (int)((u32)start + (u32)popc32(peers & lanemask_lt()));
 }
 
 AMDQB_DEVICE int place(int e, int slot, int capacity) {
+  if (slot < 0) return -1;        // a negative counter, or one past int32: no row
   if (capacity < 0) return slot;  // compact: offset added by amdqb_route_compact_*
   return slot < capacity ? e * capacity + slot : -1;
 }
@@ -210,6 +221,23 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
   }
 }
 
+// Compact layout, final pass of one route holding slot *row (-1: dropped already): the row
+// offsets[e] + slot when the slot lies below the expert's updated counter and the row fits int32
+// (offsets[e] == -1: past int32); otherwise -1, and the route comes off counts[e].
+AMDQB_DEVICE void compact_row(int* row, int e, const int* offsets, const int* counters,
+                              int* counts) {
+  const int slot = *row;
+  if (slot < 0) return;
+  const int off = offsets[e];
+  const i64 r = (i64)off + slot;
+  if (off >= 0 && slot < counters[e] && r <= (i64)0x7fffffff) {
+    *row = (int)r;
+  } else {
+    *row = -1;
+    atomic_add_global(&counts[e], -1);
+  }
+}
+
 }  // namespace
 
 // ---- kernels ------------------------------------------------------------------------------------
@@ -233,11 +261,12 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
     det_rank<IdT>(ids, n, num_experts, capacity, tile_base, rows);                                 \
   }                                                                                                \
   AMDQB_KERNEL void amdqb_route_compact_##SUFFIX(const IdT* ids, i64 n, int num_experts,          \
-                                                 const int* offsets, int* rows) {                  \
+                                                 const int* offsets, const int* counters,          \
+                                                 int* counts, int* rows) {                         \
     const i64 stride = (i64)gridDim.x * blockDim.x;                                                \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {                 \
       const int e = expert_of(ids, i, num_experts);                                                \
-      if (e >= 0) rows[i] = (int)((u32)rows[i] + (u32)offsets[e]);                                 \
+      if (e >= 0) compact_row(rows + i, e, offsets, counters, counts);                             \
     }                                                                                              \
   }
 
@@ -290,24 +319,25 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
   }
   part[g * SCAN_EXPERTS + el] = sum;
   block_sync();
+  // Slots are int32 with wrapping arithmetic (u32): the caller's counters may hold any value.
   if (g == 0 && live) {
-    int run = start != nullptr ? start[e] : 0;
+    u32 run = start != nullptr ? (u32)start[e] : 0u;
     for (int v = 0; v < SCAN_GROUPS; ++v) {
       const int x = part[v * SCAN_EXPERTS + el];
-      part[v * SCAN_EXPERTS + el] = run;
-      run += x;
+      part[v * SCAN_EXPERTS + el] = (int)run;
+      run += (u32)x;
     }
-    totals[e] = run;
+    totals[e] = (int)run;
   }
   block_sync();
   if (!live) return;
-  int run = part[g * SCAN_EXPERTS + el];
+  u32 run = (u32)part[g * SCAN_EXPERTS + el];
   if (per <= SCAN_BATCH) {
 #pragma unroll
     for (int u = 0; u < SCAN_BATCH; ++u) {
       if (t0 + u < t1) {
-        *at(t0 + u) = run;
-        run += c[u];
+        *at(t0 + u) = (int)run;
+        run += (u32)c[u];
       }
     }
   } else {
@@ -317,17 +347,18 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
 #pragma unroll
       for (int u = 0; u < SCAN_BATCH; ++u) {
         if (b + u < t1) {
-          *at(b + u) = run;
-          run += c[u];
+          *at(b + u) = (int)run;
+          run += (u32)c[u];
         }
       }
     }
   }
 }
 
-// Routes of this call that received a row of expert e: the counter delta, clipped to the capacity.
+// Routes of this call whose slot of expert e lies in [0, capacity) ([0, 2^31) compact): the
+// counter delta (modulo 2^32: below 2^31 routes) from the counter before the call.
 AMDQB_DEVICE int accepted_routes(int e, int capacity, const int* before, const int* counters) {
-  return slots_within(before[e], counters[e] - before[e], capacity);
+  return slots_within(before[e], (int)((u32)counters[e] - (u32)before[e]), capacity);
 }
 
 // Exclusive prefix sum over the block of one u32 per thread (wrapping arithmetic). Two levels of
@@ -367,12 +398,63 @@ AMDQB_DEVICE void block_exclusive_cumsum(int n, F value, int* out, u32* warp_sum
   }
 }
 
-// counts[e] = routes of this call that received a row (accepted_routes); before == nullptr: counts
-// are already written (the lds kernels), only the offsets are computed.
+// Saturating u32 addition at 2^31 (a compact offset at or past it fits no int32 row); a, b <= 2^31.
+constexpr u32 kOffsetSat = 0x80000000u;
+AMDQB_DEVICE u32 sat_add(u32 a, u32 b) { return a >= kOffsetSat - b ? kOffsetSat : a + b; }
+
+AMDQB_DEVICE u32 warp_inclusive_sat_u32(u32 v) {
+  const int lane = lane_id();
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const u32 o = (u32)shfl_i32((int)v, lane - d);
+    if (lane >= d) v = sat_add(v, o);
+  }
+  return v;
+}
+
+// Exclusive saturating prefix sum over the block (block_exclusive_sum_u32 with sat_add: the
+// exclusive values come from the lane / warp before, not by subtraction). Every thread calls it.
+AMDQB_DEVICE u32 block_exclusive_sat_u32(u32 v, u32* warp_sums) {
+  const int lane = lane_id();
+  const int warp = warp_in_block();
+  const int warps = (int)(blockDim.x >> 5);
+  const u32 incl = warp_inclusive_sat_u32(v);
+  const u32 prev = (u32)shfl_i32((int)incl, lane - 1);
+  const u32 excl = lane == 0 ? 0u : prev;
+  if (lane == 31) warp_sums[warp] = incl;
+  block_sync();
+  if (warp == 0) {
+    const u32 w = lane < warps ? warp_sums[lane] : 0u;
+    const u32 wincl = warp_inclusive_sat_u32(w);
+    const u32 wprev = (u32)shfl_i32((int)wincl, lane - 1);
+    if (lane < warps) warp_sums[lane] = lane == 0 ? 0u : wprev;
+  }
+  block_sync();
+  return sat_add(warp_sums[warp], excl);
+}
+
+// Compact offsets: offsets[e] = the sum of max(counters[e'], 0) over e' < e, -1 once it reaches
+// 2^31; each thread owns a contiguous run of experts (as block_exclusive_cumsum). One block.
+AMDQB_DEVICE void compact_offsets(int n, const int* counters, int* offsets, u32* warp_sums) {
+  const int nt = (int)blockDim.x;
+  const int per = (n + nt - 1) / nt;
+  const int lo = (int)threadIdx.x * per < n ? (int)threadIdx.x * per : n;
+  const int hi = lo + per < n ? lo + per : n;
+  auto value = [=](int e) -> u32 { return counters[e] > 0 ? (u32)counters[e] : 0u; };
+  u32 sum = 0;
+  for (int e = lo; e < hi; ++e) sum = sat_add(sum, value(e));
+  u32 run = block_exclusive_sat_u32(sum, warp_sums);
+  for (int e = lo; e < hi; ++e) {
+    offsets[e] = run >= kOffsetSat ? -1 : (int)run;
+    run = sat_add(run, value(e));
+  }
+}
+
+// counts[e] = routes of this call whose slot lies in [0, capacity) / [0, 2^31) (accepted_routes;
+// amdqb_route_compact_* then takes off the routes the compact rule drops); before == nullptr:
+// counts are already written (the lds kernels), only the offsets are computed.
 // Masked layout (offsets == nullptr): elementwise, any grid.
-// Compact layout: also offsets = exclusive cumsum of the updated counters (wrapping int32
-// arithmetic like the oracle's int64 -> int32 cast); one block (block_exclusive_cumsum). Static
-// shared memory: 32 u32.
+// Compact layout: also the offsets (compact_offsets); one block. Static shared memory: 32 u32.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
     amdqb_route_finalize(int num_experts, int capacity, const int* before, const int* counters,
                          int* counts, int* offsets) {
@@ -386,7 +468,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
   if (before != nullptr)
     for (int e = (int)threadIdx.x; e < num_experts; e += (int)blockDim.x)
       counts[e] = accepted_routes(e, capacity, before, counters);
-  block_exclusive_cumsum(num_experts, [=](int e) { return (u32)counters[e]; }, offsets, warp_sums);
+  compact_offsets(num_experts, counters, offsets, warp_sums);
 }
 
 // ---- moe_align_block_size -------------------------------------------------------------------------

@@ -140,7 +140,21 @@ def route_rows(
     if capacity is None:
         grid = min(cdiv(n, 256), rt.num_cus(device) * cfg["hip.route.atomic_blocks_per_cu"])
         k = rt.kernel(device, spec, f"amdqb_route_compact_{suffix}")
-        rt.launch(k, grid, 256, 0, [ptr(topk_ids), arg_i64(n), e_arg, ptr(offsets), ptr(rows_out)])
+        rt.launch(
+            k,
+            grid,
+            256,
+            0,
+            [
+                ptr(topk_ids),
+                arg_i64(n),
+                e_arg,
+                ptr(offsets),
+                ptr(counters),
+                ptr(counts_out),
+                ptr(rows_out),
+            ],
+        )
 
 
 def align_warps(num_experts: int, cfg) -> int:

@@ -166,15 +166,17 @@ def align_block_size(
     num_post_pad_out.copy_(post)
 
 
-def chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out):
+def chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out, num_in_tokens):
     row_map_out.copy_(
-        ref.chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out.numel())
+        ref.chunk_row_map(
+            split_sizes, sorted_indices, output_split_sizes, row_map_out.numel(), num_in_tokens
+        )
     )
 
 
 def chunk_copy(src, row_map, dst, reverse):
     if reverse:
-        valid = row_map >= 0
+        valid = (row_map >= 0) & (row_map < dst.shape[0])
         dst.index_copy_(0, row_map[valid].long(), src[valid])
     else:
         dst.copy_(ref.chunks.gather_rows(src, row_map))

@@ -2,6 +2,11 @@
 
 Offsets into ``[rows, H]`` tensors are int64 (``rows * H`` may pass 2^31); nothing here reads
 device values on the host.
+
+Memory safety for any metadata (``amdqb.ref.chunks`` states the outcomes): sizes are clamped to
+``[0, 2^31 - 1]`` on load, a ``sorted_indices`` entry outside ``[0, C)`` names no chunk (all
+padding), a source row past the input's ``N_IN`` rows is not mapped, and the copy kernel touches a
+row of ``row_map`` only when it lies in ``[0, NROWS)`` of the tensor it indexes.
 """
 
 from __future__ import annotations
@@ -15,6 +20,13 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_sizes(ptr, idx, mask):
+    """Chunk sizes as int64 clamped to ``[0, 2^31 - 1]``: monotone, exact cumulative sums."""
+    v = tl.load(ptr + idx, mask=mask, other=0).to(tl.int64)
+    return tl.minimum(tl.maximum(v, 0), 2147483647)
+
+
+@triton.jit
 def _chunk_map_kernel(
     sizes_ptr,
     order_ptr,
@@ -22,6 +34,7 @@ def _chunk_map_kernel(
     map_ptr,
     C,
     P,
+    N_IN,
     BP: tl.constexpr,
     C_PAD: tl.constexpr,
 ):
@@ -29,23 +42,24 @@ def _chunk_map_kernel(
     (int64 cumsums) and finds each row's output chunk by counting chunk ends <= row."""
     ci = tl.arange(0, C_PAD)
     cm = ci < C
-    sizes = tl.load(sizes_ptr + ci, mask=cm, other=0).to(tl.int64)
-    osz = tl.load(out_sizes_ptr + ci, mask=cm, other=0).to(tl.int64)
-    order = tl.load(order_ptr + ci, mask=cm, other=0).to(tl.int32)
-    order = tl.minimum(tl.maximum(order, 0), C - 1)  # memory safety only; valid input is a perm
+    sizes = _load_sizes(sizes_ptr, ci, cm)
+    osz = _load_sizes(out_sizes_ptr, ci, cm)
+    raw = tl.load(order_ptr + ci, mask=cm, other=0).to(tl.int64)
+    named = (raw >= 0) & (raw < C)
+    order = tl.where(named, raw, 0).to(tl.int32)
     in_start = tl.cumsum(sizes, 0) - sizes
     out_end = tl.cumsum(osz, 0)
     out_start = out_end - osz
     src_start = tl.gather(in_start, order, 0)
-    src_size = tl.gather(sizes, order, 0)
+    src_size = tl.where(named, tl.gather(sizes, order, 0), 0)  # an unnamed chunk: all padding
     p = tl.program_id(0).to(tl.int64) * BP + tl.arange(0, BP)
     below = (out_end[None, :] <= p[:, None]) & cm[None, :]
     chunk = tl.sum(below.to(tl.int32), 1)
     cc = tl.minimum(chunk, C_PAD - 1)
     off = p - tl.gather(out_start, cc, 0)
-    copy = (chunk < C) & (off < tl.gather(src_size, cc, 0))
-    row = tl.where(copy, tl.gather(src_start, cc, 0) + off, -1)
-    tl.store(map_ptr + p, row.to(tl.int32), mask=p < P)
+    row = tl.gather(src_start, cc, 0) + off
+    copy = (chunk < C) & (off < tl.gather(src_size, cc, 0)) & (row < N_IN)
+    tl.store(map_ptr + p, tl.where(copy, row, -1).to(tl.int32), mask=p < P)
 
 
 @triton.jit
@@ -57,8 +71,8 @@ def _chunk_prefix_kernel(sizes_ptr, out_sizes_ptr, table_ptr, C, CHUNK: tl.const
     for c0 in range(0, C, CHUNK):
         idx = c0 + tl.arange(0, CHUNK)
         m = idx < C
-        s = tl.load(sizes_ptr + idx, mask=m, other=0).to(tl.int64)
-        o = tl.load(out_sizes_ptr + idx, mask=m, other=0).to(tl.int64)
+        s = _load_sizes(sizes_ptr, idx, m)
+        o = _load_sizes(out_sizes_ptr, idx, m)
         tl.store(table_ptr + idx, c_in + tl.cumsum(s, 0) - s, mask=m)
         tl.store(table_ptr + C + idx, c_out + tl.cumsum(o, 0), mask=m)
         c_in += tl.sum(s, 0)
@@ -74,6 +88,7 @@ def _chunk_map_search_kernel(
     map_ptr,
     C,
     P,
+    N_IN,
     BP: tl.constexpr,
     STEPS: tl.constexpr,
 ):
@@ -92,13 +107,14 @@ def _chunk_map_search_kernel(
     inside = chunk < C
     cc = tl.minimum(chunk, C - 1)
     o_end = tl.load(table_ptr + C + cc)
-    o_size = tl.load(out_sizes_ptr + cc).to(tl.int64)
-    src = tl.load(order_ptr + cc).to(tl.int32)
-    src = tl.minimum(tl.maximum(src, 0), C - 1)
+    o_size = _load_sizes(out_sizes_ptr, cc, cc >= 0)
+    raw = tl.load(order_ptr + cc).to(tl.int64)
+    named = (raw >= 0) & (raw < C)
+    src = tl.where(named, raw, 0).to(tl.int32)
     off = p - (o_end - o_size)
-    copy = inside & (off < tl.load(sizes_ptr + src).to(tl.int64))
-    row = tl.where(copy, tl.load(table_ptr + src) + off, -1)
-    tl.store(map_ptr + p, row.to(tl.int32), mask=p < P)
+    row = tl.load(table_ptr + src) + off
+    copy = inside & named & (off < _load_sizes(sizes_ptr, src, named)) & (row < N_IN)
+    tl.store(map_ptr + p, tl.where(copy, row, -1).to(tl.int32), mask=p < P)
 
 
 @triton.jit
@@ -108,16 +124,19 @@ def _chunk_copy_kernel(
     dst_ptr,
     P,
     H,
+    NROWS,
     BR: tl.constexpr,
     BH: tl.constexpr,
     REVERSE: tl.constexpr,
 ):
     """Row gather (forward: ``dst[p] = src[map[p]]`` or 0) / scatter (reverse: ``dst[map[p]] =
-    src[p]``) of ``[BR, BH]`` tiles; int64 element offsets, contiguous rows -> wide accesses."""
+    src[p]``) of ``[BR, BH]`` tiles; int64 element offsets, contiguous rows -> wide accesses.
+    ``NROWS``: rows of the tensor ``map`` indexes (src forward, dst reverse); an entry outside
+    ``[0, NROWS)`` is a zero row forward and no write in reverse."""
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     rm = r < P
     m = tl.load(map_ptr + r, mask=rm, other=-1)
-    valid = m >= 0
+    valid = (m >= 0) & (m < NROWS)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     cm = (cols < H)[None, :]
     mrow = tl.where(valid, m, 0).to(tl.int64) * H

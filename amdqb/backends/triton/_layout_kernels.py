@@ -11,13 +11,21 @@ Contracts shared by every kernel here:
   ``tl.sort`` of ``(expert << LOG_SUB) | lane`` keys: in sorted order the position minus the
   sub-chunk's exclusive expert histogram is that rank, and ascending lanes make it stable;
 * per-block expert histograms are ``tl.histogram`` (LDS atomics on AMD, shared memory on NVIDIA);
-* nothing here reads device values on the host: every size the host passes is a shape.
+* nothing here reads device values on the host: every size the host passes is a shape;
+* any caller counter is memory-safe and gives the oracle's outcome (``amdqb.ref.layout``): a slot
+  (int32, wrapping) that is negative is dropped, and the compact layout keeps a row only when its
+  slot lies below the expert's updated counter and the row fits int32 (offsets are int64 sums of
+  the counters clamped at 0; a stored offset past int32 is the sentinel -1). Counts count kept
+  routes: the capacity/slot rule in closed form from the counter interval, the compact rule by a
+  decrement for each route the final pass drops (none for consistent counters).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+INT32_LIMIT = tl.constexpr(2147483648)  # 2^31: the first slot / row past int32
 
 # ----------------------------------------------------------------------------------------------
 # Route-block helpers (route rows "lds" / deterministic, align block size)
@@ -54,11 +62,16 @@ def _block_assign(
     E_PAD: tl.constexpr,
     MODE: tl.constexpr,
     h0=None,
+    off=None,
+    fin=None,
+    counts_ptr=None,
 ):
     """Give every route of ``[start, stop)`` slot ``g[e] + rank`` (rank: stable, in-block).
 
-    ``MODE`` 0: ``out[route] = e * cap + slot`` if ``slot < cap`` else -1 (masked layout);
-    1: ``out[route] = slot`` (-1 for dropped ids); 2: ``out[slot] = route`` (align scatter).
+    ``MODE`` 0: ``out[route] = e * cap + slot`` if ``0 <= slot < cap`` else -1 (masked layout);
+    1: ``out[route] = slot`` (-1 for dropped ids and negative slots); 2: ``out[slot] = route``
+    (align scatter); 3: compact rows ``off[e] + slot`` (int64 ``off``) kept when
+    ``0 <= slot < fin[e]`` and the row fits int32, else -1 and one off ``counts[e]``.
     ``h0``: the block histogram when the caller has it and ``NSUB == 1`` (saves a histogram).
     """
     lane = tl.arange(0, SUB)
@@ -82,10 +95,17 @@ def _block_assign(
         g += hs
         dest = sub0 + sl
         if MODE == 0:
-            keep = ok & (slot < cap)
+            keep = ok & (slot >= 0) & (slot < cap)
             tl.store(out_ptr + dest, tl.where(keep, se * cap + slot, -1), mask=dest < stop)
         elif MODE == 1:
-            tl.store(out_ptr + dest, tl.where(ok, slot, -1), mask=dest < stop)
+            tl.store(out_ptr + dest, tl.where(ok & (slot >= 0), slot, -1), mask=dest < stop)
+        elif MODE == 3:
+            ec = tl.minimum(se, E_PAD - 1)
+            row = tl.gather(off, ec, 0) + slot
+            live = ok & (slot >= 0)
+            keep = live & (slot < tl.gather(fin, ec, 0)) & (row < INT32_LIMIT)
+            tl.store(out_ptr + dest, tl.where(keep, row, -1).to(tl.int32), mask=dest < stop)
+            tl.atomic_add(counts_ptr + ec, -1, mask=live & ~keep, sem="relaxed")
         else:
             tl.store(out_ptr + slot, dest.to(tl.int32), mask=ok)
 
@@ -130,6 +150,7 @@ def _block_assign_kernel(
     ids_ptr,
     hist_ptr,
     counters_ptr,
+    counts_ptr,
     out_ptr,
     N,
     E,
@@ -139,20 +160,24 @@ def _block_assign_kernel(
     LOG_SUB: tl.constexpr,
     E_PAD: tl.constexpr,
     MODE: tl.constexpr,
-    ADD_OFF: tl.constexpr,
 ):
     """Route rows, deterministic pass 3: the slot base of block ``pid`` is row ``pid`` of the
-    scanned matrix; compact mode (``ADD_OFF``) adds the exclusive cumsum of the final counters,
-    recomputed in registers by every program (E_PAD <= 4096 adds)."""
+    scanned matrix; compact mode (``MODE`` 3) adds the exclusive cumsum of the final counters
+    (clamped at 0, int64), recomputed in registers by every program (E_PAD <= 4096 adds)."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * (SUB * NSUB)
     stop = tl.minimum(start + SUB * NSUB, N)
     eidx = tl.arange(0, E_PAD)
     g = tl.load(hist_ptr + pid.to(tl.int64) * E_PAD + eidx)
-    if ADD_OFF:
+    if MODE == 3:
         tot = tl.load(counters_ptr + eidx, mask=eidx < E, other=0)
-        g += tl.cumsum(tot, 0) - tot
-    _block_assign(ids_ptr, out_ptr, start, stop, E, g, cap, SUB, NSUB, LOG_SUB, E_PAD, MODE)
+        clamped = tl.maximum(tot, 0).to(tl.int64)
+        _block_assign(
+            ids_ptr, out_ptr, start, stop, E, g, cap, SUB, NSUB, LOG_SUB, E_PAD, MODE,
+            off=tl.cumsum(clamped, 0) - clamped, fin=tot, counts_ptr=counts_ptr,
+        )  # fmt: skip
+    else:
+        _block_assign(ids_ptr, out_ptr, start, stop, E, g, cap, SUB, NSUB, LOG_SUB, E_PAD, MODE)
 
 
 @triton.jit
@@ -233,14 +258,17 @@ def _route_lds_kernel(
     live = h > 0
     base = tl.atomic_add(counters_ptr + eidx, h, mask=live, sem="relaxed")
     base = tl.where(live, base, 0)
+    # Slots [base, base + h) (int64: base is the int32 counter, possibly wrapped -- then every slot
+    # of the interval is negative as int32) of which those in [0, cap) / [0, 2^31) get a row.
+    b64 = base.to(tl.int64)
     if CAPACITY:
-        # Slots [base, base + h) of which those below cap get a row.
-        acc = tl.minimum(tl.maximum(cap - base, 0), h)
-        tl.atomic_add(counts_ptr + eidx, acc, mask=live & (acc > 0), sem="relaxed")
+        lim = cap + tl.zeros([E_PAD], dtype=tl.int64)
         mode: tl.constexpr = 0
     else:
-        tl.atomic_add(counts_ptr + eidx, h, mask=live, sem="relaxed")
+        lim = tl.full([E_PAD], INT32_LIMIT, tl.int64)
         mode: tl.constexpr = 1
+    acc = tl.maximum(tl.minimum(b64 + h, lim) - tl.maximum(b64, 0), 0).to(tl.int32)
+    tl.atomic_add(counts_ptr + eidx, acc, mask=live & (acc > 0), sem="relaxed")
     if NSUB == 1:
         _block_assign(
             ids_ptr, rows_ptr, start, stop, E, base, cap, SUB, NSUB, LOG_SUB, E_PAD, mode, h
@@ -266,10 +294,34 @@ def _route_atomic_kernel(
     e = tl.where(valid, raw, 0).to(tl.int32)
     slot = tl.atomic_add(counters_ptr + e, 1, mask=valid, sem="relaxed")
     if CAPACITY:
-        row = tl.where(valid & (slot < cap), e * cap + slot, -1)
+        row = tl.where(valid & (slot >= 0) & (slot < cap), e * cap + slot, -1)
     else:
-        row = tl.where(valid, slot, -1)
+        row = tl.where(valid & (slot >= 0), slot, -1)
     tl.store(rows_ptr + offs, row, mask=inb)
+
+
+@triton.jit
+def _claimed_in_range(c0, fin, cap, CAPACITY: tl.constexpr):
+    """Routes of this call whose slot lies in ``[0, cap)`` (``[0, 2^31)`` without ``CAPACITY``):
+    the slots are ``[c0, c0 + n)`` with ``n = fin - c0`` modulo 2^32 (``n < 2^31``); int64."""
+    s = c0.to(tl.int64)
+    d = fin.to(tl.int64) - s
+    end = s + tl.where(d < 0, d + 4294967296, d)
+    if CAPACITY:
+        lim = end * 0 + cap
+    else:
+        lim = end * 0 + INT32_LIMIT
+    return tl.maximum(tl.minimum(end, lim) - tl.maximum(s, 0), 0).to(tl.int32)
+
+
+@triton.jit
+def _compact_offsets(fin, carry, off_ptrs, m):
+    """Store the exclusive cumsum (from ``carry``) of the counters ``fin`` clamped at 0, int64
+    arithmetic, as int32 with -1 for an offset past int32; returns the new carry."""
+    clamped = tl.where(m, tl.maximum(fin, 0), 0).to(tl.int64)
+    off = carry + tl.cumsum(clamped, 0) - clamped
+    tl.store(off_ptrs, tl.where(off < INT32_LIMIT, off, -1).to(tl.int32), mask=m)
+    return carry + tl.sum(clamped, 0)
 
 
 @triton.jit
@@ -283,23 +335,20 @@ def _route_finish_kernel(
     CAPACITY: tl.constexpr,
     WRITE_OFF: tl.constexpr,
 ):
-    """Single program: ``counts`` from the final counters and their snapshot (held in ``counts``);
-    with ``WRITE_OFF`` the compact offsets ``exclusive_cumsum(counters)`` (int32, wrapping like the
-    oracle's int64 -> int32 cast)."""
-    carry = tl.zeros([], dtype=tl.int32)
+    """Single program: ``counts`` from the final counters and their snapshot (held in ``counts``):
+    the slots ``[snap, snap + routes)`` inside ``[0, cap)`` (``[0, 2^31)`` compact; the compact
+    fix-up then takes off the routes it drops). With ``WRITE_OFF`` the compact offsets
+    (``_compact_offsets``)."""
+    carry = tl.zeros([], dtype=tl.int64)
     for c0 in range(0, E, CHUNK):
         idx = c0 + tl.arange(0, CHUNK)
         m = idx < E
         fin = tl.load(counters_ptr + idx, mask=m, other=0)
         snap = tl.load(counts_ptr + idx, mask=m, other=0)
-        if CAPACITY:
-            cnt = tl.maximum(tl.minimum(fin, cap) - snap, 0)
-        else:
-            cnt = fin - snap
+        cnt = _claimed_in_range(snap, fin, cap, CAPACITY)
         tl.store(counts_ptr + idx, cnt, mask=m)
         if WRITE_OFF:
-            tl.store(off_ptr + idx, carry + tl.cumsum(fin, 0) - fin, mask=m)
-            carry += tl.sum(fin, 0)
+            carry = _compact_offsets(fin, carry, off_ptr + idx, m)
 
 
 @triton.jit
@@ -307,6 +356,7 @@ def _route_fixup_kernel(
     ids_ptr,
     rows_ptr,
     counters_ptr,
+    counts_ptr,
     off_ptr,
     N,
     E,
@@ -314,21 +364,31 @@ def _route_fixup_kernel(
     E_PAD: tl.constexpr,
     IN_REG: tl.constexpr,
 ):
-    """Compact mode: ``row += offset[e]``. ``IN_REG`` scans the final counters in each program
-    (E <= 4096, saves a launch); otherwise the offsets come from ``_route_finish_kernel``."""
+    """Compact mode: ``row = offset[e] + slot`` for the routes holding a slot, kept when the slot
+    lies below the expert's final counter and the row fits int32 (else -1, and one off
+    ``counts[e]``). ``IN_REG`` scans the final counters in each program (E <= 4096, saves a
+    launch); otherwise the offsets (-1: past int32) come from ``_route_finish_kernel``."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inb = offs < N
     raw = tl.load(ids_ptr + offs, mask=inb, other=-1)
     valid = (raw >= 0) & (raw < E)
     e = tl.where(valid, raw, 0).to(tl.int32)
+    r = tl.load(rows_ptr + offs, mask=valid, other=-1)
+    live = valid & (r >= 0)
     if IN_REG:
         eidx = tl.arange(0, E_PAD)
         tot = tl.load(counters_ptr + eidx, mask=eidx < E, other=0)
-        o = tl.gather(tl.cumsum(tot, 0) - tot, e, 0)
+        clamped = tl.maximum(tot, 0).to(tl.int64)
+        o = tl.gather(tl.cumsum(clamped, 0) - clamped, e, 0)
+        f = tl.gather(tot, e, 0)
     else:
-        o = tl.load(off_ptr + e, mask=valid, other=0)
-    r = tl.load(rows_ptr + offs, mask=valid, other=0)
-    tl.store(rows_ptr + offs, r + o, mask=valid)
+        o32 = tl.load(off_ptr + e, mask=live, other=0)
+        o = tl.where(o32 >= 0, o32.to(tl.int64), INT32_LIMIT)
+        f = tl.load(counters_ptr + e, mask=live, other=0)
+    row = o + r
+    keep = live & (r < f) & (row < INT32_LIMIT)
+    tl.store(rows_ptr + offs, tl.where(keep, row, -1).to(tl.int32), mask=live)
+    tl.atomic_add(counts_ptr + e, -1, mask=live & ~keep, sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,8 +417,10 @@ def _block_scan_kernel(
     hist[b', e]`` with ``c0`` the caller counters (``USE_COUNTERS``, which then get the totals and
     ``counts`` this call's rows) or 0. ``WRITE_TOTAL`` stores the per-expert totals in row ``NB``;
     ``WRITE_OFF`` (single program, grid 1) stores the compact offsets -- the exclusive cumsum of
-    the updated counters across all experts -- there instead."""
-    carry = tl.zeros([], dtype=tl.int32)
+    the updated counters clamped at 0 across all experts, -1 past int32 -- there instead.
+    ``counts``: slots in ``[0, cap)`` (``[0, 2^31)`` compact: the final pass takes off the routes
+    the compact rule drops)."""
+    carry = tl.zeros([], dtype=tl.int64)
     for e0 in range(tl.program_id(0) * EC, E, tl.num_programs(0) * EC):
         eidx = e0 + tl.arange(0, EC)
         em = eidx < E
@@ -376,16 +438,12 @@ def _block_scan_kernel(
             run += tl.sum(tile, 0)
         if USE_COUNTERS:
             tl.store(counters_ptr + eidx, run, mask=em)
-            if CAPACITY:
-                tl.store(counts_ptr + eidx, tl.maximum(tl.minimum(run, cap) - c0, 0), mask=em)
-            else:
-                tl.store(counts_ptr + eidx, run - c0, mask=em)
+            tl.store(counts_ptr + eidx, _claimed_in_range(c0, run, cap, CAPACITY), mask=em)
         row_nb = hist_ptr + (NB + tl.zeros([], dtype=tl.int64)) * STRIDE + eidx
         if WRITE_TOTAL:
             tl.store(row_nb, run, mask=em)
         if WRITE_OFF:
-            tl.store(row_nb, carry + tl.cumsum(run, 0) - run, mask=em)
-            carry += tl.sum(tl.where(em, run, 0), 0)
+            carry = _compact_offsets(run, carry, row_nb, em)
 
 
 @triton.jit
@@ -411,6 +469,8 @@ def _assign_wide_kernel(
     ids_ptr,
     hist_ptr,
     out_ptr,
+    counters_ptr,
+    counts_ptr,
     N,
     E,
     cap,
@@ -420,8 +480,9 @@ def _assign_wide_kernel(
 ):
     """E > 4096 pass 3 (one sub-chunk per program, no E-wide registers): rank = sorted position
     minus the start of its expert's run (segmented scan over the sorted keys); slot base gathered
-    from row ``pid`` of the scanned matrix, plus row ``NB`` (compact offsets / padded expert
-    starts) in modes 1 and 2. Modes as in ``_block_assign``."""
+    from row ``pid`` of the scanned matrix, plus row ``NB`` (compact offsets, -1 past int32 /
+    padded expert starts) in modes 1 and 2. Modes as in ``_block_assign`` (mode 1 here is the
+    final compact pass: ``_block_assign``'s mode 3 rule with the final ``counters``)."""
     pid = tl.program_id(0)
     lane = tl.arange(0, SUB)
     start = pid.to(tl.int64) * SUB
@@ -436,15 +497,20 @@ def _assign_wide_kernel(
     ok = se < E
     es = tl.where(ok, se, 0)
     slot = tl.load(hist_ptr + pid.to(tl.int64) * E + es, mask=ok, other=0) + (lane - run0)
-    if MODE != 0:
-        nb64 = NB + tl.zeros([], dtype=tl.int64)
-        slot += tl.load(hist_ptr + nb64 * E + es, mask=ok, other=0)
+    nb64 = NB + tl.zeros([], dtype=tl.int64)
     if MODE == 0:
-        row = tl.where(ok & (slot < cap), es.to(tl.int32) * cap + slot, -1)
+        row = tl.where(ok & (slot >= 0) & (slot < cap), es.to(tl.int32) * cap + slot, -1)
         tl.store(out_ptr + dest, row, mask=dest < N)
     elif MODE == 1:
-        tl.store(out_ptr + dest, tl.where(ok, slot, -1), mask=dest < N)
+        live = ok & (slot >= 0)
+        o32 = tl.load(hist_ptr + nb64 * E + es, mask=live, other=0)
+        fin = tl.load(counters_ptr + es, mask=live, other=0)
+        row = tl.where(o32 >= 0, o32.to(tl.int64), INT32_LIMIT) + slot
+        keep = live & (slot < fin) & (row < INT32_LIMIT)
+        tl.store(out_ptr + dest, tl.where(keep, row, -1).to(tl.int32), mask=dest < N)
+        tl.atomic_add(counts_ptr + es, -1, mask=live & ~keep, sem="relaxed")
     else:
+        slot += tl.load(hist_ptr + nb64 * E + es, mask=ok, other=0)
         tl.store(out_ptr + slot, dest.to(tl.int32), mask=ok)
 
 

@@ -6,7 +6,9 @@ Kernel bodies: ``_chunk_kernels.py``.
 * ``chunk_copy`` -- 1 launch (``[rows, H]`` tiles, 16-byte accesses when H allows; tile size from
   the ``triton.chunks.*`` config entries).
 
-Copies are exact; element offsets are 64-bit. Nothing reads device metadata on the host.
+Copies are exact; element offsets are 64-bit. Nothing reads device metadata on the host. Any
+metadata value is memory-safe (outcomes in ``amdqb.ref.chunks``): the row map never names a row
+outside the input, and the copy checks every ``row_map`` entry against the rows it indexes.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .codegen import typed_spec
 CHUNK_MAP_MAX_REG = 1024  # chunks handled in registers by the single-launch row map
 
 
-def chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out):
+def chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out, num_in_tokens):
     p = row_map_out.numel()
     if p == 0:
         return
@@ -32,7 +34,7 @@ def chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out):
             c_pad = pow2(c)
             bp = max(16, min(1024, 8192 // c_pad, pow2(p)))
             K._chunk_map_kernel[(triton.cdiv(p, bp),)](
-                split_sizes, sorted_indices, output_split_sizes, row_map_out, c, p,
+                split_sizes, sorted_indices, output_split_sizes, row_map_out, c, p, num_in_tokens,
                 BP=bp, C_PAD=c_pad, num_warps=4,
             )  # fmt: skip
             return
@@ -43,7 +45,7 @@ def chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out):
         bp = min(1024, pow2(p))
         K._chunk_map_search_kernel[(triton.cdiv(p, bp),)](
             split_sizes, sorted_indices, output_split_sizes, table, row_map_out, c, p,
-            BP=bp, STEPS=(c + 1).bit_length(), num_warps=4,
+            num_in_tokens, BP=bp, STEPS=(c + 1).bit_length(), num_warps=4,
         )  # fmt: skip
 
 
@@ -64,7 +66,8 @@ def chunk_copy(src, row_map, dst, reverse):
     br, bh = _copy_tiles(p, hidden, cfg)
     with on_device(src):
         K._chunk_copy_kernel[(triton.cdiv(p, br), triton.cdiv(hidden, bh))](
-            src, row_map, dst, p, hidden, BR=br, BH=bh, REVERSE=bool(reverse),
+            src, row_map, dst, p, hidden, (dst if reverse else src).shape[0],
+            BR=br, BH=bh, REVERSE=bool(reverse),
             num_warps=cfg["triton.chunks.copy_warps"],
         )  # fmt: skip
 

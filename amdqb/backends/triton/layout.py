@@ -82,7 +82,7 @@ def _route_deterministic(ids, num_experts, capacity, counters, rows, counts, n, 
         mode = "counters" if capacity is not None else "offsets"
         _scan(hist, counters, counts, nb, num_experts, num_experts, cap, capacity, mode)
         K._assign_wide_kernel[(nb,)](
-            ids, hist, rows, n, num_experts, cap, nb,
+            ids, hist, rows, counters, counts, n, num_experts, cap, nb,
             SUB=sub, MODE=0 if capacity is not None else 1, num_warps=warps,
         )  # fmt: skip
         return
@@ -96,17 +96,17 @@ def _route_deterministic(ids, num_experts, capacity, counters, rows, counts, n, 
     )  # fmt: skip
     _scan(hist, counters, counts, nb, num_experts, e_pad, cap, capacity, "counters")
     K._block_assign_kernel[(nb,)](
-        ids, hist, counters, rows, n, num_experts, cap,
+        ids, hist, counters, counts, rows, n, num_experts, cap,
         SUB=sub, NSUB=nsub, LOG_SUB=sub.bit_length() - 1, E_PAD=e_pad,
-        MODE=0 if capacity is not None else 1, ADD_OFF=capacity is None, num_warps=warps,
+        MODE=0 if capacity is not None else 3, num_warps=warps,
     )  # fmt: skip
 
 
-def _route_fixup(ids, rows, counters, off, n, num_experts, cfg):
+def _route_fixup(ids, rows, counters, counts, off, n, num_experts, cfg):
     block = cfg["triton.route.fixup_block"]
     in_reg = off is None
     K._route_fixup_kernel[(triton.cdiv(n, block),)](
-        ids, rows, counters, counters if in_reg else off, n, num_experts,
+        ids, rows, counters, counts, counters if in_reg else off, n, num_experts,
         BLOCK=block, E_PAD=_e_pad(num_experts) if in_reg else 16, IN_REG=in_reg, num_warps=8,
     )  # fmt: skip
 
@@ -137,7 +137,7 @@ def route_rows(
                 CAPACITY=capacity is not None, num_warps=cfg["triton.route.warps"],
             )  # fmt: skip
             if capacity is None:
-                _route_fixup(ids, rows, counters, None, n, num_experts, cfg)
+                _route_fixup(ids, rows, counters, counts_out, None, n, num_experts, cfg)
         else:
             block = cfg["triton.route.atomic_block"]
             counts_out.copy_(counters)  # snapshot: counts = f(final, initial)
@@ -158,7 +158,9 @@ def route_rows(
                 WRITE_OFF=compact and wide, num_warps=8,
             )  # fmt: skip
             if compact:
-                _route_fixup(ids, rows, counters, off if wide else None, n, num_experts, cfg)
+                _route_fixup(
+                    ids, rows, counters, counts_out, off if wide else None, n, num_experts, cfg
+                )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -185,7 +187,7 @@ def _align_wide(ids, block_size, num_experts, sorted_ids, expert_ids, num_post_p
         BJ=bj, STEPS=(num_experts + 1).bit_length(), num_warps=4,
     )  # fmt: skip
     K._assign_wide_kernel[(nb,)](
-        ids, hist, sorted_ids, n, num_experts, 0, nb,
+        ids, hist, sorted_ids, hist, hist, n, num_experts, 0, nb,
         SUB=sub, MODE=2, num_warps=cfg["triton.route.warps"],
     )  # fmt: skip
 
@@ -283,7 +285,7 @@ def codegen_specs() -> list:
         ),
         typed_spec(
             "route_fixup_inreg_e896", K._route_fixup_kernel,
-            {**ids, **i32("rows_ptr", "counters_ptr", "off_ptr")},
+            {**ids, **i32("rows_ptr", "counters_ptr", "counts_ptr", "off_ptr")},
             dict(BLOCK=2048, E_PAD=1024, IN_REG=True), 8,
         ),
         typed_spec(
@@ -299,8 +301,8 @@ def codegen_specs() -> list:
         ),
         typed_spec(
             "block_assign_compact_e4096", K._block_assign_kernel,
-            {"ids_ptr": "i64", **i32("hist_ptr", "counters_ptr", "out_ptr")},
-            dict(route, NSUB=1, E_PAD=4096, MODE=1, ADD_OFF=True), 8, lds=True,
+            {"ids_ptr": "i64", **i32("hist_ptr", "counters_ptr", "counts_ptr", "out_ptr")},
+            dict(route, NSUB=1, E_PAD=4096, MODE=3), 8, lds=True,
         ),
         typed_spec(
             "block_scan_parallel", K._block_scan_kernel,
@@ -320,7 +322,8 @@ def codegen_specs() -> list:
         ),
         typed_spec(
             "assign_wide_align", K._assign_wide_kernel,
-            {**ids, **i32("hist_ptr", "out_ptr")}, dict(SUB=1024, MODE=2), 8,
+            {**ids, **i32("hist_ptr", "out_ptr", "counters_ptr", "counts_ptr")},
+            dict(SUB=1024, MODE=2), 8,
         ),
         typed_spec(
             "align_offsets_wide", K._align_offsets_wide_kernel,

@@ -60,9 +60,9 @@ def _info(argv: list[str]) -> int:
         if status["fallback"]:
             line += f"; should its kernels fail to build: {status['fallback']}"
         print(line)
-        for name, why in status["rejected"].items():
-            if why.startswith("failed to build"):
-                print(f"  {'':17s} {'':7s} passed over {name}: {why}")
+        failed = [n for n, why in status["rejected"].items() if why.startswith("failed to build")]
+        if failed:
+            print(f"  {'':17s} {'':7s} passed over {', '.join(failed)}: failed to build (below)")
     pref = report["preference"]
     if pref is not None:
         if pref["error"]:

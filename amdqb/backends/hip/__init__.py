@@ -31,9 +31,12 @@ import torch
 
 from ... import configs
 from . import layout, router
-from ._runtime import HipBuildError as BuildError
+from ._runtime import HipBuildError
 
 BACKEND = "hip"
+# a failed kernel build (raised before anything of the op call launched): the dispatcher runs the
+# op on its next backend instead
+BuildError = HipBuildError
 
 
 def _rt():

@@ -49,6 +49,7 @@ def kernel_op(name: str, mutates_args: tuple[str, ...], fake: Callable | None = 
     return deco
 
 
-def impl(op: str, backend: str):
-    """The backend implementation of a kernel-level op (``backend`` already resolved)."""
-    return dispatch._backend_module(backend).OPS[op]
+# The backend implementation of a kernel-level op for the token ``dispatch.kernel_backend`` gave
+# (a backend's name, or "<name>><fallback>": the guarded callable that runs the fallback should the
+# backend fail to build its kernels). One dict lookup per call.
+impl = dispatch.implementation

@@ -90,6 +90,12 @@ def _info(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="amdqb info", description=COMMAND_HELP["info"][1])
     parser.add_argument("--device", default=None, help="device to describe (default: cuda if any)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument(
+        "--build",
+        action="store_true",
+        help="first run every op that builds kernels at run time once, at a small shape, so that "
+        "build failures (and the fallbacks they cause) are found and listed",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -97,9 +103,13 @@ def _info(argv: list[str]) -> int:
     from . import __version__, dispatch
 
     try:
-        report = dispatch.report(args.device)
+        device = dispatch.device_info(args.device).device
     except ValueError as exc:
         parser.error(f"--device: {exc}")
+    built = _build_ops(device) if args.build else None
+    report = dispatch.report(args.device)
+    if built is not None:
+        report["build"] = built
     versions = {
         "amdqb": __version__,
         "python": platform.python_version(),
@@ -128,7 +138,28 @@ def _info(argv: list[str]) -> int:
         print(f"  {name:7s} {mark}  {status['reason']}")
     print("op -> backend (why):")
     for op, status in report["ops"].items():
-        print(f"  {op:17s} {status['backend'] or '-':7s} {status['reason']}")
+        line = f"  {op:17s} {status['backend'] or '-':7s} {status['reason']}"
+        if status["fallback"]:
+            line += f"; should its kernels fail to build: {status['fallback']}"
+        print(line)
+        failed = [n for n, why in status["rejected"].items() if why.startswith("failed to build")]
+        if failed:
+            print(f"  {'':17s} {'':7s} passed over {', '.join(failed)}: failed to build (below)")
+    pref = report["preference"]
+    if pref is not None:
+        if pref["error"]:
+            print(f"AMDQB_BACKEND ignored: {pref['error']}")
+        else:
+            print(f"AMDQB_BACKEND={pref['backend']} (a preference; backend= on an op is strict):")
+            print(f"  followed by: {', '.join(pref['follow']) or '-'}")
+            for op, fb in pref["fell_back"].items():
+                print(f"  {op:17s} -> {fb['backend']:7s} {pref['backend']}: {fb['why']}")
+    if report["failures"]:
+        print("build failures (the op runs on its next backend on this device):")
+        for f in report["failures"]:
+            print(f"  {f['op']:17s} {f['backend']:7s} {f['cause']}")
+    if report.get("build"):
+        print("--build: ran " + ", ".join(f"{op} ({r})" for op, r in report["build"].items()))
     config = report["config"]
     files = (
         "default.json"
@@ -141,6 +172,40 @@ def _info(argv: list[str]) -> int:
             f"  {key:42s} {json.dumps(entry['value']):20s} [{entry['file']}] {entry['provenance']}"
         )
     return 0
+
+
+def _build_ops(device: str) -> dict[str, str]:
+    """Run each op of the hip backend once at a small shape on ``device`` (E=64, k=4, 32 tokens):
+    its kernels are compiled or loaded (disk cache), and a build failure is recorded and makes the
+    op fall back, as in a real run. Returns ``{op: "ok" or the error}``."""
+    import warnings
+
+    import torch
+
+    import amdqb
+    from amdqb import dispatch
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 64, generator=g).to(device)
+    ids = torch.randint(0, 64, (32, 4), generator=g, dtype=torch.int32).to(device)
+    calls = {
+        "router_fwd": lambda: amdqb.fused_topk_with_score_function(logits, 4),
+        "biased_topk": lambda: amdqb.biased_topk(logits, 4),
+        "route_rows": lambda: amdqb.moe_route_rows(ids, 64),
+        "align_block_size": lambda: amdqb.moe_align_block_size(ids, 16, 64),
+    }
+    ran = {}
+    for op, call in calls.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the report lists the failure
+                call()
+            if device.startswith("cuda"):
+                torch.cuda.synchronize(device)
+            ran[op] = "ok"
+        except Exception as exc:  # report, do not stop: the other ops still tell something
+            ran[op] = f"error: {dispatch.failure_cause(exc)}"
+    return ran
 
 
 def _demo(argv: list[str]) -> int:

@@ -10,7 +10,18 @@ Backends (one folder each under ``amdqb/backends``):
 Every op asks :func:`select` for an implementation. The choice walks the op's backend order of the
 device's architecture family (``backend_order.*`` in ``amdqb/configs/<arch>.json``) and takes the
 first backend that is available and implements the op; each rejected candidate records why.
-``AMDQB_BACKEND`` (environment) and ``backend=`` (keyword) force a backend.
+``backend=`` (keyword) forces a backend: it runs the op or the op raises. ``AMDQB_BACKEND``
+(environment) is a preference: an op that backend cannot run follows its order as without it.
+
+Run-time build failures: the hip backend compiles (hiprtc / NVRTC) and loads its code objects at
+the first kernel request of an op on a device. When that fails (unknown target, missing builtin,
+driver refusing the code object), the op runs on the next backend of its order instead, with one
+``RuntimeWarning`` per (op, cause); the dispatcher remembers the failure, so later selections skip
+the backend for that op on that device without compiling again, and :func:`report` (``amdqb
+info``) lists it. Nothing is compiled to find this out beforehand. The choice stays a trace-time
+constant under ``torch.compile``: the kernel-level ops receive :func:`kernel_backend`'s token
+(``"hip>triton"``: hip, and triton should hip fail to build), so a graph traced before a failure
+runs the fallback without tracing again. A ``backend=`` call gets no fallback: it raises.
 """
 
 from __future__ import annotations
@@ -18,6 +29,8 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import threading
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -133,10 +146,21 @@ def backend_status(name: str, info: DeviceInfo) -> tuple[bool, str]:
 
 @dataclass(frozen=True)
 class Choice:
+    """The backend of one (op, device, features): what runs, why, and what runs should it fail."""
+
     backend: str
     impl: object
     reason: str
     rejected: tuple[tuple[str, str], ...] = ()
+    # the next backend that can run the op, should ``backend`` fail to build its kernels at run
+    # time (set only for backends that build at run time, and never for a ``backend=`` choice)
+    fallback: str | None = None
+    token: str = field(default="", compare=False)  # what the kernel-level op is given
+
+    def __post_init__(self):
+        if not self.token:
+            token = self.backend if self.fallback is None else f"{self.backend}>{self.fallback}"
+            object.__setattr__(self, "token", token)
 
 
 def preference(op: str, info: DeviceInfo) -> tuple[str, ...]:
@@ -144,47 +168,179 @@ def preference(op: str, info: DeviceInfo) -> tuple[str, ...]:
     return configs.load(info.arch_family).backend_order(op)
 
 
+_ENV = "AMDQB_BACKEND"
+
+
 def _env_backend() -> str | None:
-    value = os.environ.get("AMDQB_BACKEND", "").strip().lower()
-    return value or None
+    value = os.environ.get(_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"{_ENV} must be one of {BACKENDS}, got {value!r}")
+    return value
+
+
+def _checked(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+# ------------------------------------------------------------------------------------------------
+# Run-time build failures. A backend module that builds kernels at run time names the exception
+# of a failed build ``BuildError`` (hip: compile, code-object load or function lookup, raised
+# before anything of the op call has launched). The dispatcher then remembers (op, device,
+# backend), warns once per (op, cause) and runs the op on the choice's ``fallback``.
+# ------------------------------------------------------------------------------------------------
+_FAILURES: dict[tuple[str, str, str], str] = {}  # (op, device, backend) -> cause
+_FAILED_DEVICES: dict[tuple[str, str], set] = {}  # (op, backend) -> devices; read per call
+_WARNED: set[tuple[str, str]] = set()
+_FAILURE_LOCK = threading.Lock()
+
+
+def failure_cause(exc: BaseException) -> str:
+    """One line naming why a build failed (the error's ``summary`` when it has one)."""
+    text = getattr(exc, "summary", None) or next(
+        (line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__
+    )
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def record_failure(
+    op: str, backend: str, device: str, exc: BaseException, fallback: str | None = None
+) -> str:
+    """Remember that ``backend`` cannot build ``op`` on ``device``: later selections skip it
+    there. Warns once per (op, cause) when the op falls back to ``fallback``. Returns the cause."""
+    cause = failure_cause(exc)
+    with _FAILURE_LOCK:
+        if (op, device, backend) not in _FAILURES:
+            _FAILURES[(op, device, backend)] = cause
+            _FAILED_DEVICES.setdefault((op, backend), set()).add(device)
+            _select_cached.cache_clear()  # the cached choices predate the failure
+        warn = fallback is not None and (op, cause) not in _WARNED
+        if warn:
+            _WARNED.add((op, cause))
+    if warn:
+        warnings.warn(
+            f"amdqb: the {backend} backend cannot build its kernels for {op!r} on {device}: "
+            f"{cause}. {op!r} runs on {fallback} on this device from now on "
+            "(amdqb.dispatch.report() lists it; `amdqb info --build` shows it).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return cause
+
+
+def failures(device: torch.device | str | None = None) -> list[dict]:
+    """The recorded run-time build failures (of ``device``, or all)."""
+    key = None if device is None else _device_key(device)
+    with _FAILURE_LOCK:
+        items = sorted(_FAILURES.items())
+    return [
+        {"op": op, "device": dev, "backend": name, "cause": cause}
+        for (op, dev, name), cause in items
+        if key is None or dev == key
+    ]
+
+
+def _forget_failures() -> None:
+    """Forget every recorded failure (tests)."""
+    with _FAILURE_LOCK:
+        _FAILURES.clear()
+        for devices in _FAILED_DEVICES.values():
+            devices.clear()  # the guarded implementations hold these sets
+        _WARNED.clear()
+        _select_cached.cache_clear()
+
+
+def _failed_reason(device: str, cause: str) -> str:
+    return f"failed to build on {device}: {cause}"
+
+
+def _runnable(name: str, op: str, info: DeviceInfo, device: str, features: tuple):
+    """(implementation or None, reason) of backend ``name`` for ``op`` with ``features``."""
+    ok, why = backend_status(name, info)
+    if not ok:
+        return None, why
+    module = _backend_module(name)
+    impl = getattr(module, "OPS", {}).get(op)
+    if impl is None:
+        return None, f"does not implement {op!r}"
+    cause = _FAILURES.get((op, device, name))
+    if cause is not None:
+        return None, _failed_reason(device, cause)
+    unsupported = getattr(module, "unsupported", None)
+    reason = unsupported(op, info, dict(features)) if unsupported else None
+    if reason is not None:
+        return None, reason
+    return impl, why
 
 
 @functools.lru_cache(maxsize=None)
-def _select_cached(op: str, device_str: str, forced: str | None, features: tuple) -> Choice:
+def _select_cached(
+    op: str,
+    device_str: str,
+    forced: str | None,
+    preferred: str | None,
+    features: tuple,
+    source: str = _ENV,
+) -> Choice:
+    """``forced``: that backend or an error. ``preferred`` (from ``source``: AMDQB_BACKEND or a
+    ``prefer=``): that backend if it can run the op, else the op's order. Neither: the order."""
     info = _device_info_cached(device_str)
+    if forced:
+        candidates = (forced,)
+    else:
+        order = preference(op, info)
+        if preferred is not None:
+            order = (preferred,) + tuple(name for name in order if name != preferred)
+        candidates = order
     rejected: list[tuple[str, str]] = []
-    candidates = (forced,) if forced else preference(op, info)
-    for name in candidates:
-        ok, why = backend_status(name, info)
-        if ok:
-            module = _backend_module(name)
-            impl = getattr(module, "OPS", {}).get(op)
-            if impl is None:
-                why = f"does not implement {op!r}"
-            else:
-                unsupported = getattr(module, "unsupported", None)
-                reason = unsupported(op, info, dict(features)) if unsupported else None
-                if reason is None:
-                    how = (
-                        "forced" if forced else f"first available in {info.arch_family} preference"
-                    )
-                    return Choice(name, impl, f"{how} ({why})", tuple(rejected))
-                why = reason
-        rejected.append((name, why))
+    for i, name in enumerate(candidates):
+        impl, why = _runnable(name, op, info, device_str, features)
+        if impl is None:
+            rejected.append((name, why))
+            continue
+        fallback = None
+        if not forced and getattr(_backend_module(name), "BuildError", None) is not None:
+            fallback = next(
+                (
+                    n
+                    for n in candidates[i + 1 :]
+                    if _runnable(n, op, info, device_str, features)[0] is not None
+                ),
+                None,
+            )
+        table = f"first available in {info.arch_family} preference"
+        if forced:
+            how = "forced"
+        elif preferred is None:
+            how = table
+        elif name == preferred:
+            how = f"{source}={preferred}"
+        else:
+            how = f"{source}={preferred} cannot run it; {table}"
+        return Choice(name, impl, f"{how} ({why})", tuple(rejected), fallback)
     detail = "; ".join(f"{n}: {w}" for n, w in rejected)
     raise RuntimeError(f"no backend can run {op!r} on {device_str}: {detail}")
 
 
 def select(op: str, device: torch.device | str, backend: str | None = None, **features) -> Choice:
-    """Implementation of ``op`` for ``device``: ``backend=`` beats ``AMDQB_BACKEND`` beats tables.
+    """Implementation of ``op`` for ``device``.
+
+    ``backend=`` is strict: that backend, or RuntimeError naming why it cannot run the op.
+    ``AMDQB_BACKEND`` is a preference: the op runs there when that backend can run it (available,
+    implements the op, does not decline ``features``, has not failed to build it on ``device``),
+    else on the op's order of the device's architecture (``amdqb/configs``), as without it.
 
     ``features`` (hashable values: sizes, modes) let a backend decline a configuration through its
     ``unsupported(op, info, features) -> reason | None`` hook; the next backend in order is tried.
     """
-    forced = backend or _env_backend()
-    if forced is not None and forced not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {forced!r}")
-    return _select_cached(op, _device_key(device), forced, tuple(sorted(features.items())))
+    key = _device_key(device)
+    features = tuple(sorted(features.items()))
+    if backend is not None:
+        return _select_cached(op, key, _checked(backend), None, features, _ENV)
+    return _select_cached(op, key, None, _env_backend(), features, _ENV)
 
 
 def _device_key(device: torch.device | str) -> str:
@@ -195,33 +351,15 @@ def _device_key(device: torch.device | str) -> str:
     return str(dev)
 
 
-def report(device: torch.device | str | None = None) -> dict:
-    """Everything the dispatcher knows, for ``python -m amdqb info``."""
-    info = device_info(device)
-    backends = {}
-    for name in BACKENDS:
-        ok, why = backend_status(name, info)
-        backends[name] = {"available": ok, "reason": why}
-    ops = {}
-    from .backends import OP_NAMES
-
-    for op in OP_NAMES:
-        try:
-            choice = select(op, info.device)
-            ops[op] = {"backend": choice.backend, "reason": choice.reason}
-        except RuntimeError as exc:
-            ops[op] = {"backend": None, "reason": str(exc)}
-    cfg = configs.load(info.arch_family)
-    entries = {
-        key: {"value": e.value, "provenance": e.provenance, "file": e.source}
-        for key, e in cfg.items()
-    }
-    return {
-        "device": info.as_dict(),
-        "backends": backends,
-        "ops": ops,
-        "config": {"arch": cfg.arch, "entries": entries},
-    }
+def _choose(op: str, device: str, backend, features: tuple, prefer) -> Choice:
+    key = _device_key(device)
+    if prefer is not None:
+        # the caller's preference (a forward's backend for its backward), AMDQB_BACKEND aside
+        preferred = _checked(prefer.partition(">")[0])
+        return _select_cached(op, key, None, preferred, features, "prefer")
+    if backend is not None:
+        return _select_cached(op, key, _checked(backend), None, features, _ENV)
+    return _select_cached(op, key, None, _env_backend(), features, _ENV)
 
 
 def backend_name(
@@ -243,13 +381,162 @@ def backend_name(
     )
 
 
+def kernel_backend(
+    op: str,
+    device: torch.device | str,
+    backend: str | None = None,
+    *,
+    prefer: str | None = None,
+    **features,
+) -> str:
+    """:func:`backend_name` as the kernel-level ops take it (:func:`implementation`'s ``token``):
+    the backend's name, or ``"<name>><fallback>"`` when the backend builds kernels at run time and
+    the dispatcher chose it (not ``backend=``) -- should the build fail, the op runs on
+    ``fallback``. A trace-time constant under ``torch.compile``."""
+    return _kernel_backend(
+        op, str(torch.device(device)), backend, tuple(sorted(features.items())), prefer
+    )
+
+
 @torch.compiler.assume_constant_result
 def _backend_name(
     op: str, device: str, backend: str | None, features: tuple, prefer: str | None = None
 ) -> str:
-    if prefer is not None:
+    return _choose(op, device, backend, features, prefer).backend
+
+
+@torch.compiler.assume_constant_result
+def _kernel_backend(
+    op: str, device: str, backend: str | None, features: tuple, prefer: str | None = None
+) -> str:
+    return _choose(op, device, backend, features, prefer).token
+
+
+# ------------------------------------------------------------------------------------------------
+# Implementations by token
+# ------------------------------------------------------------------------------------------------
+_IMPLS: dict[tuple[str, str], object] = {}
+
+
+def implementation(op: str, token: str):
+    """The callable the kernel-level op ``op`` runs for ``token`` (:func:`kernel_backend`)."""
+    fn = _IMPLS.get((op, token))
+    if fn is None:
+        fn = _IMPLS.setdefault((op, token), _build_implementation(op, token))
+    return fn
+
+
+def _build_implementation(op: str, token: str):
+    name, _, fallback = token.partition(">")
+    module = _backend_module(_checked(name))
+    primary = module.OPS[op]
+    error = getattr(module, "BuildError", None)
+    if error is None:
+        return primary
+    return _guarded(
+        op,
+        name,
+        primary,
+        error,
+        fallback or None,
+        implementation(op, fallback) if fallback else None,
+    )
+
+
+def _arg_device(args) -> str:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return str(a.device)
+    return "cpu"
+
+
+def _guarded(op, backend, primary, error, fallback_name, fallback):
+    """``primary`` that, when it raises ``error`` (its kernels cannot be built on the inputs'
+    device), records the failure and runs ``fallback`` instead (or re-raises: a ``backend=``
+    call). A failed device goes straight to ``fallback`` afterwards: the way of graphs traced
+    before the failure, whose token stays; eager calls select again and never get here."""
+    failed = _FAILED_DEVICES.setdefault((op, backend), set())
+
+    def run(*args):
+        if failed:  # empty unless this op failed somewhere: one truth test on the success path
+            device = _arg_device(args)
+            if device in failed:
+                if fallback is None:
+                    cause = _FAILURES.get((op, device, backend), "?")
+                    raise RuntimeError(
+                        f"no backend can run {op!r} on {device}: {backend}: "
+                        f"{_failed_reason(device, cause)}"
+                    )
+                return fallback(*args)
         try:
-            return select(op, device, prefer, **dict(features)).backend
-        except RuntimeError:
-            return _select_cached(op, _device_key(device), None, features).backend
-    return select(op, device, backend, **dict(features)).backend
+            return primary(*args)
+        except error as exc:
+            record_failure(op, backend, _arg_device(args), exc, fallback_name)
+            if fallback is None:
+                raise
+            return fallback(*args)
+
+    run.__name__ = run.__qualname__ = f"{backend}_{op}_or_{fallback_name or 'raise'}"
+    run.__doc__ = primary.__doc__
+    return run
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+def report(device: torch.device | str | None = None) -> dict:
+    """Everything the dispatcher knows, for ``python -m amdqb info``: the device, the backends,
+    every op's backend (why, what it falls back to should its build fail, which backends were
+    passed over and why), the AMDQB_BACKEND preference, the recorded build failures, the config."""
+    info = device_info(device)
+    backends = {}
+    for name in BACKENDS:
+        ok, why = backend_status(name, info)
+        backends[name] = {"available": ok, "reason": why}
+    try:
+        preferred, pref_error = _env_backend(), None
+    except ValueError as exc:  # report it rather than fail the report
+        preferred, pref_error = None, str(exc)
+    from .backends import OP_NAMES
+
+    ops = {}
+    follow, fell_back = [], {}
+    for op in OP_NAMES:
+        try:
+            choice = _select_cached(op, info.device, None, preferred, (), _ENV)
+        except RuntimeError as exc:
+            ops[op] = {"backend": None, "reason": str(exc), "fallback": None, "rejected": {}}
+            continue
+        rejected = dict(choice.rejected)
+        ops[op] = {
+            "backend": choice.backend,
+            "reason": choice.reason,
+            "fallback": choice.fallback,
+            "rejected": rejected,
+        }
+        if preferred is not None:
+            if choice.backend == preferred:
+                follow.append(op)
+            else:
+                fell_back[op] = {"backend": choice.backend, "why": rejected.get(preferred, "?")}
+    pref = None
+    if preferred is not None or pref_error is not None:
+        pref = {
+            "backend": preferred,
+            "error": pref_error,
+            "follow": follow,
+            "fell_back": fell_back,
+        }
+    cfg = configs.load(info.arch_family)
+    entries = {
+        key: {"value": e.value, "provenance": e.provenance, "file": e.source}
+        for key, e in cfg.items()
+    }
+    return {
+        "device": info.as_dict(),
+        "backends": backends,
+        "ops": ops,
+        "preference": pref,
+        "failures": failures(info.device),
+        "config": {"arch": cfg.arch, "entries": entries},
+    }

@@ -4,7 +4,10 @@
 * ``OPS: dict[str, callable]`` keyed by the kernel-level op names below;
 * optionally ``unsupported(op, info, features) -> reason | None`` to decline a configuration (the
   dispatcher then tries the next backend), and ``score_values(logits, score_function)``, the fp32
-  activations exactly as its router kernels compute them (tests evaluate the oracle on them).
+  activations exactly as its router kernels compute them (tests evaluate the oracle on them);
+* optionally ``BuildError``: the exception a backend that builds kernels at run time raises when a
+  build fails before anything of the op call has launched; the dispatcher then runs the op on the
+  next backend of its order (``amdqb.dispatch``).
 
 The ``torch`` backend is the oracle: exact, but not written for speed and not graph-capturable
 (some oracles size outputs from device values). The kernel backends never synchronise.

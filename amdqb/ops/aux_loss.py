@@ -204,9 +204,9 @@ def fused_compute_score_for_moe_aux_loss(
         logits2d = logits2d.contiguous()
     device = logits.device
     features = dict(num_experts=num_experts, topk=topk, score_function=score_function)
-    fwd = dispatch.backend_name("aux_scores_fwd", device, backend, **features)
+    fwd = dispatch.kernel_backend("aux_scores_fwd", device, backend, **features)
     if torch.is_grad_enabled() and logits.requires_grad:
-        bwd = dispatch.backend_name("aux_scores_bwd", device, prefer=fwd, **features)
+        bwd = dispatch.kernel_backend("aux_scores_bwd", device, prefer=fwd, **features)
         routing_map, scores = _AuxScoresFunction.apply(
             logits2d, topk, score_function, map_kind, (fwd, bwd)
         )
@@ -290,9 +290,9 @@ def fused_moe_aux_loss(
         probs = probs.contiguous()
     if not tokens_per_expert.is_contiguous():
         tokens_per_expert = tokens_per_expert.contiguous()
-    fwd = dispatch.backend_name("aux_loss_fwd", device, backend, cols=cols)
+    fwd = dispatch.kernel_backend("aux_loss_fwd", device, backend, cols=cols)
     if torch.is_grad_enabled() and probs.requires_grad:
-        bwd = dispatch.backend_name("aux_loss_bwd", device, prefer=fwd, cols=cols)
+        bwd = dispatch.kernel_backend("aux_loss_bwd", device, prefer=fwd, cols=cols)
         return _AuxLossFunction.apply(
             probs, tokens_per_expert, total, coeff_host, coeff_prefix, (fwd, bwd)
         )

@@ -88,7 +88,7 @@ def _check_meta(name, value, device, length=None):
 
 
 def _backend(device, backend, dtype):
-    return dispatch.backend_name("chunk_copy", device, backend, dtype=str(dtype))
+    return dispatch.kernel_backend("chunk_copy", device, backend, dtype=str(dtype))
 
 
 def moe_sort_chunks_and_pad(

@@ -177,7 +177,7 @@ def moe_route_rows(
     chosen = impl or _auto_route_impl(str(device), num_routes, num_experts)
     if chosen == "lds" and num_experts > LDS_MAX_EXPERTS:
         raise ValueError(f"impl='lds' supports num_experts <= {LDS_MAX_EXPERTS}, got {num_experts}")
-    chosen_backend = dispatch.backend_name(
+    chosen_backend = dispatch.kernel_backend(
         "route_rows", device, backend, num_experts=num_experts, impl=chosen
     )
     # counts arrive zero-filled at the backend (the lds kernels accumulate into them); with the
@@ -259,7 +259,7 @@ def align_block_size_into(
         )
     if sorted_token_ids.numel() > INT32_MAX:
         raise ValueError(f"aligned buffer of {sorted_token_ids.numel()} rows exceeds int32")
-    chosen_backend = dispatch.backend_name(
+    chosen_backend = dispatch.kernel_backend(
         "align_block_size", device, backend, num_experts=num_experts
     )
     _align_block_size(
@@ -309,7 +309,7 @@ def moe_align_block_size(
     max_padded, max_blocks = align_buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
     if max_padded > INT32_MAX:
         raise ValueError(f"aligned buffer of {max_padded} rows does not fit int32 indices")
-    chosen_backend = dispatch.backend_name(
+    chosen_backend = dispatch.kernel_backend(
         "align_block_size", device, backend, num_experts=num_experts
     )
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)

@@ -122,7 +122,7 @@ def qb_recover_bias(
             raise ValueError("binning='log_margin' needs expert_bias (the bias of the histogram)")
         _check_bias("expert_bias", expert_bias, histogram)
     check_backend(backend)
-    chosen_backend = dispatch.backend_name(
+    chosen_backend = dispatch.kernel_backend(
         "qb_recover", histogram.device, backend, num_bins=histogram.shape[1]
     )
     out = torch.empty(histogram.shape[0], dtype=torch.float32, device=histogram.device)
@@ -170,7 +170,7 @@ def qb_step_(
             contiguous=True,
         )
     check_backend(backend)
-    chosen_backend = dispatch.backend_name(
+    chosen_backend = dispatch.kernel_backend(
         "qb_step", histogram.device, backend, num_bins=histogram.shape[1]
     )
     _qb_step(bias, histogram, bin_bounds, topk, ema, binning, rho, rejected, chosen_backend)

@@ -468,7 +468,7 @@ def fused_topk_with_score_function(
     else:
         map_kind = "bitmap" if map_format == "bitmap_u8" else "bytemap"
 
-    chosen_backend = dispatch.backend_name(
+    chosen_backend = dispatch.kernel_backend(
         "router_fwd",
         device,
         backend,
@@ -484,7 +484,7 @@ def fused_topk_with_score_function(
     qb = (qb_histogram, qb_bin_bounds, qb_histogram_mode) if use_qb else (None, None, None)
     if torch.is_grad_enabled() and logits.requires_grad:
         # the backward runs on the forward's backend when it has a backward kernel (hip has none)
-        bwd_backend = dispatch.backend_name(
+        bwd_backend = dispatch.kernel_backend(
             "router_bwd", device, prefer=chosen_backend, num_experts=num_experts, topk=topk
         )
         cfg = (
@@ -595,7 +595,7 @@ def biased_topk(
     if not logits2d.is_contiguous():
         logits2d = logits2d.contiguous()
     tokens = logits2d.shape[0]
-    chosen_backend = dispatch.backend_name(
+    chosen_backend = dispatch.kernel_backend(
         "biased_topk",
         device,
         backend,

@@ -7,6 +7,13 @@ grouped Top-k, more than 4096 experts in a router or an align, Top-n above ``hip
 (n = k, or k + 1 under QB), QB with more than 12288 bins. ``router_bwd``, the QB updates and the
 chunk ops are left to the other backends.
 
+Build failures: a module is compiled and loaded at the first kernel request of an op on a device
+(nothing is compiled at import or by ``availability``). When that fails -- hiprtc rejects the
+target or a builtin, the driver refuses the code object, the binding errs -- the runtime raises
+:class:`BuildError` before anything of the op call has launched, and the dispatcher runs the op on
+the next backend of its order (one warning, remembered per op and device; ``amdqb info`` lists it).
+Launch errors are not build failures: they raise.
+
 Precision and tie-break contract: the one of ``amdqb.ref`` (see ``router.py`` and ``layout.py``).
 :func:`score_values` returns the fp32 activations exactly as the router kernels compute them.
 
@@ -24,8 +31,12 @@ import torch
 
 from ... import configs
 from . import layout, router
+from ._runtime import HipBuildError
 
 BACKEND = "hip"
+# a failed kernel build (raised before anything of the op call launched): the dispatcher runs the
+# op on its next backend instead
+BuildError = HipBuildError
 
 
 def _rt():

@@ -31,7 +31,18 @@ from . import _spec
 
 
 class HipBackendError(RuntimeError):
-    """The hip backend cannot compile, load or launch a kernel."""
+    """The hip backend cannot compile, load or launch a kernel. ``summary``: one line of cause."""
+
+    def __init__(self, message: str, summary: str | None = None):
+        super().__init__(message)
+        self.summary = summary
+
+
+class HipBuildError(HipBackendError):
+    """A kernel could not be built: target query, compile, code-object load or function lookup of
+    a module none of whose kernels had been handed out yet. Every op call takes its kernels from
+    one module and requests one before its first launch, so nothing of the call has run: the
+    dispatcher may run the op on another backend (``BuildError`` of the hip backend)."""
 
 
 def _split(result):
@@ -48,6 +59,17 @@ def _check(result, what: str):
     if len(values) == 1:
         return values[0]
     return values
+
+
+def first_error_line(log: str) -> str:
+    """The first line of a compiler log that reports an error (else its first line), trimmed."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    line = next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else "")
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _offload_arch(opts) -> str:
+    return next((o.split("=", 1)[1] for o in opts if o.startswith("--offload-arch=")), "?")
 
 
 _PDL_ATTRIBUTE = "CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION"
@@ -425,9 +447,11 @@ class HiprtcToolchain(_Toolchain):
                 size = _check(hiprtc.hiprtcGetProgramLogSize(prog), "hiprtcGetProgramLogSize")
                 log = bytearray(int(size))
                 _check(hiprtc.hiprtcGetProgramLog(prog, log), "hiprtcGetProgramLog")
+                text = bytes(log).rstrip(b"\0").decode(errors="replace")
                 raise HipBackendError(
-                    f"hiprtc failed to compile {name} ({err!s}) with {opts}:\n"
-                    f"{bytes(log).decode(errors='replace')}"
+                    f"hiprtc failed to compile {name} ({err!s}) with {opts}:\n{text}",
+                    summary=f"hiprtc could not compile {name} for {_offload_arch(opts)} ({err!s})"
+                    + (f": {first_error_line(text)}" if first_error_line(text) else ""),
                 )
             size = _check(hiprtc.hiprtcGetCodeSize(prog), "hiprtcGetCodeSize")
             code = bytearray(int(size))
@@ -488,6 +512,7 @@ class GpuRuntime:
         self.disk = disk or DiskCache()
         self._modules: dict = {}
         self._kernels: dict = {}
+        self._failed: dict = {}  # (device, spec) -> (message, summary) of a failed build
         self._lock = threading.RLock()
 
     def code_object(self, device_index: int, spec: _spec.ModuleSpec) -> tuple[str, bytes]:
@@ -515,18 +540,51 @@ class GpuRuntime:
         return key, data
 
     def kernel(self, device_index: int, spec: _spec.ModuleSpec, name: str) -> Kernel:
+        """Kernel ``name`` of ``spec``'s module on ``device_index``, built and loaded on the first
+        request. Raises HipBuildError when it cannot be (a failed module is remembered: asking
+        again raises at once, without compiling again)."""
         k = self._kernels.get((device_index, spec, name))
         if k is not None:
             return k
         with self._lock:
+            k = self._kernels.get((device_index, spec, name))
+            if k is not None:
+                return k
             module = self._modules.get((device_index, spec))
-            if module is None:
-                _, image = self.code_object(device_index, spec)
-                module = (self.toolchain.load(device_index, image), image)
+            fresh = module is None
+            if fresh:
+                failed = self._failed.get((device_index, spec))
+                if failed is not None:
+                    raise HipBuildError(*failed)
+                try:
+                    _, image = self.code_object(device_index, spec)
+                    module = (self.toolchain.load(device_index, image), image)
+                except Exception as exc:  # whatever the toolchain or the binding raised
+                    error = self._build_error(exc, device_index, spec)
+                    self._failed[(device_index, spec)] = (str(error), error.summary)
+                    raise error from exc
                 self._modules[(device_index, spec)] = module
-            k = Kernel(self.toolchain.function(module[0], name), name, device_index)
+            try:
+                fn = self.toolchain.function(module[0], name)
+            except Exception as exc:
+                if not fresh:  # a kernel of this module may have launched in this op call
+                    raise
+                raise self._build_error(exc, device_index, spec, name) from exc
+            k = Kernel(fn, name, device_index)
             self._kernels[(device_index, spec, name)] = k
             return k
+
+    def _build_error(self, exc, device_index, spec, name=None) -> HipBuildError:
+        what = f"{spec.kernel_file}" + (f" ({name})" if name else "")
+        cause = getattr(exc, "summary", None) or (
+            next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+            or type(exc).__name__
+        )
+        summary = cause if name is None else f"{cause} (looking up {name})"
+        return HipBuildError(
+            f"{self.toolchain.name}: cannot build {what} on device {device_index}: {exc}",
+            summary=f"{self.toolchain.compiler_id()}: {summary}",
+        )
 
     def launch(self, kernel: Kernel, grid, block: int, smem: int, args) -> None:
         self._launch(self.toolchain.launch, kernel, grid, block, smem, args)

@@ -34,7 +34,7 @@ COMMAND_HELP = {
 
 BENCH_SUITES = {  # kept in step with bench/cli.py's SUITE_HELP (op_tests/test_cli.py checks it)
     "route": "moe_route_rows (atomic / lds / deterministic) and moe_align_block_size vs torch",
-    "router": "fused router without / with QB (two_kernel, fused_atomic) and biased_topk",
+    "router": "fused router: no QB, QB uniform / log_margin / tie-free in each mode; biased_topk",
     "chunks": "moe_sort_chunks_and_pad + moe_unpad_and_restore_chunks round trip vs split/cat",
     "balance": "QuantileBalancer.step() (recover, EMA, centre, bounds, zero)",
     "serving": "routing share of a serving MoE layer (biased_topk + align), eager and graph",

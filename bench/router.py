@@ -1,9 +1,16 @@
-"""Router benchmark: no-QB vs QB two_kernel vs QB fused_atomic per backend, a TE-style pure-PyTorch
-QB baseline, and the serving form ``biased_topk`` at decode sizes.
+"""Router benchmark: the fused router without QB and with QB in both binnings and every histogram
+mode, per backend, next to a TE-style pure-PyTorch QB baseline; and the serving form
+``biased_topk`` at decode sizes.
 
-Shapes follow seed 000: E=896, k=16, B=1000, fp32 logits, T in {256, 1024, 4096, 8192, 16384}.
-Before timing, every case checks: routes/probs against the oracle (on the kernel's own scores where
-the backend exposes them), both histogram modes bitwise equal, and each histogram row summing to T.
+Shapes follow seed 000: E=896, k=16, fp32 logits, T in {256, 1024, 4096, 8192, 16384}; QB with
+``qb_binning="uniform"`` (K3's histogram, B=1000) and ``"log_margin"`` (B=64, the balancer's
+default), each in ``two_kernel`` / ``fused_atomic`` / ``auto``, and log_margin with the tie-free
+selection. Rows carry ``qb/noqb`` (over the same backend's exact no-QB router), the histogram's
+all-reduce volume per balancer step, and on the H200 the ratio to TransformerEngine's router.
+
+Before timing, every case checks: routes, probs and histogram against the oracle (exact activation:
+bitwise torch's scores, so the oracle computes its own), both histogram modes bitwise equal, and
+each histogram row summing to T.
 """
 
 from __future__ import annotations
@@ -12,26 +19,37 @@ import torch
 
 import amdqb
 from amdqb import dispatch, ref
+from amdqb.ref.qb import margin_scale
 
 from .common import (
     Progress,
-    backends_for,
     Report,
     TimingConfig,
+    backends_for,
     copy_bandwidth,
     environment,
     is_h200,
     time_alternating,
 )
 
-# TransformerEngine's router on this H200 (SPEC §5, CUDA-graph replay, µs per call).
+# TransformerEngine's router on the H200 at E=896, k=16, B=1000 (SPEC §5: re-measured side by side
+# in one process, CUDA-graph replay, µs per call): no QB and the faster of its two QB modes.
 TE_H200 = {
-    256: {"te_noqb": 36, "te_fused": 43, "te_two": 45, "torch_graph": 75},
-    1024: {"te_noqb": 39, "te_fused": 50, "te_two": 54, "torch_graph": 123},
-    4096: {"te_noqb": 83, "te_fused": 122, "te_two": 108, "torch_graph": 330},
-    8192: {"te_noqb": 155, "te_fused": 231, "te_two": 203, "torch_graph": 634},
-    16384: {"te_noqb": 265, "te_fused": 391, "te_two": 355, "torch_graph": 1198},
+    256: {"noqb": 37.0, "best_qb": 43.8},
+    1024: {"noqb": 38.9, "best_qb": 50.0},
+    4096: {"noqb": 84.5, "best_qb": 105.5},
+    8192: {"noqb": 157.2, "best_qb": 203.8},
+    16384: {"noqb": 267.1, "best_qb": 354.3},
 }
+
+# (binning, selection, bins): the QB variants timed. uniform is K3's (TE-exact) histogram;
+# log_margin with B=64 is the balancer's default; tie_free needs log_margin.
+QB_VARIANTS = (
+    ("uniform", "te", 1000),
+    ("log_margin", "te", 64),
+    ("log_margin", "tie_free", 64),
+)
+HIST_MODES = ("two_kernel", "fused_atomic", "auto")
 
 
 def te_style_torch_qb(logits, bias, topk, hist, bounds):
@@ -53,40 +71,61 @@ def te_style_torch_qb(logits, bias, topk, hist, bounds):
     return probs, rmap
 
 
-def _check_router(backend, logits, bias, topk, num_bins, bounds):
+def _qb_call(logits, topk, bias, hist, bounds, binning, selection, mode, backend):
+    return amdqb.fused_topk_with_score_function(
+        logits,
+        topk,
+        expert_bias=bias,
+        qb_histogram=hist,
+        qb_bin_bounds=bounds,
+        qb_histogram_mode=mode,
+        selection=selection,
+        qb_binning=binning,
+        backend=backend,
+    )
+
+
+def _check_router(backend, logits, bias, topk, bounds, binning, selection, num_bins):
     """Routes, probs and histograms of ``backend`` against the oracle; raises on a mismatch."""
     t, e = logits.shape
-    hists = {}
-    outs = {}
-    for mode in ("two_kernel", "fused_atomic"):
+    hists, outs = {}, {}
+    for mode in HIST_MODES:
         hist = torch.zeros(e, num_bins, dtype=torch.int32, device=logits.device)
-        outs[mode] = amdqb.fused_topk_with_score_function(
-            logits,
-            topk,
-            expert_bias=bias,
-            qb_histogram=hist,
-            qb_bin_bounds=bounds,
-            qb_histogram_mode=mode,
-            backend=backend,
-        )
+        outs[mode] = _qb_call(logits, topk, bias, hist, bounds, binning, selection, mode, backend)
         hists[mode] = hist
-    if not torch.equal(hists["two_kernel"], hists["fused_atomic"]):
-        raise AssertionError(f"{backend}: two_kernel and fused_atomic histograms differ")
+    what = f"{backend} {binning}/{selection}"
+    for mode in HIST_MODES[1:]:
+        if not torch.equal(hists["two_kernel"], hists[mode]):
+            raise AssertionError(f"{what}: two_kernel and {mode} histograms differ")
     if not torch.all(hists["two_kernel"].sum(1) == t):
-        raise AssertionError(f"{backend}: histogram rows do not sum to T={t}")
-    module = dispatch._backend_module(backend)
-    scores = module.score_values(logits, "sigmoid") if hasattr(module, "score_values") else None
+        raise AssertionError(f"{what}: histogram rows do not sum to T={t}")
     hist_ref = torch.zeros_like(hists["two_kernel"])
     probs_ref, _, rmap_ref = ref.fused_topk_with_score_function(
-        logits, topk, expert_bias=bias, qb_histogram=hist_ref, qb_bin_bounds=bounds, scores=scores
+        logits,
+        topk,
+        expert_bias=bias,
+        qb_histogram=hist_ref,
+        qb_bin_bounds=bounds,
+        selection=selection,
+        qb_binning=binning,
     )
-    probs, rmap = outs["fused_atomic"]
-    if not torch.equal(rmap, rmap_ref):
-        bad = (rmap != rmap_ref).any(1).sum().item()
-        raise AssertionError(f"{backend}: routing map differs from the oracle on {bad} tokens")
-    if not torch.equal(hist_ref, hists["fused_atomic"]):
-        raise AssertionError(f"{backend}: histogram differs from the oracle on its own scores")
-    torch.testing.assert_close(probs, probs_ref.to(probs.dtype), atol=2e-6, rtol=1e-5)
+    for mode in HIST_MODES:
+        probs, rmap = outs[mode]
+        if not torch.equal(rmap, rmap_ref):
+            bad = (rmap != rmap_ref).any(1).sum().item()
+            raise AssertionError(
+                f"{what} {mode}: routing map differs from the oracle on {bad} tokens"
+            )
+        if not torch.equal(probs, probs_ref.to(probs.dtype)):
+            raise AssertionError(f"{what} {mode}: probs differ from the oracle bitwise")
+    if not torch.equal(hist_ref, hists["two_kernel"]):
+        raise AssertionError(f"{what}: histogram differs from the oracle")
+
+
+def _bounds(binning, bias):
+    if binning == "log_margin":
+        return margin_scale(bias).to(bias.device)
+    return torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
 
 
 def run(
@@ -95,61 +134,69 @@ def run(
     tokens=(256, 1024, 4096, 8192, 16384),
     num_experts=896,
     topk=16,
-    num_bins=1000,
     decode_tokens=(1, 8, 64, 256),
 ) -> list[Report]:
     env = environment(device)
     bw, _ = copy_bandwidth(device, cfg=cfg) if device.type == "cuda" else (float("nan"), 0)
     env["copy_GBps"] = bw
     backends = backends_for("router_fwd", device)
-    shape = dict(E=num_experts, k=topk, B=num_bins, dtype="fp32", bias="randn*0.05")
+    bins = {f"{b}/{s}": n for b, s, n in QB_VARIANTS}
+    shape = dict(E=num_experts, k=topk, B=bins, dtype="fp32", bias="randn*0.05")
     report = Report("router", env, shape=shape)
     serving = Report("biased_topk", env, shape=dict(E=num_experts, k=topk, dtype="fp32"))
-    h200 = is_h200(env)
+    te = TE_H200 if is_h200(env) and (num_experts, topk) == (896, 16) else {}
     g = torch.Generator(device="cpu").manual_seed(0)
     progress = Progress(len(tokens) + len(decode_tokens), "router")
     bias = (torch.randn(num_experts, generator=g) * 0.05).to(device)
-    bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+    bounds = {binning: _bounds(binning, bias) for binning, _, _ in QB_VARIANTS}
     for t in tokens:
         logits = torch.randn(t, num_experts, generator=g).to(device)
+        impls, meta = {}, {}
         for name in backends:
-            _check_router(name, logits, bias, topk, num_bins, bounds)
-        hist = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
-        impls = {}
-        for name in backends:
-            impls[f"{name}:noqb"] = lambda n=name: amdqb.fused_topk_with_score_function(
-                logits, topk, expert_bias=bias, backend=n
-            )
-            for mode in ("two_kernel", "fused_atomic"):
-                impls[f"{name}:{mode}"] = lambda n=name, m=mode: (
-                    amdqb.fused_topk_with_score_function(
-                        logits,
-                        topk,
-                        expert_bias=bias,
-                        qb_histogram=hist,
-                        qb_bin_bounds=bounds,
-                        qb_histogram_mode=m,
-                        backend=n,
-                    )
+            for approximate in (False, True):
+                key = f"{name}:noqb" + (":approx" if approximate else "")
+                impls[key] = lambda n=name, a=approximate: amdqb.fused_topk_with_score_function(
+                    logits, topk, expert_bias=bias, approximate_activation=a, backend=n
                 )
-        impls["torch:te_style_qb"] = lambda: te_style_torch_qb(logits, bias, topk, hist, bounds)
+                meta[key] = dict(backend=name, mode="noqb", activation=_act(approximate))
+            for binning, selection, num_bins in QB_VARIANTS:
+                lim = bounds[binning]
+                _check_router(name, logits, bias, topk, lim, binning, selection, num_bins)
+                hist = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
+                for mode in HIST_MODES:
+                    key = f"{name}:{binning}:{selection}:{mode}"
+                    impls[key] = lambda n=name, b=binning, s=selection, m=mode, h=hist, lim=lim: (
+                        _qb_call(logits, topk, bias, h, lim, b, s, m, n)
+                    )
+                    meta[key] = dict(
+                        backend=name,
+                        mode=mode,
+                        binning=binning,
+                        selection=selection,
+                        B=num_bins,
+                        activation="exact",
+                    )
+        hist = torch.zeros(num_experts, 1000, dtype=torch.int32, device=device)
+        lim = bounds["uniform"]
+        impls["torch:te_style_qb"] = lambda: te_style_torch_qb(logits, bias, topk, hist, lim)
+        meta["torch:te_style_qb"] = dict(
+            backend="torch", mode="te_style_qb", binning="uniform", selection="te", B=1000
+        )
         times = time_alternating(impls, device, cfg)
         nbytes = t * num_experts * (4 + 4 + 1)  # read logits, write probs + bytemap
-        for impl, us in times.items():
-            backend, mode = impl.split(":")
-            row = {"T": t, "E": num_experts, "k": topk, "dtype": "fp32", "backend": backend}
-            row.update(mode=mode, us=us)
+        for key, us in times.items():
+            row = {"T": t, "E": num_experts, "k": topk, "dtype": "fp32", **meta[key], "us": us}
             row["GB/s"] = nbytes / (us * 1e-6) / 1e9
             if bw == bw:  # a measured device copy bandwidth (GPUs)
                 row["%copy"] = 100 * row["GB/s"] / bw
-            noqb = times.get(f"{backend}:noqb")
-            if mode in ("two_kernel", "fused_atomic") and noqb:
-                row["qb/noqb"] = us / noqb
-            anchor = TE_H200.get(t) if h200 and (num_experts, topk) == (896, 16) else None
-            if anchor and mode != "noqb":
-                row["x_vs_TE_best_QB"] = min(anchor["te_fused"], anchor["te_two"]) / us
-            elif anchor:
-                row["x_vs_TE_noQB"] = anchor["te_noqb"] / us
+            noqb = times.get(f"{row['backend']}:noqb")
+            if "binning" in row:
+                row["allreduce_bytes"] = num_experts * row["B"] * 4  # int32 histogram per step
+                if noqb:
+                    row["qb/noqb"] = us / noqb
+            if te.get(t):
+                anchor = te[t]["best_qb"] if "binning" in row else te[t]["noqb"]
+                row["x_vs_TE_best_QB" if "binning" in row else "x_vs_TE_noQB"] = anchor / us
             report.add(**row)
         progress.step(f"T={t}")
     for t in decode_tokens:
@@ -166,8 +213,12 @@ def run(
             impls[name] = lambda n=name: amdqb.biased_topk(logits, topk, bias, backend=n)
         for name, us in time_alternating(impls, device, cfg).items():
             row = dict(T=t, E=num_experts, k=topk, dtype="fp32", backend=name, us=us)
-            if h200:  # the SPEC §5 target was set for the H200
+            if te:  # the SPEC §5 target was set for the H200
                 row.update(target_us=5.0, meets=us <= 5.0)
             serving.add(**row)
         progress.step(f"decode T={t}")
     return [report, serving]
+
+
+def _act(approximate: bool) -> str:
+    return "approximate" if approximate else "exact"

@@ -9,7 +9,9 @@ lives in ``amdqb/configs/<arch>.json`` as an entry::
                             "why": "1024 x 2 routes: 4.23 us vs 5.01 for 256 x 5 (M=8192)"}
 
 ``provenance`` says where the value comes from: ``"measured: <device>, <date>, <bench command>"``,
-``"seed: ..."`` for a figure taken from the source documents, or ``"untuned: ..."``. A file holds
+``"seed: ..."`` for a figure taken from the source documents, ``"derived: ..."`` for a value
+computed from something other than a timing (the AMD files: the code objects' occupancy), or
+``"untuned: ..."``. A file holds
 the entries that differ from ``default.json`` (which holds every key); :func:`load` merges the
 two. ``amdqb info`` prints the merged entries of the device at hand.
 

@@ -9,8 +9,8 @@ from .balance import QuantileBalancer, aux_free_bias_update_, cv2, maxvio
 from .dispatch import device_info
 from .ops.aux_loss import fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss
 from .ops.chunks import moe_sort_chunks_and_pad, moe_unpad_and_restore_chunks
-from .ops.qb import qb_exact_bias, qb_recover_bias, qb_step_
 from .ops.layout import moe_align_block_size, moe_route_rows
+from .ops.qb import qb_exact_bias, qb_recover_bias, qb_step_
 from .ops.router import (
     biased_topk,
     fused_topk_with_score_function,

@@ -9,7 +9,7 @@ kernels themselves.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

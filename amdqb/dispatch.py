@@ -76,7 +76,7 @@ def amd_arch_family(arch: str) -> str:
     return "rdna"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_info_cached(device_str: str) -> DeviceInfo:
     dev = torch.device(device_str)
     if dev.type != "cuda":
@@ -128,7 +128,7 @@ def device_info(device: torch.device | str | None = None) -> DeviceInfo:
     return _device_info_cached(str(dev))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _backend_module(name: str):
     return importlib.import_module(f"amdqb.backends.{name}")
 
@@ -276,7 +276,7 @@ def _runnable(name: str, op: str, info: DeviceInfo, device: str, features: tuple
     return impl, why
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _select_cached(
     op: str,
     device_str: str,

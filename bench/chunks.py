@@ -16,9 +16,9 @@ from amdqb import ref
 
 from .common import (
     Progress,
-    backends_for,
     Report,
     TimingConfig,
+    backends_for,
     copy_bandwidth,
     environment,
     time_alternating,

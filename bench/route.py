@@ -18,9 +18,9 @@ from amdqb import dispatch, ref
 
 from .common import (
     Progress,
-    backends_for,
     Report,
     TimingConfig,
+    backends_for,
     environment,
     is_h200,
     time_alternating,

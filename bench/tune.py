@@ -145,9 +145,7 @@ def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024, 2048)):
     bias, bounds, hist = _qb_inputs(dev, g)
     big = 1 << 30
     forms = {
-        "hip.biased_topk.decode_max_tokens": lambda z: amdqb.biased_topk(
-            z, K, bias, backend="hip"
-        ),
+        "hip.biased_topk.decode_max_tokens": lambda z: amdqb.biased_topk(z, K, bias, backend="hip"),
         "hip.router.decode_max_tokens": lambda z: amdqb.fused_topk_with_score_function(
             z, K, expert_bias=bias, backend="hip"
         ),
@@ -282,7 +280,7 @@ def main(argv=None) -> int:
         reports.append(report)
         provenance = f"measured: {info.name}, {date}, python -m bench.tune --parts {part}"
         winners.update({k: (v, provenance, why) for k, (v, why) in chosen.items()})
-    for key, (value, provenance, why) in winners.items():
+    for key, (value, _provenance, why) in winners.items():
         print(f"{key} = {value}  ({why})")
     if args.json:
         write_json(args.json, reports)

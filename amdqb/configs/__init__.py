@@ -24,9 +24,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 _DIR = Path(__file__).resolve().parent
 DEFAULT = "default"
@@ -70,7 +71,7 @@ class ArchConfig:
     def items(self) -> Iterator[tuple[str, Entry]]:
         return iter(sorted(self._entries.items()))
 
-    def with_values(self, values: dict[str, Any], provenance: str) -> "ArchConfig":
+    def with_values(self, values: dict[str, Any], provenance: str) -> ArchConfig:
         """A copy with ``values`` replacing existing entries (tuning sweeps build variants so)."""
         merged = dict(self._entries)
         for key, value in values.items():
@@ -103,7 +104,7 @@ def available() -> list[str]:
 _OVERRIDES: dict[str, ArchConfig] = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_files(arch: str) -> ArchConfig:
     entries = _read(config_path(DEFAULT))
     path = config_path(arch)

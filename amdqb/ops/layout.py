@@ -34,8 +34,8 @@ from .._library import impl, kernel_op
 from ..dispatch import DeviceInfo
 from ..ref.layout import align_buffer_sizes
 from ._checks import (
-    INT32_MAX,
     ID_DTYPES,
+    INT32_MAX,
     MAX_EXPERTS,
     check_backend,
     check_bool,

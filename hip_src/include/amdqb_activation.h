@@ -14,7 +14,8 @@
 #include "amdqb_prelude.h"
 
 #ifndef AMDQB_APPROX_ACTIVATION
-#error "AMDQB_APPROX_ACTIVATION must be defined (0: exact, torch's bits; 1: the opt-in approximation)"
+// 0: exact (torch's bits); 1: the opt-in approximation
+#error "AMDQB_APPROX_ACTIVATION must be defined (0 or 1)"
 #endif
 
 // |sigmoid_bounded_approx(z) - sigmoid(z)| <= AMDQB_APPROX_SIGMOID_ERR for every finite z: both

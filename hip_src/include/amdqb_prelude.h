@@ -26,7 +26,7 @@
 #elif defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define AMDQB_CUDA 1
 #else
-#error "amdqb_prelude.h: compile as HIP (hiprtc, clang -x hip), CUDA (NVRTC, nvcc) or AMDQB_HOST_EMU"
+#error "amdqb_prelude.h: compile as HIP (hiprtc, clang -x hip), CUDA (NVRTC, nvcc) or host emu"
 #endif
 
 #if defined(AMDQB_HIP) && !defined(__HIPCC_RTC__)
@@ -434,10 +434,10 @@ AMDQB_DEVICE u16 float_to_half(float f) {
   const u32 x = float_bits(f);
   const u32 sign = (x >> 16) & 0x8000u;
   const u32 ax = x & 0x7fffffffu;
-  if (ax > 0x7f800000u) return (u16)(sign | 0x7e00u);  // NaN (torch: quiet NaN, sign kept)
+  if (ax > 0x7f800000u) return (u16)(sign | 0x7e00u);   // NaN (torch: quiet NaN, sign kept)
   if (ax >= 0x477ff000u) return (u16)(sign | 0x7c00u);  // >= 65520 rounds to inf
-  if (ax >= 0x38800000u) {                               // normal half
-    const u32 r = ax - 0x38000000u;                      // rebias exponent 127 -> 15
+  if (ax >= 0x38800000u) {                              // normal half
+    const u32 r = ax - 0x38000000u;                     // rebias exponent 127 -> 15
     u32 h = r >> 13;
     const u32 rem = r & 0x1fffu;
     h += (rem > 0x1000u) || (rem == 0x1000u && (h & 1u));

@@ -27,9 +27,9 @@ using namespace amdqb;
 // amdqb.backends.hip._spec.layout_module; the launchers' grid arithmetic reads the same entries):
 //   AMDQB_ROUTE_BLOCK   threads per block of the lds kernel     AMDQB_ROUTE_ITEMS  routes per thread
 //   AMDQB_DET_ITEMS     32-route chunks per deterministic tile  AMDQB_SCAN_EXPERTS experts per scan
-#if !defined(AMDQB_ROUTE_BLOCK) || !defined(AMDQB_ROUTE_ITEMS) || !defined(AMDQB_DET_ITEMS) || \
+#if !defined(AMDQB_ROUTE_BLOCK) || !defined(AMDQB_ROUTE_ITEMS) || !defined(AMDQB_DET_ITEMS) ||     \
     !defined(AMDQB_SCAN_EXPERTS)
-#error "layout.hip needs -DAMDQB_ROUTE_BLOCK, AMDQB_ROUTE_ITEMS, AMDQB_DET_ITEMS, AMDQB_SCAN_EXPERTS"
+#error "layout.hip needs its -D constants (amdqb.backends.hip._spec.layout_module)"
 #endif
 #if 256 % AMDQB_SCAN_EXPERTS != 0
 #error "AMDQB_SCAN_EXPERTS must divide the scan block of 256 threads"
@@ -160,8 +160,8 @@ AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity
 // over fill[0, fill_len) (the align sentinel, at no extra launch). Dynamic shared memory:
 // num_experts ints.
 template <typename IdT>
-AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* tile_counts,
-                                int* fill, i64 fill_len, int fill_val) {
+AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* tile_counts, int* fill,
+                                i64 fill_len, int fill_val) {
   AMDQB_DYN_SHARED(hist);
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
@@ -213,8 +213,7 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
   for (int c = 0; c < AMDQB_DET_ITEMS; ++c) {
     const i64 i = base + (i64)c * 32 + lane;
     const int e = e_next;
-    if (c + 1 < AMDQB_DET_ITEMS)
-      e_next = i + 32 < n ? expert_of(ids, i + 32, num_experts) : -1;
+    if (c + 1 < AMDQB_DET_ITEMS) e_next = i + 32 < n ? expert_of(ids, i + 32, num_experts) : -1;
     const int slot = warp_claim_slot(next, e, lane);
     if (i < n) rows[i] = e >= 0 ? place(e, slot, capacity) : -1;
     warp_sync();  // next[] updates visible to the next chunk's leaders
@@ -242,7 +241,7 @@ AMDQB_DEVICE void compact_row(int* row, int e, const int* offsets, const int* co
 
 // ---- kernels ------------------------------------------------------------------------------------
 #define AMDQB_ROUTE_KERNELS(SUFFIX, IdT)                                                           \
-  AMDQB_KERNEL void amdqb_route_atomic_##SUFFIX(const IdT* ids, i64 n, int num_experts,           \
+  AMDQB_KERNEL void amdqb_route_atomic_##SUFFIX(const IdT* ids, i64 n, int num_experts,            \
                                                 int capacity, int* counters, int* rows) {          \
     route_atomic<IdT>(ids, n, num_experts, capacity, counters, rows);                              \
   }                                                                                                \
@@ -251,16 +250,16 @@ AMDQB_DEVICE void compact_row(int* row, int e, const int* offsets, const int* co
                                int* counters, int* counts, int* rows) {                            \
     route_lds<IdT>(ids, n, num_experts, capacity, counters, counts, rows);                         \
   }                                                                                                \
-  AMDQB_KERNEL void amdqb_route_det_hist_##SUFFIX(const IdT* ids, i64 n, int num_experts,         \
+  AMDQB_KERNEL void amdqb_route_det_hist_##SUFFIX(const IdT* ids, i64 n, int num_experts,          \
                                                   int* tile_counts, int* fill, i64 fill_len,       \
                                                   int fill_val) {                                  \
     det_tile_hist<IdT>(ids, n, num_experts, tile_counts, fill, fill_len, fill_val);                \
   }                                                                                                \
-  AMDQB_KERNEL void amdqb_route_det_rank_##SUFFIX(const IdT* ids, i64 n, int num_experts,         \
+  AMDQB_KERNEL void amdqb_route_det_rank_##SUFFIX(const IdT* ids, i64 n, int num_experts,          \
                                                   int capacity, const int* tile_base, int* rows) { \
     det_rank<IdT>(ids, n, num_experts, capacity, tile_base, rows);                                 \
   }                                                                                                \
-  AMDQB_KERNEL void amdqb_route_compact_##SUFFIX(const IdT* ids, i64 n, int num_experts,          \
+  AMDQB_KERNEL void amdqb_route_compact_##SUFFIX(const IdT* ids, i64 n, int num_experts,           \
                                                  const int* offsets, const int* counters,          \
                                                  int* counts, int* rows) {                         \
     const i64 stride = (i64)gridDim.x * blockDim.x;                                                \
@@ -281,13 +280,14 @@ AMDQB_ROUTE_KERNELS(i64, i64)
 // group has no more tiles than that, i.e. up to 128 tiles: M = 8192, k = 16 gives 128 tiles of
 // 1024 routes): a serial walk over the tiles would cost one L2 round trip per tile (the H200
 // profile of a batched-but-serial form: 6.8 us for 64 tiles).
-constexpr int SCAN_EXPERTS = AMDQB_SCAN_EXPERTS;  // consecutive experts (32: a warp reads 128 bytes)
-constexpr int SCAN_GROUPS = 256 / SCAN_EXPERTS;    // tile groups per expert (blockDim.x = 256)
+// consecutive experts per scan group (32: a warp reads 128 bytes)
+constexpr int SCAN_EXPERTS = AMDQB_SCAN_EXPERTS;
+constexpr int SCAN_GROUPS = 256 / SCAN_EXPERTS;  // tile groups per expert (blockDim.x = 256)
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)
     amdqb_route_det_scan(int num_tiles, int num_experts, int* tile_counts, const int* start,
                          int* totals) {
   constexpr int SCAN_BATCH = 16;
-  AMDQB_SHARED(int, part, SCAN_GROUPS * SCAN_EXPERTS);
+  AMDQB_SHARED(int, part, 256);  // SCAN_GROUPS x SCAN_EXPERTS
   const int el = (int)threadIdx.x % SCAN_EXPERTS;
   const int g = (int)threadIdx.x / SCAN_EXPERTS;
   const int e = (int)blockIdx.x * SCAN_EXPERTS + el;
@@ -595,10 +595,9 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
 }
 
 #define AMDQB_ALIGN_KERNEL(SUFFIX, IdT)                                                            \
-  AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256)                                                       \
-      amdqb_align_rank_##SUFFIX(const IdT* ids, i64 n, int num_experts, int block_size,            \
-                                const int* tile_base, const int* totals, int* sorted_ids,          \
-                                int* expert_ids, int num_blocks_out, int* post_pad) {              \
+  AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256) amdqb_align_rank_##SUFFIX(                            \
+      const IdT* ids, i64 n, int num_experts, int block_size, const int* tile_base,                \
+      const int* totals, int* sorted_ids, int* expert_ids, int num_blocks_out, int* post_pad) {    \
     align_rank<IdT>(ids, n, num_experts, block_size, tile_base, totals, sorted_ids, expert_ids,    \
                     num_blocks_out, post_pad);                                                     \
   }

@@ -39,11 +39,10 @@
 
 using namespace amdqb;
 
-#if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_SCORE) ||        \
-    !defined(AMDQB_TIE_FREE) ||                                                                \
-    !defined(AMDQB_ROUTER_WARPS) || !defined(AMDQB_ROUTER_CAP) ||                              \
-    !defined(AMDQB_ROUTER_MIN_BLOCKS) || !defined(AMDQB_DECODE_EPW) ||                         \
-    !defined(AMDQB_QB_HIST_BLOCK) || !defined(AMDQB_QB_HIST_UNROLL) ||                         \
+#if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_SCORE) ||            \
+    !defined(AMDQB_TIE_FREE) || !defined(AMDQB_ROUTER_WARPS) || !defined(AMDQB_ROUTER_CAP) ||      \
+    !defined(AMDQB_ROUTER_MIN_BLOCKS) || !defined(AMDQB_DECODE_EPW) ||                             \
+    !defined(AMDQB_QB_HIST_BLOCK) || !defined(AMDQB_QB_HIST_UNROLL) ||                             \
     !defined(AMDQB_QB_HIST_MIN_BLOCKS)
 #error "router.hip needs its -D constants (amdqb.backends.hip._spec.router_module)"
 #endif
@@ -58,11 +57,11 @@ using namespace amdqb;
 namespace {
 
 constexpr int E = AMDQB_NUM_EXPERTS;
-constexpr int VPL = (E + 31) / 32;            // experts per lane
-constexpr int NBYTES = (E + 7) / 8;           // bitmap bytes per token
-constexpr int WARPS = AMDQB_ROUTER_WARPS;     // logical warps (tokens in flight) per block
+constexpr int VPL = (E + 31) / 32;         // experts per lane
+constexpr int NBYTES = (E + 7) / 8;        // bitmap bytes per token
+constexpr int WARPS = AMDQB_ROUTER_WARPS;  // logical warps (tokens in flight) per block
 constexpr int ROUTER_BLOCK = 32 * WARPS;
-constexpr int CAP = AMDQB_ROUTER_CAP;         // candidate buffer per warp; the largest n
+constexpr int CAP = AMDQB_ROUTER_CAP;  // candidate buffer per warp; the largest n
 
 enum MapKind { kMapNone = 0, kByteMap = 1, kBitMap = 2, kIdx16 = 3, kIdx32 = 4, kIdx64 = 5 };
 enum QbMode { kQbNone = 0, kQbFused = 1, kQbAlpha = 2 };  // two-kernel: alpha (or the bins)
@@ -224,9 +223,8 @@ AMDQB_DEVICE bool has_dense_outputs(const in_t* probs, int map_kind) {
 // written once per rank by write_route: one division per route, not per expert), the byte map,
 // and the bit map from one ballot per 32 experts. Members: at or ahead of the k-th, (ck, cid).
 template <int V, typename Base, typename Valid>
-AMDQB_DEVICE void write_dense_outputs(const i32 (&key)[V], Base base, Valid valid, int lane,
-                                      i64 t, i32 ck, i32 cid, in_t* probs, void* map,
-                                      int map_kind) {
+AMDQB_DEVICE void write_dense_outputs(const i32 (&key)[V], Base base, Valid valid, int lane, i64 t,
+                                      i32 ck, i32 cid, in_t* probs, void* map, int map_kind) {
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int e = base(j) + lane;
@@ -457,7 +455,7 @@ AMDQB_DEVICE i32 global_id(int w, i32 lid) {
 // Entries of warp w's sorted list (keys, local ids)[0, len) ahead of (k, id) in the selection
 // order (id global).
 AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int len, i32 k,
-                                   i32 id) {
+                                    i32 id) {
   int lo = 0, hi = len;  // answer in [lo, hi]
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
@@ -486,7 +484,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   AMDQB_SHARED(i32, sh_sid, DEC_WARPS * CAP);
   AMDQB_SHARED(float, sh_score, DEC_THREADS * DEC_EPT);  // scores by expert id
   AMDQB_SHARED(float, sh_biased, DEC_THREADS * DEC_EPT);  // score + bias by expert id
-  AMDQB_SHARED(i32, sh_top, CAP);                        // the token's Top-n ids, in order
+  AMDQB_SHARED(i32, sh_top, CAP);  // the token's Top-n ids, in order
   const int lane = lane_id();
   const int w = warp_in_block();
   const int tid = (int)threadIdx.x;
@@ -643,8 +641,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     } else {
       const float lower = bounds[0];
       const float qscale = (float)num_bins / (bounds[1] - lower);
-      add_fused_bins(raw, base, valid, lane, qb_cut(alpha, lower, qscale), lower, qscale,
-                     num_bins, hist);
+      add_fused_bins(raw, base, valid, lane, qb_cut(alpha, lower, qscale), lower, qscale, num_bins,
+                     hist);
     }
   }
 }
@@ -726,7 +724,7 @@ AMDQB_DEVICE void qb_hist_slice(const in_t* logits, const float* alpha, int coun
 #pragma unroll
     for (int v = 0; v < VEC; ++v)
       atomic_add_shared(&lh[v * num_bins + qb_bin(a - act_elementwise(hist_element(z, v)), lower,
-                                                    scale, num_bins)],
+                                                  scale, num_bins)],
                         1);
   }
 }
@@ -815,7 +813,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
       if (vec == 4) {
         const u32 word = *reinterpret_cast<const u32*>(p);
 #pragma unroll
-        for (int v = 0; v < 4; ++v) atomic_add_shared(&h[v * num_bins + ((word >> (8 * v)) & 0xffu)], 1);
+        for (int v = 0; v < 4; ++v)
+          atomic_add_shared(&h[v * num_bins + ((word >> (8 * v)) & 0xffu)], 1);
       } else {
         atomic_add_shared(&h[*p], 1);
       }

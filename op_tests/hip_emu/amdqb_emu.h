@@ -50,8 +50,8 @@ extern amdqb_dim3 gridDim;
 // 2^-14 bound, far beyond the rounding slack -- so that the CPU tests fail if a caller ever trusts
 // a result the bound does not cover (the fused QB epilogue's bin fast path).
 #define AMDQB_APPROX_SIGMOID_ERR (1.0f / 16384.0f)
-#define AMDQB_EMU_PERTURB_APPROX_SIGMOID(z, s) \
-  ((s) + ((float)((amdqb::float_bits(z) * 2654435761u) >> 8) * (1.0f / 16777216.0f) - 0.5f) * \
+#define AMDQB_EMU_PERTURB_APPROX_SIGMOID(z, s)                                                     \
+  ((s) + ((float)((amdqb::float_bits(z) * 2654435761u) >> 8) * (1.0f / 16777216.0f) - 0.5f) *      \
              1.9f * AMDQB_APPROX_SIGMOID_ERR)
 
 namespace amdqb_emu {
@@ -128,7 +128,8 @@ inline unsigned long long amdqb_emu_ballot(bool p) {
   w.bar.arrive_and_wait();
 #if AMDQB_WAVE_SIZE == 64
   // The other logical warp of the wave: garbage that the prelude must shift away / truncate.
-  const unsigned long long junk = 0x9e3779b97f4a7c15ull * (amdqb_emu::g_garbage_seed + threadIdx.x / 64);
+  const unsigned long long junk =
+      0x9e3779b97f4a7c15ull * (amdqb_emu::g_garbage_seed + threadIdx.x / 64);
   if (threadIdx.x & 32) return (m << 32) | (junk & 0xffffffffull);
   return m | (junk << 32);
 #else
@@ -142,7 +143,8 @@ inline void* amdqb_emu_static_smem(const char* name, size_t bytes) {
   amdqb_emu::Block* b = amdqb_emu::g_block;
   std::lock_guard<std::mutex> lock(b->mu);
   auto it = b->statics.find(name);
-  if (it == b->statics.end()) it = b->statics.emplace(name, std::vector<char>(bytes, (char)0xA5)).first;
+  if (it == b->statics.end())
+    it = b->statics.emplace(name, std::vector<char>(bytes, (char)0xA5)).first;
   return it->second.data();
 }
 
@@ -226,7 +228,7 @@ struct Pool {
 
 // Defines `extern "C" int amdqb_emu_launch_<kernel>(gx, gy, gz, bx, smem, void** args)`.
 #define AMDQB_EMU_REGISTER(kernel)                                                                 \
-  extern "C" int amdqb_emu_launch_##kernel(unsigned gx, unsigned gy, unsigned gz, unsigned bx,    \
+  extern "C" int amdqb_emu_launch_##kernel(unsigned gx, unsigned gy, unsigned gz, unsigned bx,     \
                                            unsigned long long smem, void** args) {                 \
     struct Ctx {                                                                                   \
       void** args;                                                                                 \
@@ -263,7 +265,7 @@ struct Pool {
         idle = (now == last) ? idle + 1 : 0;                                                       \
         last = now;                                                                                \
         if (idle > 100) {                                                                          \
-          std::fprintf(stderr, "amdqb_emu: no progress for 20 s (divergent warp primitive?)\n");  \
+          std::fprintf(stderr, "amdqb_emu: no progress for 20 s (divergent warp primitive?)\n");   \
           std::abort();                                                                            \
         }                                                                                          \
       }                                                                                            \

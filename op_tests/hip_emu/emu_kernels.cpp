@@ -4,9 +4,9 @@
 
 #if defined(AMDQB_EMU_ROUTER)
 static std::atomic<long long> g_overflows{0};
-#define AMDQB_TRACE_OVERFLOW() \
-  do {                         \
-    if (amdqb::lane_id() == 0) g_overflows++; \
+#define AMDQB_TRACE_OVERFLOW()                                                                     \
+  do {                                                                                             \
+    if (amdqb::lane_id() == 0) g_overflows++;                                                      \
   } while (0)
 #include "router.hip"
 extern "C" long long amdqb_emu_overflows() { return g_overflows.load(); }

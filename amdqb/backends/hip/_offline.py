@@ -991,7 +991,7 @@ def render_table(builds: dict) -> str:
     """The generated part of docs/amd_occupancy.md for ``builds`` (from :func:`build_all`)."""
     by_target: dict = {}
     versions = {}
-    for (tc_name, spec, arch), b in builds.items():
+    for (tc_name, _module, arch), b in builds.items():
         by_target.setdefault((tc_name, arch), []).append(b)
     for tc in toolchains():
         versions[tc.name] = tc.version
@@ -1082,7 +1082,7 @@ def _cmd_build(args) -> int:
     )
     wall = time.perf_counter() - start
     failed = 0
-    for (tc_name, spec, arch), b in sorted(builds.items(), key=lambda kv: kv[1].label):
+    for b in sorted(builds.values(), key=lambda b: b.label):
         status = "cached" if b.cached else f"{b.seconds:.1f}s"
         if not b.ok:
             failed += 1

@@ -48,7 +48,7 @@ class ModuleSpec:
     kernel_file: str  # file name under hip_src/kernels
     defines: tuple[tuple[str, str], ...] = ()
 
-    def with_defines(self, *defines: tuple[str, str]) -> "ModuleSpec":
+    def with_defines(self, *defines: tuple[str, str]) -> ModuleSpec:
         """The same module with ``(name, value)`` compile-time constants added or replaced
         (tests build variants this way)."""
         merged = dict(self.defines)

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import torch
 
+from ...ref.router import margin_octave_bits
 from . import _spec
 from ._common import cdiv, config, dev, ptr
-from ...ref.router import margin_octave_bits
 from ._spec import arg_f32, arg_i32
 
 # Limits of this backend (``unsupported`` declines beyond them; the next backend runs the op).

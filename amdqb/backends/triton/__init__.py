@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from . import aux_loss, chunks, layout, qb, router
 from ._common import interpreting
-from .router import score_values  # the router's own activations (tests compare on them)
+# the router's own activations (tests compare on them)
+from .router import score_values as score_values
 
 _MODULES = (router, layout, chunks, qb, aux_loss)
 OPS = {name: fn for module in _MODULES for name, fn in module.OPS.items()}

@@ -129,7 +129,7 @@ class RouterPlan:
         return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plan_router(
     E: int, K: int, qb: bool, num_groups, group_topk, family: str, group_scores: int = 0
 ) -> RouterPlan:
@@ -203,7 +203,7 @@ def plan_histogram(E: int, B: int, T: int, family: str, lds_ok: bool) -> HistPla
 # --------------------------------------------------------------------------------------------
 # How tl.histogram is lowered here (one compile per device, no device work).
 # --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _histogram_probe(target) -> bool:
     from triton.compiler import ASTSource
 

@@ -10,10 +10,12 @@ from .qb import (
     cv2,
     maxvio,
     qb_exact_bias,
+    qb_exact_bias_fp64,
     qb_recover_bias,
     qb_step_update,
     recover_uncentred,
     required_bias,
+    route_fp64,
 )
 from .layout import align_buffer_sizes, moe_align_block_size, moe_route_rows
 from .router import (

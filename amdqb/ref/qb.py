@@ -164,15 +164,18 @@ def route_fp64(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor):
     return routing_map, alpha, s
 
 
-def qb_exact_bias_fp64(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) -> torch.Tensor:
+def qb_exact_bias_fp64(
+    logits: torch.Tensor, topk: int, expert_bias: torch.Tensor, routes=None
+) -> torch.Tensor:
     """Exact QB in float64, centred: the reference that binned and fp32 QB are measured against.
 
     ``r = alpha - s`` in float64 with ``alpha`` and ``s`` from :func:`route_fp64` (the bias in
     float64 too); per expert the midpoint of the n-th and (n+1)-th smallest r, ``n = ceil(m*k/E)``
     (the largest r for ``n == m``), as :func:`qb_exact_bias`; the float64 mean is subtracted.
-    Returns float64 ``[E]``: carry it in float64 into the next :func:`route_fp64`.
+    Returns float64 ``[E]``: carry it in float64 into the next :func:`route_fp64`. ``routes``:
+    the result of ``route_fp64(logits, topk, expert_bias)`` when the caller already has it.
     """
-    _, alpha, s = route_fp64(logits, topk, expert_bias)
+    _, alpha, s = route_fp64(logits, topk, expert_bias) if routes is None else routes
     r = alpha[:, None] - s
     m, e = r.shape
     if m == 0:

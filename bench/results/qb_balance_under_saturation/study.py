@@ -126,6 +126,36 @@ class Fp64LogMargin(demo.Method):
         self.bias.copy_(new - new.mean())
 
 
+class Fp64TieFreeExact(demo.Method):
+    """Exact QB in float64 ranking by ``v = b - sigmoid(-z)`` (float64): the order of
+    ``s + b``, with ``1 - s`` kept to full relative precision up to z ~ 745, where float64
+    ``s + b`` saturates above z ~ 36.7. Required bias ``r = alpha - v + b``."""
+
+    name = "fp64_tie_free_exact"
+    label = "exact QB, fp64, ranked by b - sigmoid(-z)"
+    selection = "fp64_tie_free"
+
+    def __init__(self, experts, topk, device):
+        super().__init__(experts, topk, device)
+        self._bias = torch.zeros(experts, dtype=torch.float64, device=device)
+
+    def route(self, logits):
+        c = torch.sigmoid(-logits.double())
+        v = self.bias - c
+        order = torch.sort(v, dim=1, descending=True, stable=True).indices[:, : self.topk + 1]
+        alpha = v.gather(1, order[:, self.topk :])
+        self._r = alpha + c  # the bias at which each expert's v reaches alpha
+        routing_map = torch.zeros_like(v, dtype=torch.bool)
+        return routing_map.scatter_(1, order[:, : self.topk], True)
+
+    def update(self, logits, tokens_per_expert):
+        m, e = self._r.shape
+        n = -(-m * self.topk // e)
+        srt = torch.sort(self._r, dim=0).values
+        new = (srt[n - 1] + srt[min(n, m - 1)]) / 2
+        self.bias.copy_(new - new.mean())
+
+
 def run_ablation(shape, std, seed, steps, window, bins=(32, 64, 128, 256), dim=64) -> dict:
     e, k, t = shape
     device = torch.device("cpu")
@@ -135,7 +165,11 @@ def run_ablation(shape, std, seed, steps, window, bins=(32, 64, 128, 256), dim=6
         m = demo.QBBalancer(e, k, device, "log_margin", b, selection="tie_free")
         m.name = f"tie_free_B{b}"
         methods.append(m)
-    methods += [TieFreeExactQuantile(e, k, device), Fp64LogMargin(e, k, device)]
+    methods += [
+        TieFreeExactQuantile(e, k, device),
+        Fp64LogMargin(e, k, device),
+        Fp64TieFreeExact(e, k, device),
+    ]
     methods += demo.build_methods(
         [demo.REFERENCE], e, k, device, uniform_bins=1000, margin_bins=64, aux_rate=1e-3
     )
@@ -204,8 +238,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--ablation",
         action="store_true",
-        help="only the ablation at the first shape and the largest std (tie-free: bins, "
-        "selection without the histogram, histogram without fp32); adds it to --out",
+        help="only the ablation at the largest std for each shape (tie-free QB: bins, the "
+        "selection without the histogram, the histogram without fp32, a float64 reference "
+        "ranked by b - sigmoid(-z)); adds it to --out",
     )
     parser.add_argument(
         "--append", action="store_true", help="keep the other shapes already in --out"
@@ -235,24 +270,28 @@ def main(argv=None) -> int:
         if "ablation" in stored:
             results["ablation"] = stored["ablation"]
     if args.ablation:
-        seeds = [int(v) for v in args.seeds.split(",")]
-        std = max(stds)
-        runs = {}
-        for seed in seeds:
-            runs[str(seed)] = run_ablation(shapes[0], std, seed, args.steps, args.window)
-            print(f"ablation std {std:g} seed {seed}: done", flush=True)
         stored = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else results
-        stored["ablation"] = {
-            "shape": "E{}_k{}_T{}".format(*shapes[0]),
-            "std": std,
-            "runs": runs,
-            "mean_maxvio": {
-                name: statistics.fmean(runs[s][name]["late_maxvio"] for s in runs)
-                for name in runs[str(seeds[0])]
-            },
-        }
-        print(json.dumps(stored["ablation"]["mean_maxvio"], indent=1))
-        Path(args.out).write_text(json.dumps(stored, indent=1))
+        stored.setdefault("ablation", {})
+        std = max(stds)
+        for i, shape in enumerate(shapes):
+            seeds = [int(v) for v in (args.seeds if i == 0 else args.seeds_large).split(",")]
+            key = "E{}_k{}_T{}".format(*shape)
+            runs = {}
+            for seed in seeds:
+                runs[str(seed)] = run_ablation(shape, std, seed, args.steps, args.window)
+                print(f"ablation {key} std {std:g} seed {seed}: done", flush=True)
+            names = list(runs[str(seeds[0])])
+            stored["ablation"][key] = {
+                "std": std,
+                "seeds": seeds,
+                "runs": runs,
+                "mean_maxvio": {
+                    name: statistics.fmean(runs[s][name]["late_maxvio"] for s in runs)
+                    for name in names
+                },
+            }
+            print(key, json.dumps(stored["ablation"][key]["mean_maxvio"], indent=1))
+            Path(args.out).write_text(json.dumps(stored, indent=1))
         return 0
     for i, shape in enumerate(shapes):
         seeds = [int(s) for s in (args.seeds if i == 0 else args.seeds_large).split(",")]

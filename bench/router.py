@@ -19,6 +19,7 @@ import torch
 
 import amdqb
 from amdqb import dispatch, ref
+from amdqb.backends.triton._common import interpreting
 from amdqb.ref.qb import margin_scale
 
 from .common import (
@@ -94,6 +95,7 @@ def _check_router(backend, logits, bias, topk, bounds, binning, selection, num_b
         outs[mode] = _qb_call(logits, topk, bias, hist, bounds, binning, selection, mode, backend)
         hists[mode] = hist
     what = f"{backend} {binning}/{selection}"
+    interpreted = backend == "triton" and interpreting()
     for mode in HIST_MODES[1:]:
         if not torch.equal(hists["two_kernel"], hists[mode]):
             raise AssertionError(f"{what}: two_kernel and {mode} histograms differ")
@@ -116,7 +118,10 @@ def _check_router(backend, logits, bias, topk, bounds, binning, selection, num_b
             raise AssertionError(
                 f"{what} {mode}: routing map differs from the oracle on {bad} tokens"
             )
-        if not torch.equal(probs, probs_ref.to(probs.dtype)):
+        probs_ref = probs_ref.to(probs.dtype)
+        if interpreted and torch.allclose(probs, probs_ref, rtol=1e-6, atol=0):
+            continue  # the interpreter's exp is numpy's, not the device library the kernel links
+        if not torch.equal(probs, probs_ref):
             raise AssertionError(f"{what} {mode}: probs differ from the oracle bitwise")
     if not torch.equal(hist_ref, hists["two_kernel"]):
         raise AssertionError(f"{what}: histogram differs from the oracle")

@@ -18,6 +18,9 @@ Precision contract:
 * ``m`` is each row's own sum (every row of a router histogram sums to the same token count).
   A row with ``m == 0`` carries no information and recovers the bounds' midpoint.
 * centring subtracts the float64 mean of the fp32 values, then casts to fp32.
+* the fp64 exact reference (:func:`route_fp64`, :func:`qb_exact_bias_fp64`) is the exception:
+  scores, biased scores, cutoff, required biases, quantile and centring are all float64, and so
+  is the bias it returns. Ties there (equal float64 ``u``) break by expert id, smaller first.
 """
 
 from __future__ import annotations
@@ -142,6 +145,48 @@ def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) ->
     lo = srt[max(n - 1, 0)]
     hi = srt[min(n, m - 1)]
     return centre(((lo + hi) / 2).float())
+
+
+def route_fp64(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor):
+    """Routes of the fp64 exact reference: ``(routing_map bool [T, E], alpha float64 [T],
+    s float64 [T, E])``.
+
+    Everything in float64: ``s = sigmoid(z.double())``, ``u = s + b.double()``, the first k of the
+    order (u descending, expert id ascending) are routed and ``alpha`` is the (k+1)-th ``u``. fp64
+    resolves ``1 - s`` down to 2^-53, i.e. up to ``z ~ 36.7``; above that ``s == 1`` and saturated
+    experts are ordered by their bias, which is the exact order unless those biases are equal.
+    Meant for finite logits (a reference for studies and tests, not a router).
+    """
+    s = torch.sigmoid(logits.double())
+    u = s + expert_bias.double()
+    # a stable descending sort keeps equal values in ascending id order: smaller id first
+    order = torch.sort(u, dim=1, descending=True, stable=True).indices[:, : topk + 1]
+    alpha = u.gather(1, order[:, topk : topk + 1]).squeeze(1)
+    routing_map = torch.zeros(u.shape, dtype=torch.bool, device=u.device)
+    routing_map.scatter_(1, order[:, :topk], True)
+    return routing_map, alpha, s
+
+
+def qb_exact_bias_fp64(
+    logits: torch.Tensor, topk: int, expert_bias: torch.Tensor, routes=None
+) -> torch.Tensor:
+    """Exact QB in float64, centred: the reference that binned and fp32 QB are measured against.
+
+    ``r = alpha - s`` in float64 with ``alpha`` and ``s`` from :func:`route_fp64` (the bias in
+    float64 too); per expert the midpoint of the n-th and (n+1)-th smallest r, ``n = ceil(m*k/E)``
+    (the largest r for ``n == m``), as :func:`qb_exact_bias`; the float64 mean is subtracted.
+    Returns float64 ``[E]``: carry it in float64 into the next :func:`route_fp64`. ``routes``:
+    the result of ``route_fp64(logits, topk, expert_bias)`` when the caller already has it.
+    """
+    _, alpha, s = route_fp64(logits, topk, expert_bias) if routes is None else routes
+    r = alpha[:, None] - s
+    m, e = r.shape
+    if m == 0:
+        return torch.zeros(e, dtype=torch.float64, device=r.device)
+    n = -(-m * topk // e)
+    srt = torch.sort(r, dim=0).values
+    bias = (srt[n - 1] + srt[min(n, m - 1)]) / 2
+    return bias - bias.mean()
 
 
 def qb_step_update(

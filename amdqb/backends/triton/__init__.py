@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import aux_loss, chunks, layout, qb, router
 from ._common import interpreting
+
 # the router's own activations (tests compare on them)
 from .router import score_values as score_values
 

@@ -9,7 +9,7 @@
 # Test results are written as they happen to $OUT/<log>.live (op_tests/conftest.py); a second call
 # with AMDQB_RESUME_FROM=<that file, committed in the tree> runs only what did not pass.
 # Budget notes (2026-11-29, nvidia-h200-x2, 24 workers over 2 GPUs): the suite without the CPU
-# emulator needs ~330 s + ~200 s (two calls with the resume file); test_hip_backend's E=2048/4096
+# emulator needs ~330 s + ~200 s (two calls with the resume file); test_route_rows' hip E=2048/4096
 # route tests are the long poles. Serially it takes far longer (Triton/NVRTC compilation for many
 # shapes), hence pytest-xdist (present in the device image) with JOBS workers. `bench serving`
 # needs ~60 s after the weights are drawn. Measured 2026-11-29 on nvidia-h200-x2 (plus ~60 s of
@@ -45,20 +45,20 @@ python -c "import xdist" 2>/dev/null && XDIST=(--numprocesses "$JOBS")
   python -m amdqb info; } > "$OUT/info.txt" 2>&1
 
 # Fixed halves of the suite (tests-a / tests-b), an alternative to resuming from a live log.
-PART_A="op_tests/test_router_triton.py op_tests/test_hip_backend.py op_tests/test_api.py
-  op_tests/test_balancer.py op_tests/test_training_loop.py op_tests/test_serving.py"
-PART_B="op_tests/test_layout_triton.py op_tests/test_fuzz.py op_tests/test_large_shapes.py
-  op_tests/test_ref_router.py op_tests/test_ref_qb.py op_tests/test_ref_layout.py
-  op_tests/test_demo.py op_tests/test_hip_compile.py op_tests/test_hip_emu.py
-  op_tests/test_amd_codegen.py"
+PART_A="op_tests/test_router.py op_tests/test_router_qb.py op_tests/test_biased_topk.py
+  op_tests/test_api.py op_tests/test_qb.py op_tests/test_training_loop.py op_tests/test_serving.py
+  op_tests/test_hip_runtime.py"
+PART_B="op_tests/test_route_rows.py op_tests/test_align.py op_tests/test_chunks.py
+  op_tests/test_fuzz.py op_tests/test_large_shapes.py op_tests/test_demo.py
+  op_tests/test_hip_compile.py op_tests/test_hip_emulator.py op_tests/test_amd_codegen.py"
 
 run_tests() {  # the suite (or FILES) on the GPU, every available backend -> $OUT/LOG
   local sel=${1:-} log=${LOG:-tests.log} logdir=${LOGDIR:-$OUT}
   # every result as it happens (a run cut off by its time limit still reports what finished)
   export AMDQB_TEST_LOG="$OUT/${log%.log}.live"
-  # test_hip_emu is a CPU model of the HIP kernels (CI runs it); on a GPU the kernels themselves
-  # run in test_hip_backend, so the emulator's minutes of CPU are not spent here
-  timeout "${TEST_TIMEOUT:-420}" python -m pytest ${FILES:-op_tests --ignore=op_tests/test_hip_emu.py} \
+  # the tests marked `emulator` run the HIP kernels on the CPU model of op_tests/hip_emu (CI runs
+  # them); on a GPU the kernels themselves run, so the emulator's minutes of CPU are not spent here
+  timeout "${TEST_TIMEOUT:-420}" python -m pytest ${FILES:-op_tests} -m "not emulator" \
     -p no:cacheprovider \
     $([ "${JOBS}" != 0 ] && printf "%s " "${XDIST[@]}") --maxfail=40 -rfEs --durations=15 ${sel:+-k "$sel"} 2>&1 | tail -n 600 \
     > "$logdir/$log"
@@ -102,8 +102,10 @@ run_sanitize() {  # memcheck + racecheck over the kernel tests (small shapes)
     echo "== $tool" >> "$OUT/sanitizer.log"
     AMDQB_TEST_LOG=/tmp/sanitizer.live timeout "${SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
       --report-api-errors no --target-processes all python -m pytest -q -p no:cacheprovider -x \
-      op_tests/test_router_triton.py op_tests/test_layout_triton.py op_tests/test_hip_backend.py \
-      -k "$(echo $sel)" 2>&1 | grep -E "ERROR SUMMARY|passed|failed|error|Error" | tail -n 20 \
+      op_tests/test_router_qb.py op_tests/test_biased_topk.py op_tests/test_route_rows.py \
+      op_tests/test_align.py op_tests/test_chunks.py op_tests/test_qb.py \
+      -m "not emulator" -k "$(echo $sel)" 2>&1 \
+      | grep -E "ERROR SUMMARY|passed|failed|error|Error" | tail -n 20 \
       >> "$OUT/sanitizer.log"
     echo "rc=${PIPESTATUS[0]}; tests finished under $tool:" >> "$OUT/sanitizer.log"
     cat /tmp/sanitizer.live >> "$OUT/sanitizer.log" 2>/dev/null; rm -f /tmp/sanitizer.live

@@ -20,7 +20,7 @@ deterministic mode runs the oracle, eager only).
 Verification without a device: every kernel compiles for gfx942 / gfx1100 / gfx1201 (clang-19),
 sm_90 (nvcc) and through NVRTC with the runtime's own flags (op_tests/test_hip_compile.py), and runs
 on the CPU under the host emulator of op_tests/hip_emu (wave32 and wave64 logical warps) against
-the oracles (op_tests/test_hip_emu.py). On an NVIDIA H200 the NVRTC path ran
+the oracles (the op tests' ``hip`` parameters on the CPU). On an NVIDIA H200 the NVRTC path ran
 the suite's hip tests (all passed or skipped with a reason, 2026-11-29) and the benchmarks. hiprtc has not executed
 anything: no ROCm device exists here.
 """

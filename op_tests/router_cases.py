@@ -154,10 +154,11 @@ def check_hip_router(
     pre=False,
     scaling=None,
     hist=None,
+    scores=None,
 ):
-    """One hip router call (CPU tensors) against the oracle on the kernel's own scores: exactly k
-    experts, the oracle's routes (in selection order for indices), probs, and under QB the
-    histogram; returns the histogram."""
+    """One hip router call (CPU tensors) against the oracle on the kernel's own scores (``scores``:
+    those of ``logits`` already computed): exactly k experts, the oracle's routes (in selection
+    order for indices), probs, and under QB the histogram; returns the histogram."""
     t, e = logits.shape
     probs, map_out, kind, hist, bounds = hip_run_router(
         backend,
@@ -172,7 +173,7 @@ def check_hip_router(
         use_pre_softmax=pre,
         scaling_factor=scaling,
     )
-    s = hip_backend.score_values(logits, score)
+    s = hip_backend.score_values(logits, score) if scores is None else scores
     if qb_mode is not None:
         idx_ref, alpha = qb_cutoff_and_routes(s, bias, k)
         assert torch.equal(hist, qb_histogram_counts(s, alpha, bounds, hist.shape[1]))
@@ -202,13 +203,14 @@ def check_hip_router(
     return hist
 
 
-def hip_check_qb(backend, logits, k, fmt, bias, mode, num_bins=1000):
-    """One QB router call against the oracle on the kernel's own scores: the histogram (and T
-    counts per expert), exactly k experts, the routes (in selection order for indices), probs
-    (fp32: 1e-6 + 1e-5 relative; halves: 1e-3 + 1e-2); returns the histogram on the CPU."""
+def hip_check_qb(backend, logits, k, fmt, bias, mode, num_bins=1000, scores=None):
+    """One QB router call against the oracle on the kernel's own scores (``scores``: those of
+    ``logits`` already computed): the histogram (and T counts per expert), exactly k experts, the
+    routes (in selection order for indices), probs (fp32: 1e-6 + 1e-5 relative; halves: 1e-3 +
+    1e-2); returns the histogram on the CPU."""
     t, e = logits.shape
     probs, out, kind, hist, bounds = hip_run_router(backend, logits, k, fmt, bias, mode, num_bins)
-    s = hip_backend.score_values(logits, "sigmoid").cpu()
+    s = (hip_backend.score_values(logits, "sigmoid") if scores is None else scores).cpu()
     idx_ref, alpha = qb_cutoff_and_routes(s, bias.cpu(), k)
     want_hist = qb_histogram_counts(s, alpha, bounds.cpu(), num_bins)
     assert torch.equal(hist.cpu(), want_hist), "histogram differs from the oracle on own scores"

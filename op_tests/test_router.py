@@ -304,11 +304,14 @@ def test_router_styles_both_wave_sizes(backend, emu_rt, warp_router, style):
     if style in ("ties", "zeros", "overflow"):
         bias = torch.zeros(e)  # keep the logits' exact ties
     before = overflows(rt)
-    check_hip_router(backend, logits, 16, "int32", bias=bias)
+    s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for every check
+    check_hip_router(backend, logits, 16, "int32", bias=bias, scores=s)
     if style == "overflow":
         assert overflows(rt) > before, "the candidate-overflow (exact) path did not run"
     h = [
-        check_hip_router(backend, logits, 16, "bitmap_u8", bias=bias, qb_mode=m, num_bins=64)
+        check_hip_router(
+            backend, logits, 16, "bitmap_u8", bias=bias, qb_mode=m, num_bins=64, scores=s
+        )
         for m in ("two_kernel", "fused_atomic")
     ]
     assert torch.equal(h[0], h[1])
@@ -327,12 +330,13 @@ def test_router_exact_path_large_k(backend, warp_router, k, qb):
 @over_backends("router_fwd", emulator=True)
 def test_router_small_expert_counts(backend, warp_router, e):
     logits = make_logits(13, e, "normal", e)
+    s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for every check
     for k in sorted({1, max(1, e // 2), min(e, _ops.MAX_SELECT)}):
-        check_hip_router(backend, logits, k, "bitmap_u8")
+        check_hip_router(backend, logits, k, "bitmap_u8", scores=s)
         if k < e and k + 1 <= _ops.MAX_SELECT:
             bias = torch.randn(e) * 0.1
             check_hip_router(
-                backend, logits, k, "int16", bias=bias, qb_mode="two_kernel", num_bins=7
+                backend, logits, k, "int16", bias=bias, qb_mode="two_kernel", num_bins=7, scores=s
             )
 
 
@@ -342,8 +346,11 @@ def test_router_half_dtypes(backend, warp_router, dtype):
     e = 129
     logits = make_logits(17, e, "normal", 3, dtype)
     bias = torch.randn(e) * 0.05
-    check_hip_router(backend, logits, 6, "bytemap", bias=bias, scaling=2.5)
-    check_hip_router(backend, logits, 6, "int32", bias=bias, qb_mode="fused_atomic", num_bins=100)
+    s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for both checks
+    check_hip_router(backend, logits, 6, "bytemap", bias=bias, scaling=2.5, scores=s)
+    check_hip_router(
+        backend, logits, 6, "int32", bias=bias, qb_mode="fused_atomic", num_bins=100, scores=s
+    )
 
 
 @pytest.mark.parametrize(
@@ -354,8 +361,11 @@ def test_router_score_functions_in_selection_order(backend, warp_router, score, 
     e = 200
     logits = make_logits(11, e, "normal", 9) * 3
     bias = torch.randn(e) * 0.05 if score == "sqrtsoftplus" else None
+    s = hip_backend.score_values(logits, score)  # the kernel's scores, for both k
     for k in (1, 5):
-        check_hip_router(backend, logits, k, "int32", score=score, bias=bias, pre=pre, scaling=1.5)
+        check_hip_router(
+            backend, logits, k, "int32", score=score, bias=bias, pre=pre, scaling=1.5, scores=s
+        )
 
 
 @over_backends("router_fwd", emulator=True, waves=(32, 64))
@@ -376,9 +386,12 @@ def test_router_and_qb_with_the_library_exponential(monkeypatch, backend, warp_r
     for e, t, k, style in ((257, 19, 16, "normal"), (896, 6, 8, "nan_inf"), (64, 30, 4, "ties")):
         logits = make_logits(t, e, style, e + k)
         bias = torch.linspace(-0.1, 0.1, e) if style != "ties" else torch.zeros(e)
-        check_hip_router(backend, logits, k, "bytemap", bias=bias)
+        s = hip_backend.score_values(logits, "sigmoid")  # the variant's scores, for every check
+        check_hip_router(backend, logits, k, "bytemap", bias=bias, scores=s)
         hists = [
-            check_hip_router(backend, logits, k, "int32", bias=bias, qb_mode=m, num_bins=97)
+            check_hip_router(
+                backend, logits, k, "int32", bias=bias, qb_mode=m, num_bins=97, scores=s
+            )
             for m in ("two_kernel", "fused_atomic")
         ]
         assert torch.equal(hists[0], hists[1])

@@ -297,8 +297,9 @@ def test_qb_router_modes_agree_and_match_oracle(backend, warp_router, t, k, fmt)
     e = 896
     logits = make_logits(t, e, "normal", t * 31 + k if HAS_GPU else k).to(DEVICE)
     bias = torch.linspace(-0.2, 0.2, e, device=DEVICE)
-    h_two = hip_check_qb(backend, logits, k, fmt, bias, "two_kernel")
-    h_fused = hip_check_qb(backend, logits, k, fmt, bias, "fused_atomic")
+    s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for both modes
+    h_two = hip_check_qb(backend, logits, k, fmt, bias, "two_kernel", scores=s)
+    h_fused = hip_check_qb(backend, logits, k, fmt, bias, "fused_atomic", scores=s)
     assert torch.equal(h_two, h_fused), "two_kernel and fused_atomic histograms differ"
 
 
@@ -315,8 +316,9 @@ def test_qb_two_kernel_histogram_long_token_slices(backend, warp_router, dtype):
     e, t = 33, 700
     logits = make_logits(t, e, "normal", 3, dtype)
     bias = torch.linspace(-0.1, 0.1, e)
+    s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for both modes
     hists = [
-        check_hip_router(backend, logits, 4, "int32", bias=bias, qb_mode=m, num_bins=97)
+        check_hip_router(backend, logits, 4, "int32", bias=bias, qb_mode=m, num_bins=97, scores=s)
         for m in ("two_kernel", "fused_atomic")
     ]
     assert torch.equal(hists[0], hists[1])

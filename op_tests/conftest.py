@@ -2,6 +2,10 @@
 
 Without a GPU the Triton kernels run on the CPU interpreter: ``TRITON_INTERPRET`` must be set before
 ``triton.jit`` decorates anything, so it is set here, before amdqb is imported.
+
+The op tests (one file per op) take their kernel backends from :func:`over_backends`: on a GPU the
+available ``triton`` and ``hip``; on the CPU ``triton`` (interpreter) and ``hip`` run by the
+emulator of op_tests/hip_emu (marked ``emulator``), both through the public ops.
 """
 
 import os
@@ -22,6 +26,8 @@ if not HAS_GPU:
 
 import amdqb  # noqa: E402
 from amdqb import dispatch  # noqa: E402
+from hip_emu.backend import active_runtime, emulated_hip_backend  # noqa: E402
+from hip_emu.runtime import compiler  # noqa: E402
 
 DEVICE = torch.device("cuda") if HAS_GPU else torch.device("cpu")
 
@@ -37,18 +43,95 @@ def available_backends(op: str) -> list[str]:
     return names
 
 
-def kernel_backends(op: str) -> list:
-    """pytest params for the non-oracle backends of ``op``; a skip with the reason when none."""
-    names = [n for n in available_backends(op) if n != "torch"]
-    if names:
-        return names
+class EmulatedHip:
+    """A ``backend`` parameter: ``hip`` on the CPU emulator of op_tests/hip_emu with ``wave``-lane
+    waves (the ``backend`` fixture enters :func:`hip_emu.backend.emulated_hip_backend`)."""
+
+    def __init__(self, wave: int):
+        self.wave = wave
+
+    def __repr__(self):
+        return f"hip-emu{self.wave}"
+
+
+def _emulated(op: str, waves) -> list:
+    if op not in dispatch._backend_module("hip").OPS:
+        return []
+    marks = [pytest.mark.emulator]
+    if compiler() is None:
+        marks.append(pytest.mark.skip(reason="the hip emulator needs g++ (C++20)"))
+    return [pytest.param(EmulatedHip(w), id=f"hip-emu{w}", marks=marks) for w in waves]
+
+
+def backends(op: str, *, waves=(32,), only=None, emulator: bool | None = None) -> list:
+    """pytest params of the kernel backends (not the torch oracle) that run ``op`` here.
+
+    ``emulator=None``: on a GPU the available ones (``triton``, ``hip``); on the CPU ``triton``
+    (interpreter) and ``hip`` executed by the emulator, once per wave size in ``waves``.
+    ``emulator=True``: ``hip`` on the emulator on any machine (the emulator's own cases on CPU
+    tensors, some reading its launch records). ``emulator=False``: real backends only.
+    ``only``: a subset of backend names. A skip with the reasons when none is left. Tests take
+    them through :func:`over_backends`."""
+    if emulator:
+        params = _emulated(op, waves)
+    else:
+        params = [n for n in available_backends(op) if n != "torch"]
+        if emulator is None and not HAS_GPU:
+            params += _emulated(op, waves)
+        if only is not None:
+            params = [p for p in params if (p if isinstance(p, str) else "hip") in only]
+    if params:
+        return params
     info = dispatch.device_info(DEVICE)
     reasons = "; ".join(
-        f"{n}: {dispatch.backend_status(n, info)[1]}" for n in dispatch.BACKENDS if n != "torch"
+        f"{n}: {dispatch.backend_status(n, info)[1]}"
+        for n in dispatch.BACKENDS
+        if n != "torch" and (only is None or n in only)
     )
     return [
         pytest.param(None, marks=pytest.mark.skip(reason=f"no kernel backend for {op}: {reasons}"))
     ]
+
+
+def over_backends(op: str, **kwargs):
+    """Parametrise a test's ``backend`` argument over :func:`backends` (``op``, ``kwargs``)."""
+    return pytest.mark.parametrize("backend", backends(op, **kwargs), indirect=True)
+
+
+def kernel_backends(op: str) -> list:
+    """The real kernel backends of ``op`` (plain names, no emulator) for a direct parametrize."""
+    return backends(op, emulator=False)
+
+
+@pytest.fixture
+def backend(request):
+    """The backend name a test passes as ``backend=``; an emulated ``hip`` parameter runs the test
+    inside :func:`hip_emu.backend.emulated_hip_backend`."""
+    value = getattr(request, "param", None)
+    if isinstance(value, EmulatedHip):
+        with emulated_hip_backend(value.wave):
+            yield "hip"
+    else:
+        yield value
+
+
+@pytest.fixture
+def emu_rt(backend):
+    """The emulator runtime the test's ``hip`` backend runs on, or None (a real backend)."""
+    return active_runtime()
+
+
+@pytest.fixture
+def warp_router(monkeypatch, emu_rt):
+    """On the emulator, the router's warp-per-token kernel (amdqb_router) at every token count: the
+    emulator's router tests check it against the oracles at small T, where the op would pick its
+    decode form, which test_router_decode_kernel_is_bitwise_the_warp_kernel checks bitwise against
+    it. A real backend runs as configured."""
+    if emu_rt is not None:
+        from amdqb.backends.hip import _ops
+
+        monkeypatch.setattr(_ops, "ROUTER_DECODE_MAX_TOKENS", 0)
+        monkeypatch.setattr(_ops, "ROUTER_DECODE_FUSED_MAX_TOKENS", 0)
 
 
 @pytest.fixture

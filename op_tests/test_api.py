@@ -1,5 +1,6 @@
-"""Public API contract: names and signatures, TE-compatible calls, output formats, QB bounds
-validation, dispatch overrides and a table of bad inputs (each a clear error before any launch)."""
+"""Public API contract: names and signatures, TE-compatible calls, output formats, dispatch overrides
+and the backends' declines (with their reasons), custom ops under torch.compile and a table of bad
+inputs (each a clear error before any launch). QB bounds validation: test_router_qb.py."""
 
 import inspect
 import os
@@ -9,6 +10,7 @@ import torch
 
 import amdqb
 from amdqb import dispatch, ref
+from amdqb.backends import hip as hip_backend
 from conftest import DEVICE, HAS_GPU
 
 
@@ -103,65 +105,6 @@ def test_output_formats_agree(dtype):
         assert torch.equal(mask, rmap)
 
 
-def test_qb_bounds_validation_is_cached_per_version_and_catches_updates():
-    e, b = 16, 10
-    logits = torch.randn(8, e, device=DEVICE)
-    hist = torch.zeros(e, b, dtype=torch.int32, device=DEVICE)
-    bounds = torch.tensor([-1.0, 1.0], device=DEVICE)
-    bias = torch.zeros(e, device=DEVICE)
-    kw = dict(expert_bias=bias, qb_histogram=hist, qb_bin_bounds=bounds)
-    amdqb.fused_topk_with_score_function(logits, 2, qb_histogram_mode="two_kernel", **kw)
-    assert hist.sum(1).tolist() == [8] * e
-    bounds.fill_(0.0)  # in-place update: the next eager call must re-validate and reject
-    with pytest.raises(ValueError, match="finite with lower < upper"):
-        amdqb.fused_topk_with_score_function(logits, 2, qb_histogram_mode="fused_atomic", **kw)
-    bounds.copy_(torch.tensor([-2.0, 2.0]))
-    amdqb.fused_topk_with_score_function(logits, 2, qb_histogram_mode="fused_atomic", **kw)
-    assert hist.sum().item() == 16 * e
-    bounds.fill_(float("nan"))
-    amdqb.mark_qb_bin_bounds_validated(bounds)  # trusted producer: no check, no read
-    amdqb.fused_topk_with_score_function(logits, 2, qb_histogram_mode="fused_atomic", **kw)
-
-
-@pytest.mark.parametrize(
-    "bad", [[1.0, 1.0], [1.0, -1.0], [float("nan"), 1.0], [-float("inf"), 1.0]]
-)
-def test_qb_rejects_invalid_bounds(bad):
-    e = 8
-    with pytest.raises(ValueError, match="finite with lower < upper"):
-        amdqb.fused_topk_with_score_function(
-            torch.randn(4, e, device=DEVICE),
-            2,
-            expert_bias=torch.zeros(e, device=DEVICE),
-            qb_histogram=torch.zeros(e, 4, dtype=torch.int32, device=DEVICE),
-            qb_bin_bounds=torch.tensor(bad, device=DEVICE),
-            qb_histogram_mode="two_kernel",
-        )
-
-
-@pytest.mark.skipif(not HAS_GPU, reason="CUDA/HIP graph capture needs a GPU")
-def test_capture_rejects_unvalidated_bounds_and_context_survives():
-    e = 16
-    logits = torch.randn(8, e, device="cuda")
-    hist = torch.zeros(e, 10, dtype=torch.int32, device="cuda")
-    bounds = torch.tensor([-1.0, 1.0], device="cuda")
-    bias = torch.zeros(e, device="cuda")
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(ValueError, match="graph capture"):
-        with torch.cuda.graph(graph):
-            amdqb.fused_topk_with_score_function(
-                logits,
-                2,
-                expert_bias=bias,
-                qb_histogram=hist,
-                qb_bin_bounds=bounds,
-                qb_histogram_mode="fused_atomic",
-            )
-    probs, _ = amdqb.fused_topk_with_score_function(logits, 2)  # context still usable
-    torch.cuda.synchronize()
-    assert torch.isfinite(probs).all()
-
-
 def test_dispatch_overrides_and_reasons(monkeypatch):
     choice = dispatch.select("router_fwd", DEVICE, "torch")
     assert choice.backend == "torch" and "forced" in choice.reason
@@ -181,6 +124,39 @@ def test_unavailable_forced_backend_explains_why():
         pytest.skip("every backend may be available on a GPU")
     with pytest.raises(RuntimeError, match="hip"):
         amdqb.fused_topk_with_score_function(torch.randn(2, 8), 2, backend="hip")
+
+
+def test_hip_declines_with_reasons():
+    info = dispatch.device_info("cpu")
+    ok = dict(num_experts=896, topk=16, score_function="sigmoid", grouped=False, qb=True)
+    assert hip_backend.unsupported("router_fwd", info, {**ok, "num_bins": 1000}) is None
+    assert "grouped" in hip_backend.unsupported("router_fwd", info, {**ok, "grouped": True})
+    assert "num_experts" in hip_backend.unsupported(
+        "biased_topk", info, {**ok, "num_experts": 5000}
+    )
+    assert "65" in hip_backend.unsupported("router_fwd", info, {**ok, "topk": 64})
+    assert hip_backend.unsupported("router_fwd", info, {**ok, "topk": 64, "qb": False}) is None
+    assert "num_bins" in hip_backend.unsupported("router_fwd", info, {**ok, "num_bins": 20000})
+    assert (
+        hip_backend.unsupported("route_rows", info, {"num_experts": 10**6, "impl": "atomic"})
+        is None
+    )
+
+
+def test_triton_declines_large_expert_counts():
+    from amdqb.backends.triton import router
+
+    info = dispatch.device_info(DEVICE)
+    reason = router.UNSUPPORTED["router_fwd"](info, {"num_experts": 5000, "qb": False})
+    assert reason and "E > 4096" in reason
+    assert router.UNSUPPORTED["biased_topk"](info, {"num_experts": 5000})
+    assert (
+        router.UNSUPPORTED["router_fwd"](info, {"num_experts": 4096, "qb": True, "num_bins": 1000})
+        is None
+    )
+    assert router.UNSUPPORTED["router_fwd"](
+        info, {"num_experts": 4096, "qb": True, "num_bins": 2**20}
+    )
 
 
 def test_amd_arch_helpers():

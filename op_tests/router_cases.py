@@ -1,0 +1,275 @@
+"""Inputs and oracle checks shared by the router tests (test_router.py, test_router_qb.py,
+test_biased_topk.py): tie-free and adversarial logits, the public-op calls with their routing map
+read back as a bool mask, each backend's own activations, and the hip checks of the router's
+outputs (routes, selection order, probs and QB histograms against the oracle evaluated on the
+kernel's own scores).
+
+Shapes follow the device: small on the CPU (Triton's interpreter, the hip emulator), the seeds'
+(E=896, k=16, B=1000) on a GPU.
+"""
+
+import importlib
+import math
+
+import pytest
+import torch
+
+import amdqb
+from amdqb import ref
+from amdqb.backends import hip as hip_backend
+from amdqb.backends.hip import _ops, _spec
+from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
+from conftest import DEVICE, HAS_GPU
+from hip_emu.checks import routed_mask
+
+# (T, E, k, groups) per device: the interpreter needs small shapes.
+if HAS_GPU:
+    T_MAIN, E_MAIN, K_MAIN, GROUPS = 1000, 896, 16, (8, 4)
+else:
+    T_MAIN, E_MAIN, K_MAIN, GROUPS = 11, 64, 6, (4, 2)
+
+FORMATS = ("bytemap", "bitmap_u8", "int16", "int32", "int64")
+
+
+def tie_free_logits(t, e, dtype=torch.float32, seed=0, span=6.0):
+    """TE-style tie-free logits: a per-token permutation of an arange, plus a per-token offset."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.arange(e, dtype=torch.float64) * (span / e) - span / 2
+    rows = torch.stack([base[torch.randperm(e, generator=g)] for _ in range(t)])
+    rows = rows + torch.rand(t, 1, generator=g, dtype=torch.float64) * 0.1
+    return rows.to(dtype).to(DEVICE)
+
+
+def backend_scores(backend, logits2d, score_function):
+    """The backend's own fp32 activations (``score_values``), or a skip."""
+    module = importlib.import_module(f"amdqb.backends.{backend}")
+    fn = getattr(module, "score_values", None)
+    if fn is None:
+        fn = getattr(getattr(module, "router", None), "score_values", None)
+    if fn is None:
+        pytest.skip(f"backend {backend} exposes no score_values")
+    return fn(logits2d.contiguous(), score_function)
+
+
+def run_router(backend, logits, k, fmt="bytemap", **kw):
+    """Public API call; returns (probs, routing map as bool [T,E], ordered ids or None)."""
+    e = logits.shape[-1]
+    if fmt.startswith("int"):
+        buf = torch.full((*logits.shape[:-1], k), -7, dtype=getattr(torch, fmt), device=DEVICE)
+        probs, out = amdqb.fused_topk_with_score_function(
+            logits, k, topk_indices=buf, backend=backend, **kw
+        )
+        assert out is buf
+        ids = out.long().reshape(-1, k)
+        routed = torch.zeros(ids.shape[0], e, dtype=torch.bool, device=DEVICE)
+        routed.scatter_(1, ids, True)
+        return probs, routed, ids
+    probs, out = amdqb.fused_topk_with_score_function(
+        logits, k, routing_map_format=fmt, backend=backend, **kw
+    )
+    if fmt == "bitmap_u8":
+        assert out.dtype == torch.uint8 and out.shape[-1] == (e + 7) // 8
+        routed = ref.unpack_bitmap(out.reshape(-1, out.shape[-1]), e)
+    else:
+        assert out.dtype == torch.bool
+        routed = out.reshape(-1, e)
+    return probs, routed, None
+
+
+def oracle(logits2d, k, scores=None, **kw):
+    probs, idx, routed = ref.fused_topk_with_score_function(logits2d, k, scores=scores, **kw)
+    return probs, idx, routed
+
+
+def tol(e, dtype=torch.float32):
+    if dtype == torch.float32:
+        return dict(rtol=max(2e-5, 2 * e * 2e-7), atol=max(1e-5, 2 * e * 2e-7))
+    return dict(rtol=2e-2, atol=2e-3)
+
+
+def check_exactly_k(routed, k):
+    assert torch.equal(routed.sum(-1), torch.full_like(routed.sum(-1), k))
+
+
+def qb_buffers(e, b, bias, seed=0):
+    hist = torch.zeros(e, b, dtype=torch.int32, device=DEVICE)
+    bounds = torch.tensor([bias.min().item() - 1.0, bias.max().item() + 1.0], device=DEVICE)
+    return hist, bounds
+
+
+def adversarial_rows(e):
+    rows = [
+        torch.zeros(e),  # all equal
+        torch.full((e,), float("nan")),  # all NaN
+        torch.where(torch.arange(e) % 3 == 0, float("nan"), 0.25),  # NaN among ties
+        torch.full((e,), float("inf")),
+        torch.full((e,), -float("inf")),
+        torch.where(torch.arange(e) % 2 == 0, float("inf"), -float("inf")),
+        torch.where(torch.arange(e) < e // 2, -0.0, 0.0),  # -0.0 == +0.0
+        torch.round(torch.randn(e, generator=torch.Generator().manual_seed(5))),  # many ties
+        torch.cat([torch.full((e - 3,), 1.0), torch.tensor([float("nan"), 2.0, -float("inf")])]),
+    ]
+    return torch.stack(rows).to(DEVICE)
+
+
+# ----------------------------------------------------------------------------------------------
+# the hip router's checks (the emulator's and the GPU's)
+# ----------------------------------------------------------------------------------------------
+
+
+def hip_run_router(
+    backend, logits, k, fmt="bytemap", bias=None, qb_mode=None, num_bins=1000, hist=None, **kw
+):
+    """The public router with ``backend``, output ``fmt`` (a routing map format or an index dtype
+    name) and, with ``qb_mode``, a QB histogram (``hist`` or zeros) over bounds [min(bias) - 1,
+    max(bias) + 1]. Returns (probs, output, map kind, hist, bounds)."""
+    t, e = logits.shape
+    extra = {}
+    if fmt.startswith("int"):
+        extra["topk_indices"] = torch.empty(t, k, dtype=getattr(torch, fmt), device=logits.device)
+    else:
+        extra["routing_map_format"] = fmt
+    bounds = None
+    if qb_mode is not None:
+        if hist is None:
+            hist = torch.zeros(e, num_bins, dtype=torch.int32, device=logits.device)
+        bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
+        extra.update(qb_histogram=hist, qb_bin_bounds=bounds, qb_histogram_mode=qb_mode)
+    probs, out = amdqb.fused_topk_with_score_function(
+        logits, k, expert_bias=bias, backend=backend, **extra, **kw
+    )
+    kind = "indices" if fmt.startswith("int") else ("bitmap" if fmt == "bitmap_u8" else "bytemap")
+    return probs, out, kind, hist, bounds
+
+
+def check_hip_router(
+    backend,
+    logits,
+    k,
+    fmt="bytemap",
+    score="sigmoid",
+    bias=None,
+    qb_mode=None,
+    num_bins=1000,
+    pre=False,
+    scaling=None,
+    hist=None,
+    scores=None,
+):
+    """One hip router call (CPU tensors) against the oracle on the kernel's own scores (``scores``:
+    those of ``logits`` already computed): exactly k experts, the oracle's routes (in selection
+    order for indices), probs, and under QB the histogram; returns the histogram."""
+    t, e = logits.shape
+    probs, map_out, kind, hist, bounds = hip_run_router(
+        backend,
+        logits,
+        k,
+        fmt,
+        bias,
+        qb_mode,
+        num_bins,
+        hist,
+        score_function=score,
+        use_pre_softmax=pre,
+        scaling_factor=scaling,
+    )
+    s = hip_backend.score_values(logits, score) if scores is None else scores
+    if qb_mode is not None:
+        idx_ref, alpha = qb_cutoff_and_routes(s, bias, k)
+        assert torch.equal(hist, qb_histogram_counts(s, alpha, bounds, hist.shape[1]))
+        assert torch.all(hist.sum(1) == t)
+        probs_ref, idx_ref2, map_ref = ref.fused_topk_with_score_function(
+            logits, k, expert_bias=bias, scores=s, scaling_factor=scaling
+        )
+        assert torch.equal(idx_ref, idx_ref2)
+    else:
+        probs_ref, idx_ref, map_ref = ref.fused_topk_with_score_function(
+            logits,
+            k,
+            use_pre_softmax=pre,
+            score_function=score,
+            expert_bias=bias,
+            scores=s if score != "softmax" else None,
+            scaling_factor=scaling,
+        )
+    mask = routed_mask(map_out, kind, e)
+    assert torch.all(mask.sum(1) == k), "every token gets exactly k distinct experts"
+    assert torch.equal(mask, map_ref), "routing differs from the oracle"
+    if kind == "indices":
+        assert torch.equal(map_out.long(), idx_ref), "indices are not in selection order"
+    torch.testing.assert_close(
+        probs.float(), probs_ref.to(logits.dtype).float(), atol=2e-6, rtol=1e-2, equal_nan=True
+    )
+    return hist
+
+
+def hip_check_qb(backend, logits, k, fmt, bias, mode, num_bins=1000, scores=None):
+    """One QB router call against the oracle on the kernel's own scores (``scores``: those of
+    ``logits`` already computed): the histogram (and T counts per expert), exactly k experts, the
+    routes (in selection order for indices), probs (fp32: 1e-6 + 1e-5 relative; halves: 1e-3 +
+    1e-2); returns the histogram on the CPU."""
+    t, e = logits.shape
+    probs, out, kind, hist, bounds = hip_run_router(backend, logits, k, fmt, bias, mode, num_bins)
+    s = (hip_backend.score_values(logits, "sigmoid") if scores is None else scores).cpu()
+    idx_ref, alpha = qb_cutoff_and_routes(s, bias.cpu(), k)
+    want_hist = qb_histogram_counts(s, alpha, bounds.cpu(), num_bins)
+    assert torch.equal(hist.cpu(), want_hist), "histogram differs from the oracle on own scores"
+    assert torch.all(hist.sum(1).cpu() == t)
+    mask = routed_mask(out, kind, e)
+    assert torch.all(mask.sum(1) == k)
+    want_map = torch.zeros(t, e, dtype=torch.bool).scatter_(1, idx_ref, True)
+    assert torch.equal(mask, want_map), "routes differ from the oracle"
+    if kind == "indices":
+        assert torch.equal(out.cpu().long(), idx_ref), "indices not in selection order"
+    probs_ref, idx_ref2, map_ref = ref.fused_topk_with_score_function(
+        logits.cpu(), k, expert_bias=bias.cpu(), scores=s
+    )
+    assert torch.equal(idx_ref, idx_ref2) and torch.equal(mask, map_ref)
+    torch.testing.assert_close(
+        probs.float().cpu(),
+        probs_ref.to(logits.dtype).float(),
+        atol=2e-6,
+        rtol=1e-2,
+        equal_nan=True,
+    )
+    torch.testing.assert_close(
+        probs.float().cpu(),
+        probs_ref.to(logits.dtype).float(),
+        atol=1e-6 if logits.dtype == torch.float32 else 1e-3,
+        rtol=1e-5 if logits.dtype == torch.float32 else 1e-2,
+    )
+    return hist.cpu()
+
+
+def count_decode_launches(monkeypatch):
+    """A list whose last entry counts the launches of the decode form (its block size comes from
+    decode_threads); the caller appends a 0 to start each count."""
+    forms = [0]
+    threads = _ops.decode_threads
+
+    def counted(num_experts):
+        forms[-1] += 1
+        return threads(num_experts)
+
+    monkeypatch.setattr(_ops, "decode_threads", counted)
+    return forms
+
+
+def brute_topk(values: list[float], n: int) -> list[int]:
+    """Selection order written out: value desc, id asc, NaN last, -0.0 == +0.0."""
+
+    def sort_key(i):
+        v = values[i]
+        return (1, 0.0, i) if math.isnan(v) else (0, -v, i)
+
+    return sorted(range(len(values)), key=sort_key)[:n]
+
+
+def router_built_with(monkeypatch, *defines):
+    """Every router module (router, scores, histogram kernels) built with extra -D defines."""
+    base = _spec.router_module
+
+    def router_module(*args):
+        return base(*args).with_defines(*defines)
+
+    monkeypatch.setattr(_spec, "router_module", router_module)

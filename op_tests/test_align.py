@@ -1,0 +1,141 @@
+"""``moe_align_block_size`` (vLLM's alignment of routes to blocks of one expert) against the
+``amdqb.ref`` oracle, bitwise, for every kernel backend of ``align_block_size``; the hip kernels on
+the CPU emulator over both wave sizes, with their dependent launches; and the oracle itself
+against vLLM's docstring example and its invariants.
+
+On the CPU the Triton kernels run under ``TRITON_INTERPRET=1`` and the hip kernels on the emulator
+(small shapes); on a GPU the same tests run at the seed shapes (M up to 8192, k=16, E up to 4096).
+"""
+
+import pytest
+import torch
+
+import amdqb
+from amdqb import ref
+from amdqb.backends.hip import _ops, _spec
+from conftest import DEVICE, HAS_GPU, over_backends
+from hip_emu.checks import make_ids as emu_ids
+from layout_cases import check_align, make_ids, oracle_ids
+
+
+@over_backends("align_block_size")
+def test_align_vllm_example(backend):
+    ids = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]], dtype=torch.int32)
+    sorted_ids, expert_ids, post = check_align(ids, 4, 5, False, backend)
+    assert sorted_ids[:16].tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
+    assert torch.all(sorted_ids[16:] == 12)
+    assert expert_ids.tolist()[:4] == [1, 2, 3, 4] and post.tolist() == [16]
+    check_align(ids, 4, 5, True, backend)
+
+
+@over_backends("align_block_size")
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("e", [1, 3, 257, 513, 896, 4096])
+def test_align_matches_oracle(backend, e, block_size, pad):
+    m, k = (8192, 16) if HAS_GPU else (12, 4)
+    dist = "dropped" if block_size in (16, 128) else "uniform"
+    check_align(make_ids(m, k, e, dist, seed=block_size + e), block_size, e, pad, backend)
+
+
+@over_backends("align_block_size")
+@pytest.mark.parametrize("dist", ["shared", "one", "dropped"])
+def test_align_many_blocks(backend, dist):
+    m, k, e = (8192, 16, 896) if HAS_GPU else (300, 4, 300)
+    ids = make_ids(m, k, e, dist, seed=9, dtype=torch.int64 if dist == "dropped" else torch.int32)
+    check_align(ids, 64, e, dist == "shared", backend)
+
+
+@over_backends("align_block_size")
+def test_align_expert_map_and_empty(backend):
+    e = 8
+    ids = make_ids(6, 2, e, "uniform", seed=1)
+    expert_map = torch.tensor([0, -1, 1, -1, 2, 3, -1, 4], dtype=torch.int32, device=DEVICE)
+    check_align(ids, 4, e, False, backend, expert_map)
+    check_align(torch.empty(0, 2, dtype=torch.int32), 4, e, False, backend)
+
+
+@over_backends("align_block_size")
+@pytest.mark.parametrize("e", [4097, 10000])
+def test_align_beyond_4096_experts(backend, e):
+    m, k = (8192, 16) if HAS_GPU else (40, 4)
+    ids = make_ids(m, k, e, "dropped", seed=e)
+    ids.view(-1)[1::6] = e - 1
+    check_align(ids, 16, e, False, backend)
+    check_align(ids, 64, e, True, backend)
+
+
+@over_backends("align_block_size", emulator=True, waves=(32, 64))
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_align_block_size_matches_oracle_bitwise(backend, emu_rt, dtype):
+    """moe_align_block_size: sorted ids, expert ids and the padded total equal the oracle's bitwise
+    (ascending flat order inside each expert), over tiles that split experts' routes, partial last
+    tiles, dropped ids, empty experts, 1..8 warps per tile (E up to 4096) and pad_sorted_ids."""
+    rt = emu_rt
+    cases = [
+        (7, 900, 3, "dropped", 4, False),  # 2 tiles, partial last
+        (896, 300, 16, "uniform", 64, False),  # 3 tiles, 8 warps, many empty blocks of rows
+        (896, 260, 8, "shared", 16, True),
+        (129, 64, 5, "one", 1, False),  # block_size 1: no padding
+        (2048, 600, 8, "uniform", 32, True),  # 5 tiles of 4 warps
+        (4096, 70, 4, "dropped", 128, False),  # 1 warp per tile, most experts empty
+        (33, 1, 1, "uniform", 8, False),  # a single route
+        (300, 200, 6, "shared", 12, True),  # a block size that is not a power of two
+    ]
+    for e, m, k, dist, bs, pad in cases:
+        ids = emu_ids(m, k, e, dist, e + m, dtype)
+        want = ref.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad)
+        # the emulated backend poisons the three outputs (-7) before the kernels run
+        got = amdqb.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad, backend=backend)
+        for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
+            assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist}, bs={bs})"
+        suffix = "i32" if dtype == torch.int32 else "i64"
+        dependent = 2 * -(-ids.numel() // _spec.DET_TILE) <= rt.cus  # rank pass as a dependent
+        launched = rt.dependent_launches[-2:] if dependent else rt.dependent_launches[-1:]
+        want_launches = ["amdqb_route_det_scan"] + ([f"amdqb_align_rank_{suffix}"] * dependent)
+        assert launched == want_launches, (e, m, k)
+        rt.dependent_launches.clear()
+    assert _ops.align_warps(896) == 8 and _ops.align_warps(2048) == 4
+    assert _ops.align_warps(4096) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the oracle
+# ----------------------------------------------------------------------------------------------
+
+
+def test_align_block_size_vllm_docstring_example():
+    ids = torch.tensor([[2, 3, 4], [1, 2, 4], [1, 3, 4], [1, 2, 3]])
+    sorted_ids, expert_ids, post = ref.moe_align_block_size(ids, 4, 5)
+    assert sorted_ids[:16].tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
+    assert torch.all(sorted_ids[16:] == 12)
+    assert expert_ids[:4].tolist() == [1, 2, 3, 4] and torch.all(expert_ids[4:] == 0)
+    assert post.tolist() == [16] and post.dtype == torch.int32
+    assert sorted_ids.numel() == 12 + 5 * 3
+
+
+@pytest.mark.parametrize("e", (32, 257, 896))
+@pytest.mark.parametrize("block", (16, 64, 256))
+def test_align_block_size_invariants(e, block):
+    ids = oracle_ids(50, 6, e, "dropped", seed=block)
+    sorted_ids, expert_ids, post = ref.moe_align_block_size(ids, block, e, pad_sorted_ids=True)
+    numel = ids.numel()
+    assert sorted_ids.numel() % block == 0
+    n = int(post)
+    assert n % block == 0
+    flat = ids.reshape(-1).long()
+    valid = (flat >= 0) & (flat < e)
+    got = sorted_ids[:n][sorted_ids[:n] != numel].long()
+    assert sorted(got.tolist()) == torch.nonzero(valid).flatten().tolist()
+    owner = expert_ids[(torch.nonzero(sorted_ids[:n] != numel).flatten() // block)]
+    assert torch.equal(flat[got], owner.long())  # every id sits in a block of its expert
+
+
+def test_align_expert_map_applies_to_all_blocks():
+    ids = torch.tensor([[0, 1], [1, 3]])
+    emap = torch.tensor([-1, 0, -1, 1], dtype=torch.int32)
+    _, expert_ids, _ = ref.moe_align_block_size(ids, 2, 4)
+    from amdqb import moe_align_block_size
+
+    _, mapped, _ = moe_align_block_size(ids, 2, 4, expert_map=emap)
+    assert torch.equal(mapped, emap[expert_ids.long()])

@@ -1,0 +1,212 @@
+"""``biased_topk``, the serving-form router (vLLM / SGLang ``fused_topk``): ids in selection order
+and fp32 weights against the ``amdqb.ref`` oracle for every kernel backend of ``biased_topk``; the
+hip kernel's weights as its own scores renormalised (emulator) and at the seeds' shape (GPU); its
+decode form (one block per token) bitwise against its warp-per-token form; and the oracle against
+a hand-computed case.
+
+Ids must be exact, (value desc, id asc) with NaN last; weights agree to fp32 rounding. On the CPU
+the Triton kernels run under ``TRITON_INTERPRET=1`` and the hip kernels on the emulator.
+"""
+
+import pytest
+import torch
+
+import amdqb
+from amdqb import dispatch, ref
+from amdqb.backends import hip as hip_backend
+from amdqb.backends.hip import _ops
+from conftest import DEVICE, HAS_GPU, over_backends
+from hip_emu.checks import make_logits
+from router_cases import (
+    E_MAIN,
+    GROUPS,
+    K_MAIN,
+    T_MAIN,
+    adversarial_rows,
+    backend_scores,
+    count_decode_launches,
+    tie_free_logits,
+    tol,
+)
+
+# hip's own GPU tests (the emulator runs the small cases)
+hip_gpu = pytest.mark.skipif(
+    not HAS_GPU, reason="hip kernels at GPU shapes (on the CPU the emulator runs the small cases)"
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# every kernel backend
+# ----------------------------------------------------------------------------------------------
+
+
+@over_backends("biased_topk")
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize(
+    "score,bias", [("sigmoid", True), ("sqrtsoftplus", False), ("softmax", False)]
+)
+def test_biased_topk(backend, score, bias, grouped, renormalize):
+    t, e, k = T_MAIN, E_MAIN, K_MAIN
+    z = tie_free_logits(t, e, seed=17)
+    eb = torch.linspace(0.3, -0.3, e, device=DEVICE) if bias else None
+    groups = dict(num_groups=GROUPS[0], group_topk=GROUPS[1]) if grouped else {}
+    kw = dict(score_function=score, renormalize=renormalize, scaling_factor=2.5, **groups)
+    w, ids = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
+    w_ref, ids_ref = ref.biased_topk(z, k, eb, **kw)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int32
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, **tol(e))
+
+
+@over_backends("biased_topk")
+def test_biased_topk_shapes_and_ties(backend):
+    e = E_MAIN
+    z = adversarial_rows(e)
+    for k in (1, e):
+        w, ids = amdqb.biased_topk(z, k, backend=backend)
+        s = backend_scores(backend, z, "sigmoid")
+        assert torch.equal(ids.long(), ref.ranked_indices(s, k))
+    x = tie_free_logits(6, e).reshape(2, 3, e)
+    w, ids = amdqb.biased_topk(x, 4, backend=backend)
+    assert w.shape == (2, 3, 4) and ids.shape == (2, 3, 4)
+    w0, ids0 = amdqb.biased_topk(x.reshape(-1, e)[:0], 4, backend=backend)
+    assert w0.shape == (0, 4) and ids0.shape == (0, 4)
+    # direct call of the kernel-level op
+    wo = torch.full((6, 4), float("nan"), device=DEVICE)
+    io = torch.full((6, 4), -1, dtype=torch.int32, device=DEVICE)
+    op = dispatch._backend_module(backend).OPS["biased_topk"]
+    op(x.reshape(-1, e), 4, None, "sigmoid", True, None, None, None, wo, io)
+    assert torch.equal(io, ids.reshape(-1, 4))
+    torch.testing.assert_close(wo, w.reshape(-1, 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# hip
+# ----------------------------------------------------------------------------------------------
+
+
+@over_backends("biased_topk", emulator=True)
+@pytest.mark.parametrize("score", ["sigmoid", "softmax", "sqrtsoftplus"])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_biased_topk_weights_are_the_own_scores(backend, score, renormalize):
+    """The kernel's weights are its own scores of the selected experts (renormalised), scaled."""
+    e, t, k = 384, 10, 8
+    logits = make_logits(t, e, "normal", 4)
+    bias = None if score == "softmax" else torch.randn(e) * 0.05
+    w, ids = amdqb.biased_topk(
+        logits,
+        k,
+        bias,
+        score_function=score,
+        renormalize=renormalize,
+        scaling_factor=0.5,
+        backend=backend,
+    )
+    s = hip_backend.score_values(logits, score)
+    sel = s if bias is None else s + bias
+    want_ids = ref.ordering.ranked_indices(sel, k).to(torch.int32)
+    assert torch.equal(ids, want_ids)
+    want_w, _ = ref.biased_topk(logits, k, bias, score, renormalize, 0.5)
+    torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-4)
+    gathered = s.gather(1, ids.long())
+    if renormalize:
+        gathered = gathered / (gathered.sum(-1, keepdim=True) + 1e-20)
+    torch.testing.assert_close(w, gathered * 0.5, atol=1e-7, rtol=1e-6)
+
+
+@hip_gpu
+@over_backends("biased_topk", only=("hip",))
+@pytest.mark.parametrize("score", ["sigmoid", "softmax", "sqrtsoftplus"])
+@pytest.mark.parametrize("t", [1, 8, 64, 256])
+def test_biased_topk_matches_oracle_on_own_scores(backend, score, t):
+    e, k = 896, 16
+    logits = make_logits(t, e, "normal", t).to(DEVICE)
+    bias = None if score == "softmax" else torch.randn(e, device=DEVICE) * 0.05
+    w, ids = amdqb.biased_topk(logits, k, bias, score_function=score, backend=backend)
+    s = hip_backend.score_values(logits, score).cpu()
+    sel = s if bias is None else s + bias.cpu()
+    assert torch.equal(ids.cpu(), ref.ordering.ranked_indices(sel, k).to(torch.int32))
+    want_w, _ = ref.biased_topk(logits.cpu(), k, None if bias is None else bias.cpu(), score)
+    torch.testing.assert_close(w.cpu(), want_w, atol=1e-6, rtol=1e-4)
+
+
+# (E, k, logits dtype, style): the emulator's at 3 tokens, the GPU's at 37
+DECODE_TOPK_CASES = (
+    [
+        (896, 16, torch.float32, "ties"),
+        (896, 16, torch.bfloat16, "normal"),
+        (300, 33, torch.float32, "nan_inf"),
+        (64, 8, torch.float16, "ties"),
+        (4096, 64, torch.float32, "saturated"),
+    ]
+    if HAS_GPU
+    else [
+        (64, 8, torch.float32, "ties"),  # one warp: its list is the answer
+        (300, 33, torch.float32, "normal"),  # 3 warps, partial last row, n > 32 (exact n-th)
+        (300, 4, torch.float32, "nan_inf"),
+        (896, 16, torch.float32, "ties"),  # the SPEC shape: 8 warps of 4 experts per thread
+        (1100, 16, torch.float32, "saturated"),  # 8 warps, 5 experts per thread, partial
+    ]
+)
+
+
+@over_backends("biased_topk", only=("hip",), waves=(32, 64))
+@pytest.mark.parametrize("e,k,dtype,style", DECODE_TOPK_CASES)
+def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(
+    monkeypatch, backend, emu_rt, e, k, dtype, style
+):
+    """amdqb_router_decode (one block per token) against amdqb_router's serving form (one warp per
+    token): identical ids and identical weight bits, ids in the oracle's order on the kernel's own
+    scores. Emulator (wave32 and wave64: even warp counts, whole 64-lane waves): with and without
+    bias and renormalisation at 3 tokens; GPU: with bias at 37 tokens."""
+    if HAS_GPU:
+        t, seed, scaling, renorms = 37, e, 1.5, (True,)
+        biases = [(torch.randint(-2, 3, (e,)) * 0.125).float().to(DEVICE)]
+    else:
+        t, seed, scaling, renorms = 3, e + k, 0.75, (True, False)
+        g = torch.Generator().manual_seed(e)
+        biases = [None, (torch.randint(-2, 3, (e,), generator=g) * 0.25).float()]
+    logits = make_logits(t, e, style, seed, dtype).to(DEVICE)
+    forms = count_decode_launches(monkeypatch)
+    for bias in biases:
+        for renorm in renorms:
+            outs = []
+            for limit in (1 << 30, 0):
+                monkeypatch.setattr(_ops, "DECODE_MAX_TOKENS", limit)
+                forms.append(0)
+                if emu_rt is not None:
+                    emu_rt.launches.clear()
+                outs.append(
+                    amdqb.biased_topk(
+                        logits,
+                        k,
+                        bias,
+                        renormalize=renorm,
+                        scaling_factor=scaling,
+                        backend=backend,
+                    )
+                )
+                if emu_rt is not None:
+                    names = [n for n, *_ in emu_rt.launches]
+                    assert names == ["amdqb_router_decode" if limit else "amdqb_router"]
+            assert forms[-2:] == [1, 0], "the two forms did not both run"
+            (w1, i1), (w2, i2) = outs
+            assert torch.equal(i1, i2)
+            assert torch.equal(w1.view(torch.int32), w2.view(torch.int32))
+            sel = hip_backend.score_values(logits, "sigmoid").cpu()
+            sel = sel if bias is None else sel + bias.cpu()
+            assert torch.equal(i1.cpu(), ref.ordering.ranked_indices(sel, k).to(torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------
+# the oracle
+# ----------------------------------------------------------------------------------------------
+
+
+def test_biased_topk_oracle():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    w, ids = ref.biased_topk(logits, 2, torch.tensor([0.0, 0.0, 0.0, 5.0]))
+    assert ids.tolist() == [[3, 1]] and ids.dtype == torch.int32
+    s = torch.sigmoid(logits[0])
+    torch.testing.assert_close(w[0], torch.stack([s[3], s[1]]) / (s[3] + s[1] + 1e-20))

@@ -24,10 +24,10 @@ HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import amdqb  # noqa: E402
-from amdqb import dispatch  # noqa: E402
 from hip_emu.backend import active_runtime, emulated_hip_backend  # noqa: E402
 from hip_emu.runtime import compiler  # noqa: E402
+
+from amdqb import dispatch  # noqa: E402
 
 DEVICE = torch.device("cuda") if HAS_GPU else torch.device("cpu")
 
@@ -128,10 +128,28 @@ def warp_router(monkeypatch, emu_rt):
     decode form, which test_router_decode_kernel_is_bitwise_the_warp_kernel checks bitwise against
     it. A real backend runs as configured."""
     if emu_rt is not None:
-        from amdqb.backends.hip import _ops
+        set_config(
+            monkeypatch,
+            {"hip.router.decode_max_tokens": 0, "hip.router.decode_max_tokens_fused": 0},
+            torch.device("cpu"),
+        )
 
-        monkeypatch.setattr(_ops, "ROUTER_DECODE_MAX_TOKENS", 0)
-        monkeypatch.setattr(_ops, "ROUTER_DECODE_FUSED_MAX_TOKENS", 0)
+
+def set_config(monkeypatch, values: dict, device=None):
+    """For the test, ``values`` replace the config entries of ``device``'s architecture family
+    (default: the suite's device), as ``amdqb.configs.override`` does; undone by ``monkeypatch``."""
+    from amdqb import configs, dispatch
+
+    arch = dispatch.device_info(DEVICE if device is None else device).arch_family
+    monkeypatch.setitem(configs._OVERRIDES, arch, configs.load(arch).with_values(values, "test"))
+    return configs.load(arch)
+
+
+def device_config(device=None):
+    """The config (``amdqb.configs``) the launchers read on ``device`` (default: the suite's)."""
+    from amdqb import configs
+
+    return configs.for_device(DEVICE if device is None else device)
 
 
 @pytest.fixture

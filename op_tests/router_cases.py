@@ -13,14 +13,15 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICE, HAS_GPU
+from hip_emu.checks import routed_mask
 
 import amdqb
 from amdqb import ref
 from amdqb.backends import hip as hip_backend
-from amdqb.backends.hip import _ops, _spec
+from amdqb.backends.hip import _spec
+from amdqb.backends.hip import router as hip_router
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
-from conftest import DEVICE, HAS_GPU
-from hip_emu.checks import routed_mask
 
 # (T, E, k, groups) per device: the interpreter needs small shapes.
 if HAS_GPU:
@@ -155,6 +156,7 @@ def check_hip_router(
     scaling=None,
     hist=None,
     scores=None,
+    approximate=False,
 ):
     """One hip router call (CPU tensors) against the oracle on the kernel's own scores (``scores``:
     those of ``logits`` already computed): exactly k experts, the oracle's routes (in selection
@@ -172,10 +174,11 @@ def check_hip_router(
         score_function=score,
         use_pre_softmax=pre,
         scaling_factor=scaling,
+        **({"approximate_activation": True} if approximate else {}),
     )
     s = hip_backend.score_values(logits, score) if scores is None else scores
     if qb_mode is not None:
-        idx_ref, alpha = qb_cutoff_and_routes(s, bias, k)
+        idx_ref, alpha, _ = qb_cutoff_and_routes(s, bias, k)
         assert torch.equal(hist, qb_histogram_counts(s, alpha, bounds, hist.shape[1]))
         assert torch.all(hist.sum(1) == t)
         probs_ref, idx_ref2, map_ref = ref.fused_topk_with_score_function(
@@ -211,7 +214,7 @@ def hip_check_qb(backend, logits, k, fmt, bias, mode, num_bins=1000, scores=None
     t, e = logits.shape
     probs, out, kind, hist, bounds = hip_run_router(backend, logits, k, fmt, bias, mode, num_bins)
     s = (hip_backend.score_values(logits, "sigmoid") if scores is None else scores).cpu()
-    idx_ref, alpha = qb_cutoff_and_routes(s, bias.cpu(), k)
+    idx_ref, alpha, _ = qb_cutoff_and_routes(s, bias.cpu(), k)
     want_hist = qb_histogram_counts(s, alpha, bounds.cpu(), num_bins)
     assert torch.equal(hist.cpu(), want_hist), "histogram differs from the oracle on own scores"
     assert torch.all(hist.sum(1).cpu() == t)
@@ -245,13 +248,13 @@ def count_decode_launches(monkeypatch):
     """A list whose last entry counts the launches of the decode form (its block size comes from
     decode_threads); the caller appends a 0 to start each count."""
     forms = [0]
-    threads = _ops.decode_threads
+    threads = hip_router.decode_threads
 
-    def counted(num_experts):
+    def counted(num_experts, cfg):
         forms[-1] += 1
-        return threads(num_experts)
+        return threads(num_experts, cfg)
 
-    monkeypatch.setattr(_ops, "decode_threads", counted)
+    monkeypatch.setattr(hip_router, "decode_threads", counted)
     return forms
 
 
@@ -269,7 +272,7 @@ def router_built_with(monkeypatch, *defines):
     """Every router module (router, scores, histogram kernels) built with extra -D defines."""
     base = _spec.router_module
 
-    def router_module(*args):
-        return base(*args).with_defines(*defines)
+    def router_module(*args, **kw):
+        return base(*args, **kw).with_defines(*defines)
 
     monkeypatch.setattr(_spec, "router_module", router_module)

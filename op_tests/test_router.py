@@ -19,14 +19,7 @@ import os
 import numpy as np
 import pytest
 import torch
-
-import amdqb
-from amdqb import dispatch, ref
-from amdqb.backends import hip as hip_backend
-from amdqb.backends import torch as torch_backend
-from amdqb.backends.hip import _ops, _runtime, _spec
-from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
-from conftest import DEVICE, HAS_GPU, over_backends
+from conftest import DEVICE, HAS_GPU, device_config, over_backends, set_config
 from hip_emu.checks import make_logits, routed_mask
 from router_cases import (
     E_MAIN,
@@ -40,7 +33,6 @@ from router_cases import (
     check_exactly_k,
     check_hip_router,
     count_decode_launches,
-    router_built_with,
     hip_run_router,
     oracle,
     qb_buffers,
@@ -48,6 +40,14 @@ from router_cases import (
     tie_free_logits,
     tol,
 )
+
+import amdqb
+from amdqb import dispatch, ref
+from amdqb.backends import hip as hip_backend
+from amdqb.backends import torch as torch_backend
+from amdqb.backends.hip import _runtime, _spec
+from amdqb.backends.hip import router as hip_router
+from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
 
 # NaN / inf inputs are part of the contract; numpy (the CPU interpreter) warns about them.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -212,7 +212,7 @@ def test_router_large_k_exact_path(backend, fmt):
         bounds = torch.tensor([-1.5, 1.5], device=DEVICE)
         kw = dict(qb_histogram=hist, qb_bin_bounds=bounds, qb_histogram_mode=mode)
         probs, routed, ids = run_router(backend, z, e - 1, fmt, expert_bias=bias, **kw)
-        idx_ref, alpha = ref.qb_cutoff_and_routes(s, bias, e - 1)
+        idx_ref, alpha, _ = ref.qb_cutoff_and_routes(s, bias, e - 1)
         assert torch.equal(hist, ref.qb_histogram_counts(s, alpha, bounds, 32))
         if ids is not None:
             assert torch.equal(ids, idx_ref)
@@ -249,7 +249,7 @@ def test_router_fwd_direct(backend, map_kind):
     op = dispatch._backend_module(backend).OPS["router_fwd"]
     op(z, k, "sigmoid", False, None, None, None, bias, probs, m, map_kind, hist, bounds, "auto")
     s = backend_scores(backend, z, "sigmoid")
-    idx_ref, alpha = ref.qb_cutoff_and_routes(s, bias, k)
+    idx_ref, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
     p_ref, _, map_ref = oracle(z, k, scores=s, expert_bias=bias)
     torch.testing.assert_close(probs, p_ref, **tol(e))
     if map_kind == "bytemap":
@@ -335,7 +335,7 @@ def test_router_bwd_direct(backend):
 
 def overflows(rt, e=257):
     """Warps that took the candidate-overflow path so far (emulator counter)."""
-    lib = rt._library(_spec.router_module(e, "float32", "sigmoid"))
+    lib = rt._library(_spec.router_module(e, "float32", "sigmoid", device_config()))
     lib.amdqb_emu_overflows.restype = ctypes.c_longlong
     return lib.amdqb_emu_overflows()
 
@@ -377,9 +377,10 @@ def test_router_exact_path_large_k(backend, warp_router, k, qb):
 def test_router_small_expert_counts(backend, warp_router, e):
     logits = make_logits(13, e, "normal", e)
     s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for every check
-    for k in sorted({1, max(1, e // 2), min(e, _ops.MAX_SELECT)}):
+    cap = hip_router.max_select(device_config())
+    for k in sorted({1, max(1, e // 2), min(e, cap)}):
         check_hip_router(backend, logits, k, "bitmap_u8", scores=s)
-        if k < e and k + 1 <= _ops.MAX_SELECT:
+        if k < e and k + 1 <= cap:
             bias = torch.randn(e) * 0.1
             check_hip_router(
                 backend, logits, k, "int16", bias=bias, qb_mode="two_kernel", num_bins=7, scores=s
@@ -415,29 +416,25 @@ def test_router_score_functions_in_selection_order(backend, warp_router, score, 
 
 
 @over_backends("router_fwd", emulator=True, waves=(32, 64))
-def test_router_and_qb_with_the_library_exponential(monkeypatch, backend, warp_router):
-    """The sigmoid's e^-z comes from the hardware 2^x by default (AMDQB_SIGMOID_APPROX_EXP=1);
-    built with the library expf instead (=0, the earlier form, kept for comparisons) the
-    router's routes, probs and both QB modes' histograms still match the oracle given the kernel's
-    own scores, including the fused epilogue's fast bins (whose error bound the emulator
-    stresses). Both forms lie within 1e-6 of torch.sigmoid."""
+def test_router_and_qb_with_the_approximate_activation(backend, warp_router):
+    """The opt-in approximate activation (e^-z through the hardware 2^x) is a different build
+    whose scores lie within 1e-6 of torch.sigmoid; given those scores the router's routes, probs
+    and both QB modes' histograms match the oracle, including the fused epilogue's fast bins
+    (whose error bound the emulator stresses)."""
     z = make_logits(64, 64, "normal", 1) * 8
-    approx = hip_backend.score_values(z, "sigmoid")
-    router_built_with(monkeypatch, ("AMDQB_SIGMOID_APPROX_EXP", "0"))
-    library = hip_backend.score_values(z, "sigmoid")
-    # the variant is built (2^(z * log2 e) rounds differently from expf somewhere)
-    assert not torch.equal(library, approx)
-    for s in (approx, library):
+    exact = hip_backend.score_values(z, "sigmoid")
+    approx = hip_backend.score_values(z, "sigmoid", approximate=True)
+    assert not torch.equal(exact, approx)  # 2^(z * log2 e) rounds differently from expf somewhere
+    for s in (exact, approx):
         torch.testing.assert_close(s, torch.sigmoid(z), atol=1e-6, rtol=0)
     for e, t, k, style in ((257, 19, 16, "normal"), (896, 6, 8, "nan_inf"), (64, 30, 4, "ties")):
         logits = make_logits(t, e, style, e + k)
         bias = torch.linspace(-0.1, 0.1, e) if style != "ties" else torch.zeros(e)
-        s = hip_backend.score_values(logits, "sigmoid")  # the variant's scores, for every check
-        check_hip_router(backend, logits, k, "bytemap", bias=bias, scores=s)
+        s = hip_backend.score_values(logits, "sigmoid", approximate=True)
+        kw = dict(bias=bias, scores=s, approximate=True)
+        check_hip_router(backend, logits, k, "bytemap", **kw)
         hists = [
-            check_hip_router(
-                backend, logits, k, "int32", bias=bias, qb_mode=m, num_bins=97, scores=s
-            )
+            check_hip_router(backend, logits, k, "int32", qb_mode=m, num_bins=97, **kw)
             for m in ("two_kernel", "fused_atomic")
         ]
         assert torch.equal(hists[0], hists[1])
@@ -505,8 +502,14 @@ def test_router_decode_kernel_is_bitwise_the_warp_kernel(
     for fmt, with_bias, qb in outputs:
         outs = {}
         for form, limit in (("block", 1 << 30), ("warp", 0)):
-            monkeypatch.setattr(_ops, "ROUTER_DECODE_MAX_TOKENS", limit)
-            monkeypatch.setattr(_ops, "ROUTER_DECODE_FUSED_MAX_TOKENS", limit)
+            set_config(
+                monkeypatch,
+                {
+                    "hip.router.decode_max_tokens": limit,
+                    "hip.router.decode_max_tokens_fused": limit,
+                },
+                logits.device,
+            )
             forms.append(0)
             if emu_rt is not None:
                 emu_rt.launches.clear()
@@ -553,7 +556,7 @@ def test_router_ties_and_nan_rows(backend, style, k, qb):
     assert torch.all(mask.sum(1) == k), "every token gets exactly k distinct experts"
     s = hip_backend.score_values(logits, "sigmoid").cpu()
     if qb:
-        idx_ref, alpha = qb_cutoff_and_routes(s, bias.cpu(), k)
+        idx_ref, alpha, _ = qb_cutoff_and_routes(s, bias.cpu(), k)
         assert torch.equal(hist.cpu(), qb_histogram_counts(s, alpha, bounds.cpu(), 50))
     else:
         idx_ref = ref.ordering.ranked_indices(s, k)
@@ -583,7 +586,7 @@ def test_sigmoid_fast_path_is_the_division_bit_for_bit(backend):
     e = 896
     z = torch.cat([z, torch.zeros((-z.numel()) % e)]).reshape(-1, e).to(DEVICE)
     got = hip_backend.score_values(z, "sigmoid")
-    want = _ops.score_values(
+    want = hip_router.score_values(
         _runtime.get_runtime(), z, "sigmoid", (("AMDQB_SIGMOID_DIVISION_ONLY", "1"),)
     )
     both_nan = torch.isnan(got) & torch.isnan(want)
@@ -686,22 +689,28 @@ def test_triton_plans_are_sane():
 
 
 def test_router_register_cap_at_few_tokens():
-    """NVIDIA builds the router for 2 resident blocks per SM up to ROUTER_FEW_TOKENS tokens when
-    256 < E <= 1024 (the default build spills there); elsewhere, and where minimum blocks do not
-    cap registers (AMD, the emulator), the default module."""
+    """NVIDIA builds the router for hip.router.few_tokens_min_blocks resident blocks per SM up to
+    hip.router.few_tokens tokens when 256 < E <= 1024 (the default build spills there); elsewhere,
+    and where minimum blocks do not cap registers (AMD, the emulator), the default build."""
 
     class Rt:
         caps_registers_by_blocks = True
 
-    def cap(e, tokens, rt=Rt()):
-        spec = _ops._router_spec(torch.empty(0, e), "sigmoid", rt, tokens)
-        return dict(spec.defines).get("AMDQB_ROUTER_MIN_BLOCKS")
+    def cap(e, tokens, rt=None):
+        rt = Rt() if rt is None else rt
+        spec = hip_router.router_spec(torch.empty(0, e), "sigmoid", cfg, rt, tokens)
+        return int(dict(spec.defines)["AMDQB_ROUTER_MIN_BLOCKS"])
 
-    few = str(_ops.ROUTER_FEW_TOKENS_MIN_BLOCKS)
-    assert cap(896, 1) == few and cap(896, _ops.ROUTER_FEW_TOKENS) == few
-    assert cap(896, _ops.ROUTER_FEW_TOKENS + 1) is None
-    assert cap(256, 64) is None and cap(2048, 64) is None
-    assert cap(896, 64, rt=object()) is None
+    cfg = device_config()
+    few, limit = cfg["hip.router.few_tokens_min_blocks"], cfg["hip.router.few_tokens"]
+
+    def default(e):
+        return _spec.router_min_blocks(cfg, e)
+
+    assert cap(896, 1) == few and cap(896, limit) == few
+    assert cap(896, limit + 1) == default(896)
+    assert cap(256, 64) == default(256) and cap(2048, 64) == default(2048)
+    assert cap(896, 64, rt=object()) == default(896)
 
 
 def test_router_grid_is_one_wave_of_resident_blocks():
@@ -715,17 +724,19 @@ def test_router_grid_is_one_wave_of_resident_blocks():
             self.queries.append((kernel, block, smem))
             return 3
 
-    rt = Rt()
-    assert _ops._router_grid(rt, "k", 0, 16384) == 132 * 3  # persistent warps loop over the rest
-    assert _ops._router_grid(rt, "k", 0, 100) == -(-100 // _spec.ROUTER_WARPS)  # one warp a token
-    assert _ops._router_grid(rt, "k", 0, 0) == 1
-    assert rt.queries[0] == ("k", _spec.ROUTER_BLOCK, 0)
+    rt, cfg = Rt(), device_config()
+    grid = hip_router._router_grid
+    warps = cfg["hip.router.warps"]
+    assert grid(rt, cfg, "k", 0, 16384) == 132 * 3  # persistent warps loop over the rest
+    assert grid(rt, cfg, "k", 0, 100) == -(-100 // warps)  # one warp a token
+    assert grid(rt, cfg, "k", 0, 0) == 1
+    assert rt.queries[0] == ("k", hip_router.router_block(cfg), 0)
 
     class NoQuery:  # e.g. the CPU emulator: two blocks per CU assumed
         def num_cus(self, dev):
             return 4
 
-    assert _ops._router_grid(NoQuery(), "k", 0, 10**6) == 8
+    assert grid(NoQuery(), cfg, "k", 0, 10**6) == 4 * cfg["hip.fallback_blocks_per_cu"]
 
 
 # ----------------------------------------------------------------------------------------------

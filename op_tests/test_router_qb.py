@@ -15,13 +15,7 @@ hip emulator) and follow the seeds (E=896, k=16, B=1000, T up to 16384) on a GPU
 import numpy as np
 import pytest
 import torch
-
-import amdqb
-from amdqb import ref
-from amdqb.backends import hip as hip_backend
-from amdqb.backends.hip import _ops, _runtime
-from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
-from conftest import DEVICE, HAS_GPU, over_backends
+from conftest import DEVICE, HAS_GPU, over_backends, set_config
 from hip_emu.checks import make_logits
 from router_cases import (
     E_MAIN,
@@ -36,10 +30,16 @@ from router_cases import (
     hip_run_router,
     oracle,
     qb_buffers,
-    router_built_with,
     run_router,
     tol,
 )
+
+import amdqb
+from amdqb import configs, ref
+from amdqb.backends import hip as hip_backend
+from amdqb.backends.hip import _runtime
+from amdqb.backends.hip import router as hip_router
+from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
 
 # NaN / inf inputs are part of the contract; numpy (the CPU interpreter) warns about them.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -68,7 +68,7 @@ def test_qb_histogram_bitwise(backend, case, fmt):
     z = torch.randn(t, e, generator=torch.Generator().manual_seed(t + k)).to(DEVICE)
     bias = torch.linspace(-0.2, 0.2, e, device=DEVICE)
     s = backend_scores(backend, z, "sigmoid")
-    idx_ref, alpha = ref.qb_cutoff_and_routes(s, bias, k)
+    idx_ref, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
     _, bounds = qb_buffers(e, b, bias)
     want = ref.qb_histogram_counts(s, alpha, bounds, b)
     p_ref, _, map_ref = oracle(z, k, scores=s, expert_bias=bias)
@@ -107,7 +107,7 @@ def test_qb_accumulates_microbatches(backend, mode):
     for i, t in enumerate(sizes):
         z = torch.randn(t, e, generator=torch.Generator().manual_seed(i)).to(DEVICE)
         s = backend_scores(backend, z, "sigmoid")
-        _, alpha = ref.qb_cutoff_and_routes(s, bias, k)
+        _, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
         want += ref.qb_histogram_counts(s, alpha, bounds, b)
         amdqb.fused_topk_with_score_function(
             z,
@@ -148,7 +148,7 @@ def test_qb_te_tie_and_clamp_vector(backend, warp_router, mode):
     assert hist[:, 0].sum() > 0 and hist[:, -1].sum() > 0
     assert hist.sum().item() == 2 * 8
     s = backend_scores(backend, z, "sigmoid")
-    _, alpha = qb_cutoff_and_routes(s, bias, 2)
+    _, alpha, _ = qb_cutoff_and_routes(s, bias, 2)
     assert torch.equal(hist, qb_histogram_counts(s, alpha, bounds, 8))
 
 
@@ -175,7 +175,7 @@ def test_qb_bin_edges(backend, mode):
         qb_histogram_mode=mode,
         backend=backend,
     )
-    _, alpha = ref.qb_cutoff_and_routes(s, bias, k)
+    _, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
     r = alpha[:, None] - s
     steps = (r + 1.0) * 4.0
     assert torch.equal(steps, torch.round(steps))  # really on edges
@@ -210,7 +210,7 @@ def test_qb_adversarial_rows(backend, mode):
         qb_bin_bounds=bounds,
         qb_histogram_mode=mode,
     )
-    idx_ref, alpha = ref.qb_cutoff_and_routes(s, bias, k)
+    idx_ref, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
     check_exactly_k(routed, k)
     assert torch.equal(ids, idx_ref)
     assert torch.equal(hist, ref.qb_histogram_counts(s, alpha, bounds, b))
@@ -225,7 +225,7 @@ def test_qb_seed_shapes_two_kernel_equals_fused(backend, t):
     bias = torch.linspace(-0.2, 0.2, e, device=DEVICE)
     bounds = torch.tensor([-1.2, 1.2], device=DEVICE)
     s = backend_scores(backend, z, "sigmoid")
-    _, alpha = ref.qb_cutoff_and_routes(s, bias, k)
+    _, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
     want = ref.qb_histogram_counts(s, alpha, bounds, b)
     out = {}
     for mode in ("fused_atomic", "two_kernel"):
@@ -273,7 +273,7 @@ def test_qb_graph_replay(backend, mode):
         graph.replay()
         torch.cuda.synchronize()
         s = backend_scores(backend, z, "sigmoid")
-        _, alpha = ref.qb_cutoff_and_routes(s, bias, k)
+        _, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
         assert torch.equal(hist, ref.qb_histogram_counts(s, alpha, bounds, b))
         assert torch.equal(routed, oracle(z, k, scores=s, expert_bias=bias)[2])
 
@@ -341,18 +341,21 @@ def test_qb_two_kernel_histogram_launch_shapes(
     monkeypatch, backend, emu_rt, warp_router, block, per_cu, epb, vec, dtype, misaligned
 ):
     """The histogram pass gives the oracle's histogram for the launch shapes the tuner sweeps
-    (_ops.QB_HIST_BLOCK threads, token slices aimed at QB_HIST_BLOCKS_PER_CU blocks per CU -- 0:
-    one slice --, QB_HIST_MAX_EXPERTS_PER_BLOCK, QB_HIST_VEC experts per vector load); logits one
-    element off the vector alignment take the scalar loads. E = 20: the last block of 8 experts
-    holds 4."""
+    (hip.qb_hist.block threads, token slices aimed at hip.qb_hist.blocks_per_cu blocks per CU --
+    0: one slice --, hip.qb_hist.max_experts_per_block, hip.qb_hist.vec experts per vector load);
+    logits one element off the vector alignment take the scalar loads. E = 20: the last block of 8
+    experts holds 4."""
     rt = emu_rt
-    monkeypatch.setattr(_ops, "QB_HIST_BLOCK", block)
-    monkeypatch.setattr(_ops, "QB_HIST_BLOCKS_PER_CU", per_cu)
-    monkeypatch.setattr(_ops, "QB_HIST_MAX_EXPERTS_PER_BLOCK", epb)
-    monkeypatch.setattr(_ops, "QB_HIST_VEC", vec)
+    values = {
+        "hip.qb_hist.block": block,
+        "hip.qb_hist.blocks_per_cu": per_cu,
+        "hip.qb_hist.max_experts_per_block": epb,
+        "hip.qb_hist.vec": vec,
+    }
+    set_config(monkeypatch, values, torch.device("cpu"))
     chosen = []
-    pick = _ops._qb_hist_vec
-    monkeypatch.setattr(_ops, "_qb_hist_vec", lambda *a: chosen.append(pick(*a)) or chosen[-1])
+    pick = hip_router.qb_hist_vec
+    monkeypatch.setattr(hip_router, "qb_hist_vec", lambda *a: chosen.append(pick(*a)) or chosen[-1])
     e, t = 20, 600
     logits = make_logits(t, e, "normal", block, dtype)
     if misaligned:  # the same values at a storage offset of one element
@@ -367,14 +370,11 @@ def test_qb_two_kernel_histogram_launch_shapes(
     assert chosen == [1 if misaligned else vec]
 
 
-@pytest.mark.parametrize("reverse", ["1", "0"])
 @over_backends("router_fwd", emulator=True)
-def test_qb_two_kernel_histogram_accumulates(monkeypatch, backend, emu_rt, warp_router, reverse):
-    """One token slice per expert group (the default): every bin is flushed by one block; the
-    histogram accumulates onto the existing counts; tokens walked last to first (the default,
-    AMDQB_QB_HIST_REVERSE) or first to last give the oracle's counts."""
+def test_qb_two_kernel_histogram_accumulates(backend, emu_rt, warp_router):
+    """One token slice per expert group (the default): every bin is flushed by one block, the
+    oracle's counts; the histogram accumulates onto the existing counts."""
     rt = emu_rt
-    router_built_with(monkeypatch, ("AMDQB_QB_HIST_REVERSE", reverse))
     e, t = 20, 300
     logits = make_logits(t, e, "normal", 7, torch.float32)
     bias = torch.linspace(-0.1, 0.1, e)
@@ -435,7 +435,7 @@ def test_router_graph_capture_replays(backend, mode):
         graph.replay()
         torch.cuda.synchronize()
         s = hip_backend.score_values(logits_static, "sigmoid").cpu()
-        idx_ref, alpha = qb_cutoff_and_routes(s, bias.cpu(), k)
+        idx_ref, alpha, _ = qb_cutoff_and_routes(s, bias.cpu(), k)
         assert torch.equal(hist.cpu(), qb_histogram_counts(s, alpha, bounds.cpu(), b))
         want = torch.zeros(t, e, dtype=torch.bool).scatter_(1, idx_ref, True)
         assert torch.equal(rmap.cpu(), want)
@@ -457,7 +457,7 @@ def test_qb_histogram_pass_is_a_dependent_launch_on_sm90(monkeypatch, backend):
     bounds = torch.stack([bias.min() - 1, bias.max() + 1]).contiguous()
     hists = []
     for dependent in (True, False):
-        monkeypatch.setattr(_ops, "QB_HIST_DEPENDENT_LAUNCH", dependent)
+        set_config(monkeypatch, {"hip.qb_hist.dependent_launch": dependent})
         hist = torch.zeros(e, b, dtype=torch.int32, device=DEVICE)
         amdqb.fused_topk_with_score_function(
             logits,
@@ -472,7 +472,7 @@ def test_qb_histogram_pass_is_a_dependent_launch_on_sm90(monkeypatch, backend):
     assert tc._pdl not in (None, False), "the dependent launch fell back to cuLaunchKernel"
     assert torch.equal(hists[0], hists[1])
     s = hip_backend.score_values(logits, "sigmoid").cpu()
-    _, alpha = qb_cutoff_and_routes(s, bias.cpu(), k)
+    _, alpha, _ = qb_cutoff_and_routes(s, bias.cpu(), k)
     assert torch.equal(hists[0], qb_histogram_counts(s, alpha, bounds.cpu(), b))
 
 
@@ -481,24 +481,31 @@ def test_qb_histogram_pass_is_a_dependent_launch_on_sm90(monkeypatch, backend):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_qb_hist_config_fits_the_budget():
+@pytest.mark.parametrize("arch", configs.available())
+def test_qb_hist_config_fits_the_budget(arch):
+    cfg = configs.load(arch)
     for bins in (2, 1000, 4000, 12288):
         for tokens in (1, 300, 4096):
-            epb, slices, per = _ops.qb_hist_config(896, bins, tokens, 48 * 1024, 132)
+            epb, slices, per = hip_router.qb_hist_config(896, bins, tokens, 48 * 1024, 132, cfg)
             assert epb * bins * 4 <= 48 * 1024 and epb >= 1
             assert slices * per >= tokens and (slices - 1) * per < tokens
     with pytest.raises(ValueError):
-        _ops.qb_hist_config(896, 13000, 16, 48 * 1024, 132)
+        hip_router.qb_hist_config(896, 13000, 16, 48 * 1024, 132, cfg)
 
 
-def test_auto_qb_mode_switches_between_512_and_1024_tokens_at_896_experts():
-    """The fused mode (its block-per-token form) up to T=512, two-kernel beyond (H200 bench)."""
-    assert _ops.auto_qb_mode(256, 896) == "fused_atomic"
-    assert _ops.auto_qb_mode(512, 896) == "fused_atomic"
-    assert _ops.auto_qb_mode(1024, 896) == "two_kernel"
-    assert _ops.auto_qb_mode(16384, 896) == "two_kernel"
-    # every size auto sends to the fused mode runs its block-per-token form
-    assert _ops.ROUTER_DECODE_FUSED_MAX_TOKENS * 896 >= _ops.AUTO_FUSED_MAX_UPDATES
+@pytest.mark.parametrize("arch", configs.available())
+def test_auto_qb_mode_follows_the_update_threshold(arch):
+    """``auto``: the fused mode while T*E <= hip.router.qb_auto_fused_max_updates, two-kernel
+    beyond; at the seed's E = 896 every size auto sends to the fused mode runs its block-per-token
+    form (hip.router.decode_max_tokens_fused)."""
+    cfg = configs.load(arch)
+    limit = cfg["hip.router.qb_auto_fused_max_updates"]
+    for e in (64, 896, 4096):
+        t = limit // e
+        assert hip_router.auto_qb_mode(t, e, cfg) == "fused_atomic"
+        assert hip_router.auto_qb_mode(t + 1, e, cfg) == "two_kernel"
+        assert hip_router.auto_qb_mode(1, e, cfg) == "fused_atomic"
+    assert cfg["hip.router.decode_max_tokens_fused"] * 896 >= limit
 
 
 # ----------------------------------------------------------------------------------------------

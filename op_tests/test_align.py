@@ -9,13 +9,14 @@ On the CPU the Triton kernels run under ``TRITON_INTERPRET=1`` and the hip kerne
 
 import pytest
 import torch
+from conftest import DEVICE, HAS_GPU, device_config, over_backends
+from hip_emu.checks import make_ids as emu_ids
+from layout_cases import check_align, make_ids, oracle_ids
 
 import amdqb
 from amdqb import ref
-from amdqb.backends.hip import _ops, _spec
-from conftest import DEVICE, HAS_GPU, over_backends
-from hip_emu.checks import make_ids as emu_ids
-from layout_cases import check_align, make_ids, oracle_ids
+from amdqb.backends.hip import _spec
+from amdqb.backends.hip import layout as hip_layout
 
 
 @over_backends("align_block_size")
@@ -90,13 +91,15 @@ def test_align_block_size_matches_oracle_bitwise(backend, emu_rt, dtype):
         for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
             assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist}, bs={bs})"
         suffix = "i32" if dtype == torch.int32 else "i64"
-        dependent = 2 * -(-ids.numel() // _spec.DET_TILE) <= rt.cus  # rank pass as a dependent
+        tile = _spec.det_tile(device_config(torch.device("cpu")))
+        dependent = 2 * -(-ids.numel() // tile) <= rt.cus  # rank pass as a dependent
         launched = rt.dependent_launches[-2:] if dependent else rt.dependent_launches[-1:]
         want_launches = ["amdqb_route_det_scan"] + ([f"amdqb_align_rank_{suffix}"] * dependent)
         assert launched == want_launches, (e, m, k)
         rt.dependent_launches.clear()
-    assert _ops.align_warps(896) == 8 and _ops.align_warps(2048) == 4
-    assert _ops.align_warps(4096) == 1
+    cfg = device_config(torch.device("cpu"))
+    assert hip_layout.align_warps(896, cfg) == 8 and hip_layout.align_warps(2048, cfg) == 4
+    assert hip_layout.align_warps(4096, cfg) == 1
 
 
 # ----------------------------------------------------------------------------------------------

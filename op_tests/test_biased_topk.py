@@ -10,12 +10,7 @@ the Triton kernels run under ``TRITON_INTERPRET=1`` and the hip kernels on the e
 
 import pytest
 import torch
-
-import amdqb
-from amdqb import dispatch, ref
-from amdqb.backends import hip as hip_backend
-from amdqb.backends.hip import _ops
-from conftest import DEVICE, HAS_GPU, over_backends
+from conftest import DEVICE, HAS_GPU, over_backends, set_config
 from hip_emu.checks import make_logits
 from router_cases import (
     E_MAIN,
@@ -28,6 +23,10 @@ from router_cases import (
     tie_free_logits,
     tol,
 )
+
+import amdqb
+from amdqb import dispatch, ref
+from amdqb.backends import hip as hip_backend
 
 # hip's own GPU tests (the emulator runs the small cases)
 hip_gpu = pytest.mark.skipif(
@@ -173,7 +172,7 @@ def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(
         for renorm in renorms:
             outs = []
             for limit in (1 << 30, 0):
-                monkeypatch.setattr(_ops, "DECODE_MAX_TOKENS", limit)
+                set_config(monkeypatch, {"hip.biased_topk.decode_max_tokens": limit}, logits.device)
                 forms.append(0)
                 if emu_rt is not None:
                     emu_rt.launches.clear()

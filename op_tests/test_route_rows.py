@@ -13,12 +13,14 @@ GPU the same tests run at the seed shapes (M up to 16384, k=16, E up to 10000).
 
 import pytest
 import torch
-
-import amdqb
-from amdqb import ref
-from amdqb.backends.hip import _ops, _spec
-from amdqb.ops.route import lds_route_threshold
-from conftest import DEVICE, HAS_GPU, available_backends, over_backends
+from conftest import (
+    DEVICE,
+    HAS_GPU,
+    available_backends,
+    device_config,
+    over_backends,
+    set_config,
+)
 from hip_emu.checks import check_routes
 from hip_emu.checks import make_ids as emu_ids
 from layout_cases import (
@@ -35,6 +37,12 @@ from layout_cases import (
     random_histogram,
     route,
 )
+
+import amdqb
+from amdqb import ref
+from amdqb.backends.hip import _spec
+from amdqb.backends.hip._common import ptr
+from amdqb.ops.layout import lds_route_threshold
 
 # hip's own GPU tests (the emulator runs the small cases below)
 hip_gpu = pytest.mark.skipif(
@@ -226,9 +234,10 @@ def test_det_scan_over_tile_groups(emu_rt, num_tiles):
     for start in (None, torch.randint(0, 1000, (e,), generator=g, dtype=torch.int32)):
         tile = counts.clone().reshape(-1)
         totals = torch.full((e,), -7, dtype=torch.int32)
-        k = rt.kernel(-1, _spec.ROUTE_MODULE, "amdqb_route_det_scan")
-        args = [_spec.arg_i32(num_tiles), _spec.arg_i32(e), _ops._ptr(tile), _ops._ptr(start)]
-        rt.launch(k, -(-e // _spec.SCAN_EXPERTS), 256, 0, args + [_ops._ptr(totals)])
+        cfg = device_config(torch.device("cpu"))
+        k = rt.kernel(-1, _spec.layout_module(cfg), "amdqb_route_det_scan")
+        args = [_spec.arg_i32(num_tiles), _spec.arg_i32(e), ptr(tile), ptr(start), ptr(totals)]
+        rt.launch(k, -(-e // cfg["hip.route.scan_experts"]), 256, 0, args)
         base = torch.zeros(e, dtype=torch.int64) if start is None else start.long()
         incl = counts.long().cumsum(0) + base
         assert torch.equal(tile.reshape(num_tiles, e).long(), incl - counts.long())
@@ -245,21 +254,19 @@ def test_route_lds_launch_shape(backend, emu_rt):
     assert [launch[0] for launch in rt.launches] == ["amdqb_route_lds_i32"]  # masked: one kernel
     name, grid, block, smem = rt.launches[0]
     assert name == "amdqb_route_lds_i32"
-    assert grid[0] == -(-ids.numel() // (_spec.ROUTE_BLOCK * _spec.ROUTE_ITEMS))
-    assert smem == 4 * 896 and block == _spec.ROUTE_BLOCK
+    cfg = device_config(torch.device("cpu"))
+    block_size = cfg["hip.route.lds_block"]
+    assert grid[0] == -(-ids.numel() // (block_size * cfg["hip.route.lds_items"]))
+    assert smem == 4 * 896 and block == block_size
 
 
 @pytest.mark.parametrize("block,items", [(512, 8), (1024, 4)])
 @over_backends("route_rows", emulator=True)
 def test_route_lds_other_tiles(monkeypatch, backend, block, items):
-    """The tile shapes the tuner sweeps (bench/tune_router_occupancy.py route_tiles) are correct
+    """The tile shapes the tuner sweeps (hip.route.lds_block x hip.route.lds_items) are correct
     builds too: several experts per thread in the reservation loop or fewer, partial last tile."""
-    module = _spec.ROUTE_MODULE.with_defines(
-        ("AMDQB_ROUTE_BLOCK", str(block)), ("AMDQB_ROUTE_ITEMS", str(items))
-    )
-    monkeypatch.setattr(_spec, "ROUTE_MODULE", module)
-    monkeypatch.setattr(_spec, "ROUTE_BLOCK", block)
-    monkeypatch.setattr(_spec, "ROUTE_ITEMS", items)
+    values = {"hip.route.lds_block": block, "hip.route.lds_items": items}
+    set_config(monkeypatch, values, torch.device("cpu"))
     for e, dist, m in ((896, "uniform", 700), (4096, "dropped", 300), (3, "one", 500)):
         ids = emu_ids(m, 16, e, dist, e)
         for capacity in (None, max(1, m * 16 // (2 * e))):
@@ -284,7 +291,7 @@ ROUTE_DISTS = ["uniform", "shared", "one", "dropped", "counters"]
 
 def _route_sizes(e, k):
     """Route counts just below and at/above the seed gate (lds_route_threshold)."""
-    gate = lds_route_threshold(e)
+    gate = lds_route_threshold(e, device_config())
     return sorted({max(1, (gate - 1) // k), -(-gate // k)})
 
 

@@ -11,9 +11,11 @@ import threading
 import pytest
 import torch
 
-from amdqb import dispatch
+from amdqb import configs, dispatch
 from amdqb.backends import hip as hip_backend
 from amdqb.backends.hip import _runtime, _spec
+
+CFG = configs.load("default")
 
 
 def _key(**over):
@@ -44,9 +46,9 @@ def test_cache_key_changes_with_every_input():
 
 
 def test_read_sources_hashes_kernel_and_every_header():
-    text, digests = _spec.read_sources(_spec.ROUTE_MODULE)
+    text, digests = _spec.read_sources(_spec.layout_module(CFG))
     assert "amdqb_route_lds" in text
-    assert "kernels/route.hip" in digests and "include/amdqb_prelude.h" in digests
+    assert "kernels/layout.hip" in digests and "include/amdqb_prelude.h" in digests
 
 
 def test_source_root_prefers_the_packaged_copy(tmp_path, monkeypatch):
@@ -157,7 +159,7 @@ def test_runtime_caches_in_memory_and_on_disk(tmp_path, monkeypatch):
     tc = FakeToolchain()
     rt = _runtime.GpuRuntime(tc)
     assert rt.disk.root == tmp_path / "hip-kernels"
-    spec = _spec.router_module(896, "float32", "sigmoid")
+    spec = _spec.router_module(896, "float32", "sigmoid", CFG)
     k1 = rt.kernel(0, spec, "amdqb_router")
     k2 = rt.kernel(0, spec, "amdqb_qb_hist")
     assert len(tc.compiles) == 1 and len(tc.loads) == 1  # one module, two functions
@@ -190,27 +192,27 @@ def test_runtime_uses_a_matching_prebuilt_code_object(tmp_path, monkeypatch):
     tc = FakeToolchain()
     tc.name = "hiprtc"
     tc.target = lambda device_index: ("gfx942:sramecc+:xnack-", 64, "hsaco")
-    name = _spec.prebuilt_name(_spec.ROUTE_MODULE, "gfx942", 64)
-    assert name.startswith("route-gfx942-") and name.endswith(".hsaco")
+    name = _spec.prebuilt_name(_spec.layout_module(CFG), "gfx942", 64)
+    assert name.startswith("layout_") and "-gfx942-" in name and name.endswith(".hsaco")
     (tmp_path / "prebuilt").mkdir()
     (tmp_path / "prebuilt" / name).write_bytes(b"AOT code object")
-    _runtime.GpuRuntime(tc).kernel(0, _spec.ROUTE_MODULE, "amdqb_route_lds_i32")
+    _runtime.GpuRuntime(tc).kernel(0, _spec.layout_module(CFG), "amdqb_route_lds_i32")
     assert tc.compiles == [] and tc.loads[0][1] == b"AOT code object"
     # Another wave size or other sources never match the file.
-    assert _spec.prebuilt_name(_spec.ROUTE_MODULE, "gfx942", 32) != name
+    assert _spec.prebuilt_name(_spec.layout_module(CFG), "gfx942", 32) != name
     monkeypatch.setenv("AMDQB_REBUILD", "1")
     tc2 = FakeToolchain()
     tc2.name, tc2.target = tc.name, tc.target
-    _runtime.GpuRuntime(tc2).kernel(0, _spec.ROUTE_MODULE, "amdqb_route_lds_i32")
+    _runtime.GpuRuntime(tc2).kernel(0, _spec.layout_module(CFG), "amdqb_route_lds_i32")
     assert len(tc2.compiles) == 1
 
 
 def test_runtime_key_changes_with_defines(tmp_path, monkeypatch):
     monkeypatch.setenv("AMDQB_CACHE_DIR", str(tmp_path))
     rt = _runtime.GpuRuntime(FakeToolchain())
-    a, _ = rt.code_object(0, _spec.router_module(896, "float32", "sigmoid"))
-    b, _ = rt.code_object(0, _spec.router_module(896, "bfloat16", "sigmoid"))
-    c, _ = rt.code_object(0, _spec.router_module(897, "float32", "sigmoid"))
+    a, _ = rt.code_object(0, _spec.router_module(896, "float32", "sigmoid", CFG))
+    b, _ = rt.code_object(0, _spec.router_module(896, "bfloat16", "sigmoid", CFG))
+    c, _ = rt.code_object(0, _spec.router_module(897, "float32", "sigmoid", CFG))
     assert len({a, b, c}) == 3
 
 
@@ -248,7 +250,7 @@ def test_runtime_launch_passes_kernel_params(tmp_path, monkeypatch):
     monkeypatch.setenv("AMDQB_CACHE_DIR", str(tmp_path))
     tc = FakeToolchain()
     rt = _runtime.GpuRuntime(tc)
-    k = rt.kernel(0, _spec.ROUTE_MODULE, "amdqb_route_finalize")
+    k = rt.kernel(0, _spec.layout_module(CFG), "amdqb_route_finalize")
     seen = {}
 
     def launch(fn, grid, block, smem, device_index, address):  # read while the array is alive
@@ -330,8 +332,8 @@ def test_runtime_asks_occupancy_once_per_shape():
     rt.blocks_per_cu(k, 256, 1024)
     assert Toolchain.calls == 2
 
-    class Unbound:  # bindings without the occupancy query: a hint of 2, launches unaffected
+    class Unbound:  # bindings without the occupancy query: no answer, the launcher's fallback
         pass
 
     rt = _runtime.GpuRuntime(Unbound(), disk=_runtime.DiskCache())
-    assert rt.blocks_per_cu(_runtime.Kernel("fn", "amdqb_router", 0), 256) == 2
+    assert rt.blocks_per_cu(_runtime.Kernel("fn", "amdqb_router", 0), 256) is None

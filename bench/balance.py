@@ -1,6 +1,6 @@
 """QuantileBalancer.step() benchmark (no collective): recover, EMA, centre, bounds, mark, zero --
 captured in a graph on a GPU, so the figure also proves the step has no host sync. Both binnings:
-``uniform`` (K3 / TE, the SPEC §5 shape E=896, B=1000) and ``log_margin`` (the balancer's default,
+``uniform`` (K3 / TE, the docs/targets.md shape E=896, B=1000) and ``log_margin`` (the balancer's default,
 64 bins). Every step is checked against the oracle update first."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def run(
     for key, us in times.items():
         name, binning, bins = meta[key]
         row = dict(E=num_experts, k=topk, B=bins, binning=binning, backend=name, us=us)
-        if is_h200(env) and spec_shape and binning == "uniform":  # SPEC §5 (H200)
+        if is_h200(env) and spec_shape and binning == "uniform":  # docs/targets.md (H200)
             row.update(target_us=30.0, meets=us <= 30.0)
         report.add(**row)
     return [report]

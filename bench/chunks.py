@@ -1,4 +1,4 @@
-"""Chunk sort/pad + unpad/restore round trip vs torch split + cat + pad (seed 003 shapes).
+"""Chunk sort/pad + unpad/restore round trip vs torch split + cat + pad (the shapes of docs/targets.md).
 
 hidden 2048 bf16, 8 ranks x 16 experts = 128 rank-major chunks, sorted expert-major with each
 expert padded to a multiple of 128 on its last rank chunk; N in {8192, 32768} dispatched tokens.

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--tokens sets the token / route counts (router T, route M, chunks N, balance T,\n"
             "serving batch buckets); --experts E (chunks: experts per rank) and --topk k where the\n"
             "suite has them. On a CPU the shapes are small unless given, and torch runs with\n"
-            "--threads intra-op threads (default 1). Targets and peer anchors of SPEC §5 were\n"
+            "--threads intra-op threads (default 1). Targets and peer anchors of docs/targets.md were\n"
             "measured on an H200 and appear only in rows measured on one."
         ),
     )

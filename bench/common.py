@@ -8,7 +8,7 @@ median). On the CPU (no graphs) a sample is the wall time of ``calls`` eager cal
 intra-op threads pinned by the CLI (1 unless ``--threads``). Every case is checked for
 correctness before it is timed.
 
-Targets and peer anchors (SPEC §5) were measured on an H200: they appear only in rows measured on
+Targets and peer anchors (docs/targets.md) were measured on an H200: they appear only in rows measured on
 an H200 (:func:`is_h200`).
 """
 
@@ -63,7 +63,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def is_h200(env: dict) -> bool:
-    """Whether the rows of ``env`` were measured on an H200 (where the SPEC §5 targets apply)."""
+    """Whether the rows of ``env`` were measured on an H200 (where the docs/targets.md targets apply)."""
     return "H200" in str(env.get("device", ""))
 
 

@@ -4,7 +4,7 @@
         python -m bench.profile_kernels
 
 Everything is compiled and warmed up before ``cudaProfilerStart`` so that only the timed kernels of
-the SPEC §5 shapes are profiled: the QB router (E=896, k=16, B=1000, T=16384, both histogram modes,
+the docs/targets.md shapes are profiled: the QB router (E=896, k=16, B=1000, T=16384, both histogram modes,
 and no QB) per backend, biased_topk at a decode size, route rows (atomic / lds, M=8192 uniform) and
 moe_align_block_size (M=8192). ``AMDQB_PROFILE_K=a,b``: only the cases whose name contains a or b.
 """

@@ -155,7 +155,7 @@ def run(
         times.update(time_alternating(oracle, device, cfg, graphs=False))
         for name, us in times.items():
             row = dict(M=m, E=num_experts, k=topk, block=block_size, backend=name, us=us)
-            if h200 and m in SPEC_ALIGN_TRITON_PEER:  # the SPEC §5 anchors are H200 numbers
+            if h200 and m in SPEC_ALIGN_TRITON_PEER:  # the docs/targets.md anchors are H200 numbers
                 row["x_vs_triton_peer"] = SPEC_ALIGN_TRITON_PEER[m] / us
                 if m == 8192:
                     row.update(target_us=12.0, meets=us <= 12.0)

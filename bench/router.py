@@ -2,7 +2,7 @@
 mode, per backend, next to a TE-style pure-PyTorch QB baseline; and the serving form
 ``biased_topk`` at decode sizes.
 
-Shapes follow seed 000: E=896, k=16, fp32 logits, T in {256, 1024, 4096, 8192, 16384}; QB with
+Shapes follow docs/targets.md: E=896, k=16, fp32 logits, T in {256, 1024, 4096, 8192, 16384}; QB with
 ``qb_binning="uniform"`` (K3's histogram, B=1000) and ``"log_margin"`` (B=64, the balancer's
 default), each in ``two_kernel`` / ``fused_atomic`` / ``auto``, and log_margin with the tie-free
 selection. Rows carry ``qb/noqb`` (over the same backend's exact no-QB router), the histogram's
@@ -33,7 +33,7 @@ from .common import (
     time_alternating,
 )
 
-# TransformerEngine's router on the H200 at E=896, k=16, B=1000 (SPEC §5: re-measured side by side
+# TransformerEngine's router on the H200 at E=896, k=16, B=1000 (docs/targets.md: re-measured side by side
 # in one process, CUDA-graph replay, µs per call): no QB and the faster of its two QB modes.
 TE_H200 = {
     256: {"noqb": 37.0, "best_qb": 43.8},
@@ -218,7 +218,7 @@ def run(
             impls[name] = lambda n=name: amdqb.biased_topk(logits, topk, bias, backend=n)
         for name, us in time_alternating(impls, device, cfg).items():
             row = dict(T=t, E=num_experts, k=topk, dtype="fp32", backend=name, us=us)
-            if te:  # the SPEC §5 target was set for the H200
+            if te:  # the docs/targets.md target was set for the H200
                 row.update(target_us=5.0, meets=us <= 5.0)
             serving.add(**row)
         progress.step(f"decode T={t}")

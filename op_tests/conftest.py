@@ -189,8 +189,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_collection_modifyitems(config, items):
     """AMDQB_RESUME_FROM=<live log>[:<live log>...]: deselect the tests these logs record as passed,
-    so a suite cut off by a device time limit can be finished in later calls (scripts/gpu_check.sh).
-    """
+    so a suite cut off by a time limit can be finished by a second run (scripts/gpu_check.sh)."""
     paths = [p for p in os.environ.get("AMDQB_RESUME_FROM", "").split(os.pathsep) if p]
     done = set()
     for path in paths:

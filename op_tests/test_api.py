@@ -182,7 +182,7 @@ def test_route_gate_matches_seed_formula():
     assert lds_route_threshold(896, "sm_90") == 0
     assert route_impl(h200, 1, 896)[0] == "lds"
     assert route_impl(h200, 10**6, 4097)[0] == "atomic"
-    # an architecture nobody measured takes the seed's gate
+    # an architecture nobody measured takes aiter's gate
     other = dispatch.DeviceInfo("cuda:0", "amd", "x", "gfx942", 64, 1 << 16, 304, "cdna")
     assert route_impl(other, 511 * 16, 896)[0] == "atomic"
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 from amdqb import configs  # noqa: E402
 
-# The peers' figures on the H200 (SPEC §5, re-measured side by side in one process, µs): the Triton
+# The peers' figures on the H200 (docs/targets.md, re-measured side by side in one process, µs): the Triton
 # vLLM-algorithm moe_align_block_size at M = 512 / 2517 / 8192.
 ALIGN_PEER_US = {512: 251.0, 2517: 272.0, 8192: 307.0}
 

@@ -20,7 +20,7 @@ Two implementations:
 * ``lds``    -- per-workgroup LDS histogram, one global interval reservation per non-empty
   (workgroup, expert), LDS-atomic ranks inside the interval (the "new" path); up to 4096 experts.
 
-:func:`route_impl` is the capacity gate that picks one (seed 004, no model-name or shape branch).
+:func:`route_impl` is the capacity gate that picks one (aiter's gfx1250 rule, docs/targets.md; no model-name or shape branch).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ MAX_ALIGN_PADDING = 1 << 26  # E * (block_size - 1) padding rows of one align bu
 
 def lds_route_threshold(num_experts: int, cfg) -> int:
     """Smallest route count for which the capacity gate picks ``lds``: ``route.lds_gate_scale``
-    times the seed's bucket sweep ``256 * S * max(4, 2S)``, ``S = ceil(E / 256)`` (seed 004; the
-    scale is 1 on gfx1250, the seed's measured gate, and 0 on sm_90, where lds measured ahead at
-    every size)."""
+    times aiter's bucket sweep ``256 * S * max(4, 2S)``, ``S = ceil(E / 256)`` (docs/targets.md;
+    the scale is 1 on gfx1250, aiter's gate, and 0 on sm_90, where lds measured ahead at every
+    size)."""
     sweeps = -(-num_experts // 256)
     return int(256 * sweeps * max(4, 2 * sweeps) * cfg["route.lds_gate_scale"])
 

@@ -22,8 +22,9 @@ COMMAND_HELP = {
     ),
     "demo": (
         "QB balancing at a glance",
-        "four balancers (none / aux-loss-free sign rule / QB histogram / QB exact) on one "
-        "drifting, skewed token stream: MaxVio and CV2 per step, summary.json and a plot",
+        "six balancers (none / aux-loss-free sign rule / QB uniform / QB log_margin / QB exact / "
+        "QB tie-free) on one drifting, skewed token stream: MaxVio per step, cutoff diagnostics, "
+        "summary.json and a plot; --compare-scales over logit stds",
     ),
     "bench": (
         "microbenchmarks (suites below)",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import subprocess
 import sys
 import time
@@ -179,14 +180,19 @@ def environment(device: torch.device) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
+    # AMDQB_GIT_COMMIT names the revision of a copied working tree whose .git is not its own
+    sha = os.environ.get("AMDQB_GIT_COMMIT", "")
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            timeout=10,
-        ).stdout.strip()
+        sha = (
+            sha
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=10,
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         sha = ""
     name = info.name

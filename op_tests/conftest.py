@@ -24,10 +24,10 @@ HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from amdqb import dispatch  # noqa: E402
+
 from hip_emu.backend import active_runtime, emulated_hip_backend  # noqa: E402
 from hip_emu.runtime import compiler  # noqa: E402
-
-from amdqb import dispatch  # noqa: E402
 
 DEVICE = torch.device("cuda") if HAS_GPU else torch.device("cpu")
 

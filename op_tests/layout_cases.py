@@ -6,6 +6,7 @@ import torch
 
 import amdqb
 from amdqb import ref
+
 from conftest import DEVICE
 
 EXPERT_COUNTS = (1, 2, 255, 256, 257, 384, 385, 512, 513, 896, 1024, 4096)

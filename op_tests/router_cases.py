@@ -13,8 +13,6 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_GPU
-from hip_emu.checks import routed_mask
 
 import amdqb
 from amdqb import ref
@@ -22,6 +20,9 @@ from amdqb.backends import hip as hip_backend
 from amdqb.backends.hip import _spec
 from amdqb.backends.hip import router as hip_router
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
+
+from conftest import DEVICE, HAS_GPU
+from hip_emu.checks import routed_mask
 
 # (T, E, k, groups) per device: the interpreter needs small shapes.
 if HAS_GPU:

@@ -9,14 +9,15 @@ On the CPU the Triton kernels run under ``TRITON_INTERPRET=1`` and the hip kerne
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_GPU, device_config, over_backends
-from hip_emu.checks import make_ids as emu_ids
-from layout_cases import check_align, make_ids, oracle_ids
 
 import amdqb
 from amdqb import ref
 from amdqb.backends.hip import _spec
 from amdqb.backends.hip import layout as hip_layout
+
+from conftest import DEVICE, HAS_GPU, device_config, over_backends
+from hip_emu.checks import make_ids as emu_ids
+from layout_cases import check_align, make_ids, oracle_ids
 
 
 @over_backends("align_block_size")

@@ -15,6 +15,7 @@ import amdqb
 from amdqb import ref
 from amdqb.ops.layout import align_block_size_into, align_min_rows
 from amdqb.ref.layout import align_buffer_sizes
+
 from conftest import DEVICE, kernel_backends
 from hip_emu.checks import make_ids
 from hip_emu.runtime import EmuRuntime, compiler

@@ -11,6 +11,7 @@ import torch
 import amdqb
 from amdqb import dispatch, ref
 from amdqb.backends import hip as hip_backend
+
 from conftest import DEVICE, HAS_GPU
 
 
@@ -64,14 +65,19 @@ def test_public_signatures_match_spec():
         "expert_map",
         "pad_sorted_ids",
     ]
-    assert list(inspect.signature(amdqb.QuantileBalancer).parameters) == [
+    balancer = inspect.signature(amdqb.QuantileBalancer).parameters
+    assert list(balancer) == [
         "num_experts",
         "topk",
+        "binning",
         "num_bins",
+        "selection",
         "ema",
         "process_group",
         "device",
     ]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(balancer.values())[2:])
+    assert balancer["binning"].default == "log_margin" and balancer["selection"].default == "te"
 
 
 def test_te_positional_call_and_leading_dims():
@@ -166,20 +172,22 @@ def test_amd_arch_helpers():
     assert dispatch.amd_arch_family("gfx1201") == "rdna"
 
 
-def test_route_gate_matches_seed_formula():
+def test_route_gate_matches_aiter_formula():
+    from amdqb import configs
     from amdqb.ops.layout import lds_route_threshold, route_impl
 
+    gfx1250, sm_90 = configs.load("gfx1250"), configs.load("sm_90")
     for e in (1, 256, 257, 512, 513, 896, 1024, 2048, 4096):
         s = -(-e // 256)
-        assert lds_route_threshold(e, "gfx1250") == 256 * s * max(4, 2 * s)
-    assert lds_route_threshold(896, "gfx1250") == 512 * 16  # Kimi-K3: M >= 512 at k=16
+        assert lds_route_threshold(e, gfx1250) == 256 * s * max(4, 2 * s)
+    assert lds_route_threshold(896, gfx1250) == 512 * 16  # Kimi-K3: M >= 512 at k=16
     info = dispatch.DeviceInfo("cuda:0", "amd", "x", "gfx1250", 32, 1 << 17, 256, "gfx1250")
     assert route_impl(info, 512 * 16, 896)[0] == "lds"
     assert route_impl(info, 511 * 16, 896)[0] == "atomic"
     assert route_impl(info, 10**6, 4097)[0] == "atomic"
     # sm_90 records its own measurement: lds ahead from the first route (no crossover measured)
     h200 = dispatch.DeviceInfo("cuda:0", "nvidia", "H200", "sm_90", 32, 1 << 16, 132, "sm_90")
-    assert lds_route_threshold(896, "sm_90") == 0
+    assert lds_route_threshold(896, sm_90) == 0
     assert route_impl(h200, 1, 896)[0] == "lds"
     assert route_impl(h200, 10**6, 4097)[0] == "atomic"
     # an architecture nobody measured takes aiter's gate

@@ -17,11 +17,12 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_GPU, kernel_backends, requires_gpu
 
 import amdqb
 from amdqb import ref
 from amdqb.ref import aux_loss as ref_aux
+
+from conftest import DEVICE, HAS_GPU, kernel_backends, requires_gpu
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on NaN / inf inputs
 

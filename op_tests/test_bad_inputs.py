@@ -10,8 +10,8 @@ would allocate absurd memory (``moe_route_rows(ids, 2**31)``) fail at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ import torch
 import amdqb
 from amdqb import ref
 from amdqb.compat import te
+
 from conftest import DEVICE, HAS_GPU
 
 E, T = 8, 4

@@ -10,6 +10,11 @@ the Triton kernels run under ``TRITON_INTERPRET=1`` and the hip kernels on the e
 
 import pytest
 import torch
+
+import amdqb
+from amdqb import dispatch, ref
+from amdqb.backends import hip as hip_backend
+
 from conftest import DEVICE, HAS_GPU, over_backends, set_config
 from hip_emu.checks import make_logits
 from router_cases import (
@@ -23,10 +28,6 @@ from router_cases import (
     tie_free_logits,
     tol,
 )
-
-import amdqb
-from amdqb import dispatch, ref
-from amdqb.backends import hip as hip_backend
 
 # hip's own GPU tests (the emulator runs the small cases)
 hip_gpu = pytest.mark.skipif(

@@ -11,6 +11,7 @@ import torch
 
 import amdqb
 from amdqb import ref
+
 from conftest import DEVICE, HAS_GPU, over_backends
 from layout_cases import TE_LAYOUTS, chunk_meta, expected_sort_pad, gen
 

@@ -31,7 +31,7 @@ def test_top_level_help_lists_every_command_and_suite(capsys):
     for argv in ([], ["--help"], ["-h"]):
         rc, out, _ = run(capsys, *argv)
         assert rc == 0
-        for name, (short, long) in cli.COMMAND_HELP.items():
+        for name, (short, _) in cli.COMMAND_HELP.items():
             assert name in out and short in out
         for suite in bench_cli.SUITE_HELP:
             assert f"    {suite} " in out

@@ -13,12 +13,13 @@ import types
 
 import pytest
 import torch
-from conftest import DEVICE, kernel_backends
 
 import amdqb
 from amdqb import ref
 from amdqb.compat import te
 from amdqb.ref import aux_loss as ref_aux
+
+from conftest import DEVICE, kernel_backends
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from amdqb.compat import vllm
+
 from conftest import DEVICE, kernel_backends
 
 ROUTER_BACKENDS = ["torch"] + [b for b in kernel_backends("biased_topk") if isinstance(b, str)]

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import amdqb
 from amdqb import ref
+
 from conftest import DEVICE, HAS_GPU, kernel_backends
 from hip_emu.checks import make_logits
 
@@ -308,7 +309,7 @@ def test_fuzz_chunks(backend, case):
 @pytest.mark.parametrize("backend", kernel_backends("qb_recover"))
 @_settings("recover")
 @given(
-    e=st.integers(1, 4096 if LARGE else 50),
+    e=st.integers(2, 4096 if LARGE else 50),
     b=st.integers(2, 5000 if LARGE else 300),
     k=st.integers(1, 36),
     style=st.sampled_from(["random", "sparse", "empty", "one_bin"]),

@@ -8,13 +8,14 @@ import ctypes
 
 import pytest
 import torch
-from hip_emu.backend import active_runtime, emulated_hip_backend, runtime
-from hip_emu.runtime import compiler
 
 import amdqb
 from amdqb import dispatch
 from amdqb.backends import hip as hip_backend
 from amdqb.ref.ordering import order_key
+
+from hip_emu.backend import active_runtime, emulated_hip_backend, runtime
+from hip_emu.runtime import compiler
 
 pytestmark = [
     pytest.mark.emulator,

@@ -6,6 +6,7 @@ import torch
 
 import amdqb
 from amdqb import ref
+
 from conftest import HAS_GPU, kernel_backends
 
 BIG = 2**31

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from amdqb import dispatch, ref
+
 from conftest import DEVICE, HAS_GPU, available_backends
 
 BAND = 96  # guard elements (or rows) on each side
@@ -66,7 +67,7 @@ class Banded:
 # ------------------------------------------------------------------------------------------------
 # The kernel implementations: the kernel backends on this device, plus the HIP emulator on a CPU.
 # ------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _emu():
     from hip_emu.runtime import EmuRuntime, compiler
 
@@ -95,11 +96,6 @@ def impls(op):
     if not params:
         params.append(pytest.param(None, marks=pytest.mark.skip(reason=f"no kernel backend: {op}")))
     return params
-
-
-def _is_hip(impl) -> bool:
-    name = getattr(getattr(impl, "func", impl), "__module__", "")
-    return ".hip" in name
 
 
 # ------------------------------------------------------------------------------------------------

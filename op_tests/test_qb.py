@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 import amdqb
 from amdqb import ref
+
 from conftest import DEVICE, HAS_GPU, over_backends
 from layout_cases import assert_ulp, gen, random_histogram
 
@@ -57,7 +58,13 @@ def test_qb_pooled_vs_mean_vector(backend):
     assert not torch.allclose(pooled, (per_mb[0] + per_mb[1]) / 2, atol=1e-3)
 
 
-QB_SHAPES = [(1, 2), (2, 3), (7, 1000), (64, 2500), (896 if HAS_GPU else 130, 1000), (5000, 16)]
+QB_SHAPES = [(2, 2), (2, 3), (7, 1000), (64, 2500), (896 if HAS_GPU else 130, 1000), (5000, 16)]
+
+
+def test_qb_recover_needs_two_experts():
+    # QB's cutoff is the (k+1)-th expert with 1 <= k < E: a one-expert histogram has no quantile
+    with pytest.raises(ValueError, match="histogram must be"):
+        amdqb.qb_recover_bias(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([-1.0, 1.0]), 1)
 
 
 @over_backends("qb_recover")
@@ -92,7 +99,6 @@ def test_qb_step_random(backend, shape, ema):
 @over_backends("qb_step")
 def test_qb_step_ema_is_float64(backend):
     """ema = 0.1 is not an fp32 value: the mix must use the float64 ema, like the oracle."""
-    e = 4
     hist = torch.tensor([[0, 3, 1], [2, 2, 0], [0, 0, 4], [4, 0, 0]], dtype=torch.int32)
     bounds = torch.tensor([-1.0, 1.0])
     bias = torch.tensor([0.3, -0.2, 0.1, -0.2])
@@ -119,7 +125,7 @@ def test_qb_step_empty_histogram_keeps_bias(backend):
 @over_backends("qb_step")
 def test_balancer_step_matches_oracle(backend):
     e, k, b = (896, 16, 1000) if HAS_GPU else (32, 4, 64)
-    bal = amdqb.QuantileBalancer(e, k, num_bins=b, ema=0.25, device=DEVICE)
+    bal = amdqb.QuantileBalancer(e, k, num_bins=b, ema=0.25, device=DEVICE, binning="uniform")
     bal.histogram.copy_(random_histogram(e, b, torch.int32, seed=1).to(DEVICE))
     bal.bias.copy_((torch.randn(e, generator=gen(2)) * 0.01).to(DEVICE))
     exp_bias, exp_bounds = ref.qb_step_update(
@@ -269,7 +275,7 @@ def test_aux_free_update_and_metrics():
 
 
 def test_buffers_initial_state_and_addresses_stable():
-    bal = amdqb.QuantileBalancer(16, 4, num_bins=100, device=DEVICE)
+    bal = amdqb.QuantileBalancer(16, 4, num_bins=100, device=DEVICE, binning="uniform")
     assert bal.bias.tolist() == [0.0] * 16
     assert bal.bin_bounds.tolist() == [-1.0, 1.0]
     assert bal.histogram.shape == (16, 100) and bal.histogram.dtype == torch.int32
@@ -291,7 +297,7 @@ def test_buffers_initial_state_and_addresses_stable():
 
 def test_step_equals_oracle_update():
     g = torch.Generator().manual_seed(1)
-    bal = amdqb.QuantileBalancer(12, 3, num_bins=200, ema=0.25, device=DEVICE)
+    bal = amdqb.QuantileBalancer(12, 3, num_bins=200, ema=0.25, device=DEVICE, binning="uniform")
     bal.bias.copy_(torch.randn(12, generator=g) * 0.1)
     bal.bias.sub_(bal.bias.mean())
     bal.bin_bounds.copy_(torch.stack([bal.bias.min() - 1, bal.bias.max() + 1]))
@@ -307,7 +313,7 @@ def test_step_equals_oracle_update():
 
 
 def test_no_grad_and_eval_do_not_accumulate_unless_asked():
-    bal = amdqb.QuantileBalancer(8, 2, num_bins=10, device=DEVICE)
+    bal = amdqb.QuantileBalancer(8, 2, num_bins=10, device=DEVICE, binning="uniform")
     logits = torch.randn(5, 8, device=DEVICE)
     with torch.no_grad():
         bal.route(logits)
@@ -322,32 +328,32 @@ def test_no_grad_and_eval_do_not_accumulate_unless_asked():
 def test_microbatches_of_different_sizes_accumulate_like_one_batch():
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(320, 64, generator=g).to(DEVICE)
-    one = amdqb.QuantileBalancer(64, 8, device=DEVICE)
+    one = amdqb.QuantileBalancer(64, 8, device=DEVICE, binning="uniform")
     one.route(logits, accumulate=True)
-    split = amdqb.QuantileBalancer(64, 8, device=DEVICE)
+    split = amdqb.QuantileBalancer(64, 8, device=DEVICE, binning="uniform")
     split.route(logits[:127], accumulate=True)
     split.route(logits[127:], accumulate=True)
     assert torch.equal(one.histogram, split.histogram)
 
 
 def test_state_dict_roundtrip_keeps_addresses():
-    a = amdqb.QuantileBalancer(8, 2, num_bins=10, ema=0.5, device=DEVICE)
+    a = amdqb.QuantileBalancer(8, 2, num_bins=10, ema=0.5, device=DEVICE, binning="uniform")
     a.bias.copy_(torch.linspace(-0.1, 0.1, 8))
     a.bin_bounds.copy_(torch.tensor([-1.1, 1.1]))
-    b = amdqb.QuantileBalancer(8, 2, num_bins=10, device=DEVICE)
+    b = amdqb.QuantileBalancer(8, 2, num_bins=10, device=DEVICE, binning="uniform")
     ptr = b.bias.data_ptr()
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.bias, b.bias) and torch.equal(a.bin_bounds, b.bin_bounds)
     assert b.ema == 0.5 and b.bias.data_ptr() == ptr
     with pytest.raises(ValueError, match="num_bins"):
-        amdqb.QuantileBalancer(8, 2, num_bins=11).load_state_dict(a.state_dict())
+        amdqb.QuantileBalancer(8, 2, num_bins=11, binning="uniform").load_state_dict(a.state_dict())
 
 
 def test_balancing_reduces_maxvio_on_a_skewed_stream():
     g = torch.Generator().manual_seed(3)
     e, k = 32, 4
     skew = torch.linspace(-2, 2, e)
-    bal = amdqb.QuantileBalancer(e, k, device=DEVICE)
+    bal = amdqb.QuantileBalancer(e, k, device=DEVICE, binning="uniform")
     first = last = None
     for step in range(12):
         logits = (torch.randn(2048, e, generator=g) + skew).to(DEVICE)
@@ -365,11 +371,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world, port, logits, result_dir):
+# bins per binning in the pooling test: K3's uniform histogram and the balancer's default
+POOL_BINS = {"uniform": 500, "log_margin": 64}
+
+
+def _rank_main(rank, world, port, logits, binning, result_dir):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        bal = amdqb.QuantileBalancer(logits.shape[1], 4, num_bins=500)
+        bal = amdqb.QuantileBalancer(
+            logits.shape[1], 4, binning=binning, num_bins=POOL_BINS[binning]
+        )
         shard = logits.chunk(world)[rank]
         bal.route(shard, accumulate=True)
         pooled = bal.histogram.clone()
@@ -383,11 +395,15 @@ def _rank_main(rank, world, port, logits, result_dir):
         dist.destroy_process_group()
 
 
-def test_two_process_gloo_pooled_histogram_equals_single_process(tmp_path):
+@pytest.mark.parametrize("binning", sorted(POOL_BINS))
+def test_two_process_gloo_pooled_histogram_equals_single_process(tmp_path, binning):
+    """Two ranks sum their histograms in step(): each ends with the bias and bounds of one process
+    that routed the whole batch (the pooled quantile, not a mean of per-rank quantiles)."""
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(400, 24, generator=g) + torch.linspace(-1, 1, 24)
-    mp.spawn(_rank_main, args=(2, _free_port(), logits, str(tmp_path)), nprocs=2, join=True)
-    single = amdqb.QuantileBalancer(24, 4, num_bins=500)
+    args = (2, _free_port(), logits, binning, str(tmp_path))
+    mp.spawn(_rank_main, args=args, nprocs=2, join=True)
+    single = amdqb.QuantileBalancer(24, 4, binning=binning, num_bins=POOL_BINS[binning])
     single.route(logits, accumulate=True)
     hist = single.histogram.clone()
     single.step()

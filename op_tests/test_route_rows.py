@@ -13,6 +13,13 @@ GPU the same tests run at the seed shapes (M up to 16384, k=16, E up to 10000).
 
 import pytest
 import torch
+
+import amdqb
+from amdqb import ref
+from amdqb.backends.hip import _spec
+from amdqb.backends.hip._common import ptr
+from amdqb.ops.layout import lds_route_threshold
+
 from conftest import (
     DEVICE,
     HAS_GPU,
@@ -37,12 +44,6 @@ from layout_cases import (
     random_histogram,
     route,
 )
-
-import amdqb
-from amdqb import ref
-from amdqb.backends.hip import _spec
-from amdqb.backends.hip._common import ptr
-from amdqb.ops.layout import lds_route_threshold
 
 # hip's own GPU tests (the emulator runs the small cases below)
 hip_gpu = pytest.mark.skipif(

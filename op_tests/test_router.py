@@ -19,6 +19,15 @@ import os
 import numpy as np
 import pytest
 import torch
+
+import amdqb
+from amdqb import dispatch, ref
+from amdqb.backends import hip as hip_backend
+from amdqb.backends import torch as torch_backend
+from amdqb.backends.hip import _runtime, _spec
+from amdqb.backends.hip import router as hip_router
+from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
+
 from conftest import DEVICE, HAS_GPU, device_config, over_backends, set_config
 from hip_emu.checks import make_logits, routed_mask
 from router_cases import (
@@ -40,14 +49,6 @@ from router_cases import (
     tie_free_logits,
     tol,
 )
-
-import amdqb
-from amdqb import dispatch, ref
-from amdqb.backends import hip as hip_backend
-from amdqb.backends import torch as torch_backend
-from amdqb.backends.hip import _runtime, _spec
-from amdqb.backends.hip import router as hip_router
-from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
 
 # NaN / inf inputs are part of the contract; numpy (the CPU interpreter) warns about them.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -19,11 +19,12 @@ import importlib
 
 import pytest
 import torch
-from conftest import DEVICE, HAS_GPU, kernel_backends
 
 import amdqb
 from amdqb import ref
 from amdqb.ref import qb as ref_qb
+
+from conftest import DEVICE, HAS_GPU, kernel_backends
 
 pytestmark = [
     pytest.mark.skipif(

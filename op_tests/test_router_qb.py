@@ -15,6 +15,14 @@ hip emulator) and follow the seeds (E=896, k=16, B=1000, T up to 16384) on a GPU
 import numpy as np
 import pytest
 import torch
+
+import amdqb
+from amdqb import configs, ref
+from amdqb.backends import hip as hip_backend
+from amdqb.backends.hip import _runtime
+from amdqb.backends.hip import router as hip_router
+from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
+
 from conftest import DEVICE, HAS_GPU, over_backends, set_config
 from hip_emu.checks import make_logits
 from router_cases import (
@@ -33,13 +41,6 @@ from router_cases import (
     run_router,
     tol,
 )
-
-import amdqb
-from amdqb import configs, ref
-from amdqb.backends import hip as hip_backend
-from amdqb.backends.hip import _runtime
-from amdqb.backends.hip import router as hip_router
-from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
 
 # NaN / inf inputs are part of the contract; numpy (the CPU interpreter) warns about them.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from amdqb import serving
+
 from conftest import DEVICE, HAS_GPU
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import amdqb
+
 from conftest import DEVICE, HAS_GPU
 
 E, K, D, H = 16, 4, 32, 64

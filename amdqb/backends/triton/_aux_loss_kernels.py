@@ -63,7 +63,6 @@ def _aux_scores_fwd_kernel(
     W: tl.constexpr,  # next_pow2(E), >= 16
     BT: tl.constexpr,
     SCORE: tl.constexpr,  # 0 sigmoid, 1 sqrtsoftplus, 2 softmax
-    MAP: tl.constexpr,  # 1 bytemap, 2 bitmap (LSB first)
     EXTRACT: tl.constexpr,  # small k: k best-first extractions, else the exact cutoff search
     ID_BITS: tl.constexpr,
 ):
@@ -92,18 +91,7 @@ def _aux_scores_fwd_kernel(
         kcb = kc[:, None]
         member = mask2 & ((key > kcb) | ((key == kcb) & (p[None, :] <= ic[:, None])))
 
-    if MAP == 1:
-        tl.store(map_ptr + offs, member.to(tl.uint8), mask=mask2)
-    else:
-        shifts = tl.arange(0, 8)
-        bits = tl.reshape(member.to(tl.int32), (BT, W // 8, 8))
-        packed = tl.sum(bits << shifts[None, None, :], axis=2)
-        bidx = tl.arange(0, W // 8)
-        tl.store(
-            map_ptr + rows64[:, None] * ((E + 7) // 8) + bidx[None, :],
-            packed.to(tl.uint8),
-            mask=row_ok[:, None] & (bidx[None, :] < (E + 7) // 8),
-        )
+    tl.store(map_ptr + offs, member.to(tl.uint8), mask=mask2)
 
 
 @triton.jit

@@ -24,6 +24,7 @@ import torch
 import triton
 
 from ... import configs
+from ...ref.router import pack_bitmap
 from . import _aux_loss_kernels as K
 from ._common import compile_options, on_device
 from .codegen import KernelSpec
@@ -70,23 +71,31 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
         return
     cfg = _config(logits.device)
     W, BT, warps = _tile(E, cfg)
+    # The bitmap is packed from a byte map after the kernel: packing inside it changed the layout
+    # Triton picks for the row sums, and with it the normalised scores' bits (sm_90, Triton 3.6).
+    byte_map = (
+        map_out.view(torch.uint8)
+        if map_kind == "bytemap"
+        else logits.new_empty((T, E), dtype=torch.uint8)
+    )
     with on_device(logits):
         K._aux_scores_fwd_kernel[(triton.cdiv(T, BT),)](
             logits,
             scores_out,
-            map_out.view(torch.uint8),
+            byte_map,
             T,
             E=E,
             K=topk,
             W=W,
             BT=BT,
             SCORE=_SCORES[score_function],
-            MAP=1 if map_kind == "bytemap" else 2,
             EXTRACT=topk <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
             num_warps=warps,
             **compile_options(logits.device),
         )
+    if map_kind != "bytemap":
+        map_out.copy_(pack_bitmap(byte_map))
 
 
 def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
@@ -221,10 +230,10 @@ def codegen_specs(family: str = "gfx942") -> list:
     """Aux-loss kernels at a TE test shape (E=1024) and at the seed shape (E=896, k=16)."""
     cfg = _config_of(family)
     specs = []
-    for name, E, k, score, kind in (
-        ("aux_scores_sigmoid_bytemap", 896, 16, 0, 1),
-        ("aux_scores_softmax_bitmap", 1024, 32, 2, 2),
-        ("aux_scores_sqrtsoftplus_k4", 256, 4, 1, 1),
+    for name, E, k, score in (
+        ("aux_scores_sigmoid", 896, 16, 0),
+        ("aux_scores_softmax", 1024, 32, 2),
+        ("aux_scores_sqrtsoftplus_k4", 256, 4, 1),
     ):
         W, BT, warps = _tile(E, cfg)
         const = dict(
@@ -233,7 +242,6 @@ def codegen_specs(family: str = "gfx942") -> list:
             W=W,
             BT=BT,
             SCORE=score,
-            MAP=kind,
             EXTRACT=k <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
         )

@@ -87,8 +87,7 @@ QB exact (fp64 ref.)    0.243  0.238  0.248   0.252
   unbiased (the bias spread never leaves the range fp32 cannot resolve), uniform QB moves its
   biases by whole bins (~2e-3) and balances coarsely. tie_free balances (no ties), 1.19x the
   fp64 reference here: two log bins per octave resolve the bias change to ~40% of its size, and
-  on this drifting stream the change per step is as large as the bias spread itself
-  (bench/results/qb_balance_under_saturation has the seeds and shapes).
+  on this drifting stream the change per step is as large as the bias spread itself.
 """
 
 from __future__ import annotations

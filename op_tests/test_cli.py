@@ -101,7 +101,7 @@ BENCH_BAD = [
     (["router", "--experts", "0"], "--experts"),
     (["router", "--topk", "-1"], "--topk"),
     (["router", "--experts", "8", "--topk", "8"], "--topk"),
-    (["route", "--topk", "200"], "topk"),
+    (["route", "--topk", "5000"], "topk"),  # above every default expert count (896 on a GPU)
     (["balance", "--samples", "0"], "--samples"),
     (["chunks", "--threads", "0"], "--threads"),
     (["router", "--device", "tpu:0"], "--device"),

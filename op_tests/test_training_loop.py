@@ -182,35 +182,83 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _nccl_rank(rank, world, port, logits, result_dir):
+# (binning, selection) of the NCCL pooling test: both binnings, both selections
+NCCL_VARIANTS = [("uniform", "te"), ("log_margin", "te"), ("log_margin", "tie_free")]
+GRAPH_REPLAYS = 5
+
+
+def _nccl_balancer(e, binning, selection, device):
+    return amdqb.QuantileBalancer(e, K, binning=binning, selection=selection, device=device)
+
+
+def _nccl_rank(rank, world, port, logits, binning, selection, result_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
     try:
-        bal = amdqb.QuantileBalancer(logits.shape[1], K, device=f"cuda:{rank}")
-        bal.route(logits.chunk(world)[rank].cuda(rank), accumulate=True)
+        device = f"cuda:{rank}"
+        shard = logits.chunk(world)[rank].cuda(rank)
+        bal = _nccl_balancer(logits.shape[1], binning, selection, device)
+        bal.route(shard, accumulate=True)
         pooled = bal.histogram.clone()
         dist.all_reduce(pooled)
         bal.step()
-        torch.save(
-            {"pooled": pooled.cpu(), "bias": bal.bias.cpu(), "bounds": bal.bin_bounds.cpu()},
-            os.path.join(result_dir, f"rank{rank}.pt"),
+        result = {"pooled": pooled.cpu(), "bias": bal.bias.cpu(), "bounds": bal.bin_bounds.cpu()}
+        # route + step (its all-reduce included) captured in one CUDA graph, replayed, against
+        # the same sequence run eagerly by a second balancer
+        eager = _nccl_balancer(logits.shape[1], binning, selection, device)
+        graphed = _nccl_balancer(logits.shape[1], binning, selection, device)
+        static = shard.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture, then restore the state
+            graphed.route(static, accumulate=True)
+            graphed.step()
+        torch.cuda.current_stream().wait_stream(side)
+        graphed.load_state_dict(eager.state_dict())
+        graphed.histogram.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed.route(static, accumulate=True)
+            graphed.step()
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(GRAPH_REPLAYS):
+            step_logits = shard + 0.1 * torch.randn(shard.shape, generator=g).cuda(rank)
+            static.copy_(step_logits)
+            graph.replay()
+            eager.route(step_logits, accumulate=True)
+            eager.step()
+        torch.cuda.synchronize()
+        result.update(
+            graph_bias=graphed.bias.cpu(),
+            graph_bounds=graphed.bin_bounds.cpu(),
+            eager_bias=eager.bias.cpu(),
+            eager_bounds=eager.bin_bounds.cpu(),
         )
+        torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL test needs 2 GPUs")
-def test_two_gpu_nccl_pooling_equals_one_process(tmp_path):
+@pytest.mark.parametrize("binning,selection", NCCL_VARIANTS)
+def test_two_gpu_nccl_pooling_equals_one_process(tmp_path, binning, selection):
+    """Over NCCL: the pooled histogram equals one process over the whole batch bitwise, bias and
+    bounds are that process's on both ranks, and a captured route + step (collective included)
+    replayed 5 times equals the eager sequence on both ranks."""
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(4096, 64, generator=g) + torch.linspace(-1, 1, 64)
-    mp.spawn(_nccl_rank, args=(2, _free_port(), logits, str(tmp_path)), nprocs=2, join=True)
-    single = amdqb.QuantileBalancer(64, K, device="cuda:0")
+    args = (2, _free_port(), logits, binning, selection, str(tmp_path))
+    mp.spawn(_nccl_rank, args=args, nprocs=2, join=True)
+    single = _nccl_balancer(64, binning, selection, "cuda:0")
     single.route(logits.cuda(0), accumulate=True)
     hist = single.histogram.cpu()
     single.step()
-    for r in range(2):
-        res = torch.load(tmp_path / f"rank{r}.pt")
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for res in results:
         assert torch.equal(res["pooled"], hist)
         assert torch.equal(res["bias"], single.bias.cpu())
         assert torch.equal(res["bounds"], single.bin_bounds.cpu())
+        assert torch.equal(res["graph_bias"], res["eager_bias"])
+        assert torch.equal(res["graph_bounds"], res["eager_bounds"])
+    assert torch.equal(results[0]["graph_bias"], results[1]["graph_bias"])

@@ -227,11 +227,7 @@ class QuantileBalancer:
         committed and counts in ``rejected_steps``. Device ops only: no host sync."""
         check_backend(backend)
         self.all_reduce_histogram()
-        e = self.num_experts
-        committed_bias, committed_bounds = self._committed[:e], self._committed[e:]
-        torch.where(torch.isfinite(self.bias), self.bias, committed_bias, out=self.bias)
-        valid = _ref_qb.step_is_finite(committed_bias, self.bin_bounds, self.binning)
-        torch.where(valid, self.bin_bounds, committed_bounds, out=self.bin_bounds)
+        # the bounds are trusted here: the update reads them through the committed state
         qb_step_(
             self.bias,
             self.histogram,
@@ -240,9 +236,9 @@ class QuantileBalancer:
             self.ema,
             binning=self.binning,
             rejected=self.rejected_steps,
+            committed=self._committed,
             backend=backend,
         )
-        torch.cat([self.bias, self.bin_bounds], out=self._committed)
         mark_qb_bin_bounds_validated(self.bin_bounds)
         self.histogram.zero_()
         self._pending_tokens = 0

@@ -274,6 +274,75 @@ def test_aux_free_update_and_metrics():
 # ----------------------------------------------------------------------------------------------
 
 
+def _committed_state(e, binning, seed):
+    bias = torch.randn(e, generator=gen(seed)) * 0.01
+    bias -= bias.mean()
+    if binning == "uniform":
+        bounds = torch.stack([bias.min() - 1, bias.max() + 1])
+    else:
+        bounds = ref.qb.margin_scale(bias)
+    return bias, bounds
+
+
+@over_backends("qb_step")
+@pytest.mark.parametrize("binning", ["uniform", "log_margin"])
+@pytest.mark.parametrize("poison", ["bias", "bounds", "both", "inverted_bounds"])
+def test_qb_step_reads_through_the_committed_state(backend, binning, poison):
+    """With ``committed``, non-finite bias entries and invalid bounds are read from it: the
+    update of a poisoned state equals the update of the clean one bitwise, and ``committed``
+    then holds the state the update left."""
+    e, k, b = 12, 3, (200 if binning == "uniform" else 64)
+    hist = random_histogram(e, b, torch.int32, seed=5).to(DEVICE)
+    bias0, bounds0 = _committed_state(e, binning, seed=6)
+    clean_bias, clean_bounds = bias0.clone().to(DEVICE), bounds0.clone().to(DEVICE)
+    kw = dict(binning=binning, backend=backend)
+    amdqb.qb_step_(clean_bias, hist, clean_bounds, k, 0.25, **kw)
+
+    bias, bounds = bias0.clone(), bounds0.clone()
+    if poison in ("bias", "both"):
+        bias[[1, 7]] = torch.tensor([float("nan"), -float("inf")])
+    if poison in ("bounds", "both"):
+        bounds[1] = float("nan")
+    if poison == "inverted_bounds":  # finite but invalid for the binning
+        bounds = bounds.flip(0).neg() if binning == "log_margin" else bounds.flip(0)
+    bias, bounds = bias.to(DEVICE), bounds.to(DEVICE)
+    committed = torch.cat([bias0, bounds0]).to(DEVICE)
+    rejected = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    amdqb.mark_qb_bin_bounds_validated(bounds)  # the balancer's trust: the kernel guards
+    amdqb.qb_step_(bias, hist, bounds, k, 0.25, rejected=rejected, committed=committed, **kw)
+    assert torch.equal(bias, clean_bias) and torch.equal(bounds, clean_bounds)
+    assert torch.equal(committed, torch.cat([clean_bias, clean_bounds]))
+    assert int(rejected) == 0
+
+
+@over_backends("qb_step")
+@pytest.mark.parametrize("binning", ["uniform", "log_margin"])
+def test_balancer_recovers_from_outside_writes(backend, binning):
+    """A NaN / inf written into the balancer's bias or bounds between route() and step() is
+    restored from its last committed state: the step gives the clean balancer's state."""
+    e, k = 16, 4
+    g = gen(11)
+    skew = torch.linspace(-1, 1, e)
+    batches = [(torch.randn(256, e, generator=g) + skew).to(DEVICE) for _ in range(4)]
+    bal = amdqb.QuantileBalancer(e, k, binning=binning, device=DEVICE)
+    clean = amdqb.QuantileBalancer(e, k, binning=binning, device=DEVICE)
+    for step, x in enumerate(batches):
+        for balancer in (bal, clean):
+            balancer.route(x, accumulate=True)
+        if step == 1:
+            bal.bias[3] = float("nan")
+            bal.bias[5] = float("inf")
+        if step == 2:
+            bal.bin_bounds.fill_(float("nan"))
+        for balancer in (bal, clean):
+            balancer.step(backend=backend)
+        assert torch.equal(bal.bias, clean.bias), step
+        assert torch.equal(bal.bin_bounds, clean.bin_bounds), step
+    assert bool(torch.isfinite(bal.bias).all()) and int(bal.rejected_steps) == 0
+    _, rmap = bal.route(batches[0], accumulate=False)  # routes by the restored, balanced bias
+    assert torch.equal(rmap, clean.route(batches[0], accumulate=False)[1])
+
+
 def test_buffers_initial_state_and_addresses_stable():
     bal = amdqb.QuantileBalancer(16, 4, num_bins=100, device=DEVICE, binning="uniform")
     assert bal.bias.tolist() == [0.0] * 16

@@ -50,7 +50,7 @@ def _qb_recover(
     impl("qb_recover", backend)(histogram, bin_bounds, topk, out, binning, expert_bias)
 
 
-@kernel_op("qb_step", mutates_args=("bias", "bin_bounds", "rejected"))
+@kernel_op("qb_step", mutates_args=("bias", "bin_bounds", "rejected", "committed"))
 def _qb_step(
     bias: torch.Tensor,
     histogram: torch.Tensor,
@@ -60,9 +60,12 @@ def _qb_step(
     binning: str,
     rho: float,
     rejected: Optional[torch.Tensor],
+    committed: Optional[torch.Tensor],
     backend: str,
 ) -> None:
-    impl("qb_step", backend)(bias, histogram, bin_bounds, topk, ema, binning, rho, rejected)
+    impl("qb_step", backend)(
+        bias, histogram, bin_bounds, topk, ema, binning, rho, rejected, committed
+    )
 
 
 def check_histogram(histogram, bin_bounds, topk, binning="uniform") -> int:
@@ -141,6 +144,7 @@ def qb_step_(
     binning: str = "uniform",
     rho: float = LOG_MARGIN_RHO,
     rejected: Optional[torch.Tensor] = None,
+    committed: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> None:
     """In-place balancer update after the all-reduce (no host sync, graph-capturable).
@@ -149,6 +153,9 @@ def qb_step_(
     empty); uniform bounds ``<- [min(bias) - 1, max(bias) + 1]``, log_margin's ``<- [eps, 1/eps]``
     with ``eps = rho * (max(bias) - min(bias))``. The update commits only a finite bias and finite
     bounds; otherwise both keep their values and ``rejected`` (int32 ``[1]``, optional) gains one.
+    ``committed`` (fp32 ``[E + 2]``, optional): the last committed bias and bounds; a bias entry
+    that is not finite, or bounds invalid for the binning, are read from it instead (so an outside
+    write cannot poison the update), and the state the update leaves is written back to it.
     The histogram is not zeroed here.
     """
     check_choice("binning", binning, BINNINGS)
@@ -169,11 +176,22 @@ def qb_step_(
             device=histogram.device,
             contiguous=True,
         )
+    if committed is not None:
+        check_tensor(
+            "committed",
+            committed,
+            dtypes=(torch.float32,),
+            shape=(histogram.shape[0] + 2,),
+            device=histogram.device,
+            contiguous=True,
+        )
     check_backend(backend)
     chosen_backend = dispatch.kernel_backend(
         "qb_step", histogram.device, backend, num_bins=histogram.shape[1]
     )
-    _qb_step(bias, histogram, bin_bounds, topk, ema, binning, rho, rejected, chosen_backend)
+    _qb_step(
+        bias, histogram, bin_bounds, topk, ema, binning, rho, rejected, committed, chosen_backend
+    )
 
 
 def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) -> torch.Tensor:

@@ -215,12 +215,27 @@ def qb_step_update(
     return new, bounds
 
 
-def step_is_finite(bias: torch.Tensor, bounds: torch.Tensor, binning: str) -> torch.Tensor:
-    """0-dim bool: a step's candidate may be committed (a finite bias and valid finite bounds)."""
-    finite = torch.isfinite(bias).all() & torch.isfinite(bounds).all()
+def bounds_are_valid(bounds: torch.Tensor, binning: str) -> torch.Tensor:
+    """0-dim bool: finite bounds the binning accepts (uniform ``L < U``, log_margin both > 0)."""
+    finite = torch.isfinite(bounds).all()
     if binning == "uniform":
         return finite & (bounds[0] < bounds[1])
     return finite & (bounds > 0).all()
+
+
+def step_is_finite(bias: torch.Tensor, bounds: torch.Tensor, binning: str) -> torch.Tensor:
+    """0-dim bool: a step's candidate may be committed (a finite bias and valid finite bounds)."""
+    return torch.isfinite(bias).all() & bounds_are_valid(bounds, binning)
+
+
+def restore_committed(
+    bias: torch.Tensor, bounds: torch.Tensor, committed: torch.Tensor, binning: str
+) -> None:
+    """In place: bias entries that are not finite, and bounds invalid for the binning, take the
+    values of ``committed`` (``[E + 2]``: the last committed bias, then bounds)."""
+    e = bias.numel()
+    torch.where(torch.isfinite(bias), bias, committed[:e], out=bias)
+    torch.where(bounds_are_valid(bounds, binning), bounds, committed[e:], out=bounds)
 
 
 def aux_free_bias_update(

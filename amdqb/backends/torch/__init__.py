@@ -133,14 +133,26 @@ def qb_recover(histogram, bin_bounds, topk, out, binning="uniform", expert_bias=
 
 
 def qb_step(
-    bias, histogram, bin_bounds, topk, ema, binning="uniform", rho=LOG_MARGIN_RHO, rejected=None
+    bias,
+    histogram,
+    bin_bounds,
+    topk,
+    ema,
+    binning="uniform",
+    rho=LOG_MARGIN_RHO,
+    rejected=None,
+    committed=None,
 ):
+    if committed is not None:
+        ref.qb.restore_committed(bias, bin_bounds, committed, binning)
     new_bias, new_bounds = ref.qb_step_update(bias, histogram, bin_bounds, topk, ema, binning, rho)
     ok = ref.qb.step_is_finite(new_bias, new_bounds, binning)  # on the device: no sync
     bias.copy_(torch.where(ok, new_bias, bias))
     bin_bounds.copy_(torch.where(ok, new_bounds, bin_bounds))
     if rejected is not None:
         rejected.add_((~ok).to(rejected.dtype))
+    if committed is not None:
+        torch.cat([bias, bin_bounds], out=committed)
 
 
 def route_rows(

@@ -15,12 +15,43 @@ import triton.language as tl
 
 
 @triton.jit
+def _finite(x):
+    return (x == x) & (tl.abs(x) < float("inf"))
+
+
+@triton.jit
+def _bounds(bounds_ptr, committed_ptr, E, MARGIN: tl.constexpr, GUARD: tl.constexpr):
+    """The bounds the update reads: under ``GUARD`` the committed ones (``committed[E:]``) when
+    the tensor's are invalid for the binning (``amdqb.ref.qb.bounds_are_valid``)."""
+    lo = tl.load(bounds_ptr)
+    hi = tl.load(bounds_ptr + 1)
+    if GUARD:
+        if MARGIN:
+            ok = (lo > 0) & (lo < float("inf")) & (hi > 0) & (hi < float("inf"))
+        else:
+            ok = (lo < hi) & (lo > float("-inf")) & (hi < float("inf"))
+        lo = tl.where(ok, lo, tl.load(committed_ptr + E))
+        hi = tl.where(ok, hi, tl.load(committed_ptr + E + 1))
+    return lo, hi
+
+
+@triton.jit
+def _bias(bias_ptr, committed_ptr, idx, m, GUARD: tl.constexpr):
+    """The bias the update reads: under ``GUARD`` a non-finite entry is the committed one."""
+    b = tl.load(bias_ptr + idx, mask=m, other=0.0)
+    if GUARD:
+        b = tl.where(_finite(b), b, tl.load(committed_ptr + idx, mask=m, other=0.0))
+    return b
+
+
+@triton.jit
 def _qb_rows_kernel(
     hist_ptr,
     bounds_ptr,
     bias_ptr,
     bhat_ptr,
     msum_ptr,
+    committed_ptr,
     E,
     B,
     topk,
@@ -29,12 +60,14 @@ def _qb_rows_kernel(
     SINGLE: tl.constexpr,
     MARGIN: tl.constexpr,
     MBITS: tl.constexpr,
+    GUARD: tl.constexpr,
 ):
     """App. D recovery of ``ROWS`` experts, uncentred, fp32: int64 cumulative counts, integer
     target ``ceil(m*k/E)``, float64 interpolation. Uniform (``amdqb.ref.qb.recover_uncentred``):
     ``L + position * (U - L) / B``; log_margin (``recover_margin_delta``): ``bias + delta`` with
     the position mapped back through the margin bins. Also writes each row's sum (int64) for the
-    empty-histogram test of ``qb_step``.
+    empty-histogram test of ``qb_step``. ``GUARD``: bias and bounds are read through the
+    committed state (``_bias``, ``_bounds``).
 
     The first bin whose cumulative count reaches the target is ``beta = #{cum < target}``
     (cum is non-decreasing); the count before it is the largest cum below the target, and the
@@ -80,8 +113,9 @@ def _qb_rows_kernel(
             carry += tl.sum(cnt, 1)
     beta = tl.minimum(beta, B - 1)
     h = tl.where(first == big, 0, first - before)
-    lower = tl.load(bounds_ptr).to(tl.float64)
-    upper = tl.load(bounds_ptr + 1).to(tl.float64)
+    lower, upper = _bounds(bounds_ptr, committed_ptr, E, MARGIN, GUARD)
+    lower = lower.to(tl.float64)
+    upper = upper.to(tl.float64)
     q = (m * topk).to(tl.float64) / E
     frac = tl.where(h > 0, (q - before.to(tl.float64)) / tl.maximum(h, 1).to(tl.float64), 0.0)
     frac = tl.minimum(tl.maximum(frac, 0.0), 1.0)
@@ -97,7 +131,7 @@ def _qb_rows_kernel(
         y = (1.0 + (scaled - octave)) * two_o
         sign = tl.where(offset > 0, 1.0, tl.where(offset < 0, -1.0, 0.0))
         delta = sign * (y - 1.0) / upper
-        old = tl.load(bias_ptr + r, mask=rm, other=0.0).to(tl.float64)
+        old = _bias(bias_ptr, committed_ptr, r, rm, GUARD).to(tl.float64)
         bhat = old + tl.where(m > 0, delta, 0.0)
     else:
         bhat = lower + position * ((upper - lower) / B)
@@ -114,6 +148,7 @@ def _qb_finish_kernel(
     bounds_ptr,
     out_ptr,
     rejected_ptr,
+    committed_ptr,
     E,
     ema_bits,
     keep_bits,
@@ -122,6 +157,7 @@ def _qb_finish_kernel(
     STEP: tl.constexpr,
     MARGIN: tl.constexpr,
     COUNT: tl.constexpr,
+    GUARD: tl.constexpr,
 ):
     """Single program. Recover: ``out = centre(bhat)``. Step (``amdqb.ref.qb.qb_step_update``):
     ``bias = centre(fp32(ema*old + (1-ema)*centre(bhat)))`` unless the histogram is empty, then
@@ -129,6 +165,8 @@ def _qb_finish_kernel(
     ``eps = rho * (max - min)`` in float64, ``1e-30`` for a spread of 0, the reciprocal of the fp32
     eps). Means are float64 sums of fp32 values. The step commits only a finite bias and finite
     bounds; otherwise bias and bounds keep their values and ``rejected[0]`` (``COUNT``) gains one.
+    ``GUARD``: bias and bounds are read through the committed state (``_bias``, ``_bounds``), and
+    the state the step leaves is written to ``committed`` (bias, then bounds).
 
     ``ema``, ``1 - ema`` and ``rho`` arrive as the bits of the host's float64 values (a Python
     float argument would be narrowed to fp32). The candidate bias goes through ``bhat`` (the
@@ -150,7 +188,7 @@ def _qb_finish_kernel(
             m = idx < E
             v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
             cen = (v - mean1).to(tl.float32)
-            old = tl.load(bias_ptr + idx, mask=m, other=0.0)
+            old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
             mixed = (ema * old.to(tl.float64) + keep * cen.to(tl.float64)).to(tl.float32)
             acc2 += tl.sum(tl.where(m, mixed.to(tl.float64), 0.0), 0)
             total += tl.sum(tl.load(msum_ptr + idx, mask=m, other=0), 0)
@@ -163,7 +201,7 @@ def _qb_finish_kernel(
             m = idx < E
             v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
             cen = (v - mean1).to(tl.float32)
-            old = tl.load(bias_ptr + idx, mask=m, other=0.0)
+            old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
             mixed = (ema * old.to(tl.float64) + keep * cen.to(tl.float64)).to(tl.float32)
             new = (mixed.to(tl.float64) - mean2).to(tl.float32)
             new = tl.where(total > 0, new, old)
@@ -176,7 +214,7 @@ def _qb_finish_kernel(
             m = idx < E
             v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
             cen = (v - mean1).to(tl.float32)
-            old = tl.load(bias_ptr + idx, mask=m, other=0.0)
+            old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
             mixed = (ema * old.to(tl.float64) + keep * cen.to(tl.float64)).to(tl.float32)
             new = (mixed.to(tl.float64) - mean2).to(tl.float32)
             new = tl.where(total > 0, new, old)
@@ -192,15 +230,24 @@ def _qb_finish_kernel(
             b1 = hi + 1.0
             bounds_ok = (b0 < b1) & (b0 > float("-inf")) & (b1 < float("inf"))
         ok = (bad == 0) & bounds_ok
-        tl.debug_barrier()  # the candidates are in bhat
+        old_lo, old_hi = _bounds(bounds_ptr, committed_ptr, E, MARGIN, GUARD)
+        tl.debug_barrier()  # the candidates are in bhat; every thread has read the old state
         for c0 in range(0, E, EB):
             idx = c0 + tl.arange(0, EB)
             m = idx < E
             new = tl.load(bhat_ptr + idx, mask=m, other=0.0)
-            old = tl.load(bias_ptr + idx, mask=m, other=0.0)
-            tl.store(bias_ptr + idx, tl.where(ok, new, old), mask=m)
-        tl.store(bounds_ptr, tl.where(ok, b0, tl.load(bounds_ptr)))
-        tl.store(bounds_ptr + 1, tl.where(ok, b1, tl.load(bounds_ptr + 1)))
+            old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
+            final = tl.where(ok, new, old)
+            tl.store(bias_ptr + idx, final, mask=m)
+            if GUARD:
+                tl.store(committed_ptr + idx, final, mask=m)
+        lo_final = tl.where(ok, b0, old_lo)
+        hi_final = tl.where(ok, b1, old_hi)
+        tl.store(bounds_ptr, lo_final)
+        tl.store(bounds_ptr + 1, hi_final)
+        if GUARD:
+            tl.store(committed_ptr + E, lo_final)
+            tl.store(committed_ptr + E + 1, hi_final)
         if COUNT:
             tl.atomic_add(rejected_ptr, tl.where(ok, 0, 1).to(tl.int32), sem="relaxed")
     else:

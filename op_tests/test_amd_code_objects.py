@@ -24,6 +24,9 @@ import pytest
 
 from amdqb.backends.hip import _offline, _spec
 
+# the module fixture builds every kernel once: its tests stay on one xdist worker
+pytestmark = pytest.mark.xdist_group("amd_code_objects")
+
 ALL_TARGETS = [
     (f"clang-{m}", arch) for m in _offline.TOOLCHAIN_MAJORS for arch in _offline._ARCHS_BY_MAJOR[m]
 ]

@@ -12,11 +12,15 @@ import sys
 
 import pytest
 
+# the module fixture builds every kernel once: its tests stay on one xdist worker
+pytestmark = pytest.mark.xdist_group("amd_codegen")
+
 SCRIPT = r"""
 import json, sys
-from amdqb.backends.triton import aux_loss, codegen, layout, router
+from amdqb.backends.triton import aux_loss, chunks, codegen, layout, qb, router
+
 rows = []
-for module in (router, layout, aux_loss):
+for module in (router, layout, qb, chunks, aux_loss):
     for spec in module.codegen_specs():
         for arch in codegen.AMD_TARGETS:
             try:

@@ -40,7 +40,8 @@ run_tests() {  # FILES (default: the suite without the CPU emulator's tests), -k
   local sel=${1:-} log=${LOG:-tests.log}
   export AMDQB_TEST_LOG="$OUT/${log%.log}.live"  # every result as it happens
   timeout "${TEST_TIMEOUT:-540}" python -m pytest ${FILES:-op_tests} \
-    -p no:cacheprovider $([ "${JOBS}" != 0 ] && printf "%s " "${XDIST[@]}") --maxfail=60 -rfEs \
+    -p no:cacheprovider $([ "${JOBS}" != 0 ] && printf "%s " "${XDIST[@]}" || printf -- "-n 0") \
+    --maxfail=60 -rfEs \
     --durations=20 ${sel:+-k "$sel"} 2>&1 | tail -n 800 > "$OUT/$log"
   local rc=${PIPESTATUS[0]}
   tail -n 4 "$OUT/$log"
@@ -54,7 +55,7 @@ run_sanitize() {  # memcheck + racecheck -> $OUT/sanitizer.log
     echo "== $tool" >> "$OUT/sanitizer.log"
     AMDQB_TEST_LOG=/tmp/sanitizer.live timeout "${SANITIZE_TIMEOUT:-200}" \
       compute-sanitizer --tool "$tool" --error-exitcode 99 --report-api-errors no \
-      --target-processes all python -m pytest -q -p no:cacheprovider $files ${sel:+-k "$sel"} \
+      --target-processes all python -m pytest -q -n 0 -p no:cacheprovider $files ${sel:+-k "$sel"} \
       2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|Error" | tail -n 20 \
       >> "$OUT/sanitizer.log"
     echo "rc=${PIPESTATUS[0]} under $tool" >> "$OUT/sanitizer.log"

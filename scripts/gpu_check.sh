@@ -59,6 +59,9 @@ run_sanitize() {  # memcheck + racecheck -> $OUT/sanitizer.log
       2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|Error" | tail -n 20 \
       >> "$OUT/sanitizer.log"
     echo "rc=${PIPESTATUS[0]} under $tool" >> "$OUT/sanitizer.log"
+    echo "tests under $tool: $(grep -c '^passed' /tmp/sanitizer.live 2>/dev/null) passed," \
+      "$(grep -c '^failed' /tmp/sanitizer.live 2>/dev/null) failed," \
+      "$(grep -c '^skipped' /tmp/sanitizer.live 2>/dev/null) skipped" >> "$OUT/sanitizer.log"
     rm -f /tmp/sanitizer.live
   done
   cat "$OUT/sanitizer.log"

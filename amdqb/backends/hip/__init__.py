@@ -67,27 +67,24 @@ def unsupported(op: str, info, features: dict):
     if op == "align_block_size":
         num_experts = int(features.get("num_experts", 0))
         if num_experts > layout.MAX_ALIGN_EXPERTS:
-            return (
-                f"hip: align with num_experts={num_experts} > {layout.MAX_ALIGN_EXPERTS} (LDS rows)"
-            )
+            return f"align with num_experts={num_experts} > {layout.MAX_ALIGN_EXPERTS} (LDS rows)"
         return None
     if op not in ("router_fwd", "biased_topk"):
         return None
     if features.get("grouped"):
-        return "hip: grouped Top-k is not implemented"
+        return "grouped Top-k is not implemented"
     num_experts = int(features.get("num_experts", 0))
     if num_experts > router.MAX_ROUTER_EXPERTS:
         return (
-            f"hip: num_experts={num_experts} > {router.MAX_ROUTER_EXPERTS} "
-            "(register-resident rows)"
+            f"num_experts={num_experts} > {router.MAX_ROUTER_EXPERTS} " "(register-resident rows)"
         )
     qb = bool(features.get("qb"))
     n = int(features.get("topk", 0)) + (1 if qb else 0)
     cap = router.max_select(configs.load(info.arch_family))
     if n > cap:
-        return f"hip: selecting {n} experts per token > {cap}"
+        return f"selecting {n} experts per token > {cap}"
     if qb and int(features.get("num_bins", 0)) > router.MAX_QB_BINS:
-        return f"hip: QB num_bins={features.get('num_bins')} > {router.MAX_QB_BINS} (LDS row)"
+        return f"QB num_bins={features.get('num_bins')} > {router.MAX_QB_BINS} (LDS row)"
     return None
 
 

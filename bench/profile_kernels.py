@@ -4,9 +4,9 @@
         python -m bench.profile_kernels
 
 Everything is compiled and warmed up before ``cudaProfilerStart`` so that only the timed kernels of
-the docs/targets.md shapes are profiled: the QB router (E=896, k=16, B=1000, T=16384, both histogram modes,
-and no QB) per backend, biased_topk at a decode size, route rows (atomic / lds, M=8192 uniform) and
-moe_align_block_size (M=8192). ``AMDQB_PROFILE_K=a,b``: only the cases whose name contains a or b.
+the docs/targets.md shapes are profiled: the QB router (E=896, k=16, T=16384; B=1000 in both
+histogram modes, log_margin with B=64, and no QB) per backend, biased_topk at a decode size, route
+rows (atomic / lds, M=8192 uniform) and moe_align_block_size (M=8192). ``AMDQB_PROFILE_K=a,b``: only the cases whose name contains a or b.
 """
 
 from __future__ import annotations
@@ -29,8 +29,28 @@ def _cases(dev):
     hist = torch.zeros(e, b, dtype=torch.int32, device=dev)
     dec = torch.randn(8, e, device=dev, generator=g)
     ids = torch.randint(0, e, (8192, k), device=dev, generator=g, dtype=torch.int32)
+    margin_hist = torch.zeros(e, 64, dtype=torch.int32, device=dev)
+    margin_bounds = amdqb.ref.qb.margin_scale(bias)
+    amdqb.mark_qb_bin_bounds_validated(margin_bounds)
     cases = []
     for be in ("triton", "hip"):
+        cases.append(
+            (
+                f"router {be} log_margin two_kernel T={t}",
+                be,
+                "router_fwd",
+                lambda be=be: amdqb.fused_topk_with_score_function(
+                    logits,
+                    k,
+                    expert_bias=bias,
+                    qb_histogram=margin_hist,
+                    qb_bin_bounds=margin_bounds,
+                    qb_histogram_mode="two_kernel",
+                    qb_binning="log_margin",
+                    backend=be,
+                ),
+            )
+        )
         for mode in (None, "two_kernel", "fused_atomic"):
             qb = {} if mode is None else dict(qb_histogram=hist, qb_bin_bounds=bounds)
             cases.append(

@@ -372,6 +372,26 @@ def test_qb_two_kernel_histogram_launch_shapes(
 
 
 @over_backends("router_fwd", emulator=True)
+@pytest.mark.parametrize("mode", ["two_kernel", "fused_atomic"])
+@pytest.mark.parametrize("e,t", [(20, 300), (22, 130), (896, 37)])
+def test_log_margin_histogram_on_own_scores(backend, warp_router, mode, e, t):
+    """The log_margin histogram of both modes equals the oracle's on the kernel's own scores: the
+    fused epilogue's atomics and the two-kernel bin bytes counted by amdqb_qb_hist_bins (4-expert
+    vector loads for E = 20 and 896, scalar loads for E = 22, a partial last expert group)."""
+    logits = make_logits(t, e, "normal", e + t) * 4
+    bias = torch.randn(e, generator=torch.Generator().manual_seed(e)) * 1e-3
+    scale = ref.qb.margin_scale(bias)
+    hist = torch.zeros(e, 64, dtype=torch.int32)
+    kw = dict(expert_bias=bias, qb_histogram=hist, qb_bin_bounds=scale, qb_binning="log_margin")
+    amdqb.fused_topk_with_score_function(logits, 8, qb_histogram_mode=mode, backend=backend, **kw)
+    s = hip_backend.score_values(logits, "sigmoid")
+    want = torch.zeros_like(hist)
+    ref.fused_topk_with_score_function(logits, 8, scores=s, **{**kw, "qb_histogram": want})
+    assert torch.equal(hist, want)
+    assert int(hist.sum()) == t * e
+
+
+@over_backends("router_fwd", emulator=True)
 def test_qb_two_kernel_histogram_accumulates(backend, emu_rt, warp_router):
     """One token slice per expert group (the default): every bin is flushed by one block, the
     oracle's counts; the histogram accumulates onto the existing counts."""

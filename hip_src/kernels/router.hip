@@ -786,9 +786,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_BLOCK, AMDQB_QB_HIST_MIN
 
 // log_margin two-kernel histogram: the router's bins (bytes [T, E]) counted per expert. Grid
 // (ceil(E / experts_per_block), token slices); each block counts its (expert, token) slice into an
-// LDS histogram [experts_per_block, B] and flushes the non-zero bins with global atomics. vec = 4:
+// LDS histogram [experts_per_block, B + 1] and flushes the non-zero bins with global atomics. The
+// row padding puts the same bin of neighbouring experts in different banks: with B a multiple of
+// 32 the near-cutoff bins every expert counts would otherwise serialise a warp's atomics. vec = 4:
 // each thread reads 4 consecutive experts' bins with one 32-bit load (E and experts_per_block
-// multiples of 4), else 1. Dynamic shared memory: experts_per_block * num_bins ints.
+// multiples of 4), else 1. Dynamic shared memory: experts_per_block * (num_bins + 1) ints.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
     amdqb_qb_hist_bins(const u8* bins, int num_tokens, int num_bins, int experts_per_block,
                        int tokens_per_slice, int vec, int* hist) {
@@ -796,25 +798,26 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int epb = experts_per_block;
+  const int stride = num_bins + 1;
   const int e0 = (int)blockIdx.x * epb;
   const int ne = E - e0 < epb ? E - e0 : epb;
   const i64 t0 = (i64)blockIdx.y * tokens_per_slice;
   const i64 t1 = t0 + tokens_per_slice < num_tokens ? t0 + tokens_per_slice : (i64)num_tokens;
-  for (int i = tid; i < epb * num_bins; i += nt) lh[i] = 0;
+  for (int i = tid; i < epb * stride; i += nt) lh[i] = 0;
   block_sync();
   wait_for_prior_grid();  // the bins are the router's output
   const int per_row = epb / vec;
   const int sub = tid % per_row;
   const int rows_per_pass = nt / per_row;
   if (tid / per_row < rows_per_pass && sub * vec < ne) {
-    int* h = lh + sub * vec * num_bins;
+    int* h = lh + sub * vec * stride;
     for (i64 t = t0 + tid / per_row; t < t1; t += rows_per_pass) {
       const u8* p = bins + t * E + e0 + sub * vec;
       if (vec == 4) {
         const u32 word = *reinterpret_cast<const u32*>(p);
 #pragma unroll
         for (int v = 0; v < 4; ++v)
-          atomic_add_shared(&h[v * num_bins + ((word >> (8 * v)) & 0xffu)], 1);
+          atomic_add_shared(&h[v * stride + ((word >> (8 * v)) & 0xffu)], 1);
       } else {
         atomic_add_shared(&h[*p], 1);
       }
@@ -823,7 +826,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
   block_sync();
   int* block_hist = hist + (i64)e0 * num_bins;
   for (int i = tid; i < ne * num_bins; i += nt) {
-    const int c = lh[i];
+    const int c = lh[(i / num_bins) * stride + i % num_bins];
     if (c != 0) atomic_add_global(block_hist + i, c);
   }
 }

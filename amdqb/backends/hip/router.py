@@ -314,7 +314,8 @@ def _count_margin_bins(rt, cfg, spec, bins, num_bins, hist):
     tokens, num_experts = bins.shape
     device = dev(bins)
     epb = cfg["hip.qb_hist.margin_experts_per_block"]
-    while epb > 1 and epb * num_bins * 4 > rt.smem_budget(device):
+    row = num_bins + 1  # the kernel pads each expert's LDS row by one int (bank spread)
+    while epb > 1 and epb * row * 4 > rt.smem_budget(device):
         epb //= 2
     groups = cdiv(num_experts, epb)
     slices = max(
@@ -332,7 +333,7 @@ def _count_margin_bins(rt, cfg, spec, bins, num_bins, hist):
         k,
         (groups, cdiv(tokens, per)),
         cfg["hip.qb_hist.block"],
-        4 * epb * num_bins,
+        4 * epb * row,
         [
             ptr(bins),
             arg_i32(tokens),

@@ -246,7 +246,7 @@ class Report:
                     spread[key] = value
             row = spread
         self.rows.append(row)
-        if AUTOSAVE is not None:  # a run cut off by a time limit keeps every finished row
+        if AUTOSAVE is not None:  # an interrupted run keeps every finished row
             write_json(AUTOSAVE, [self])
             print(f"[{self.title}] " + json.dumps(row, default=str), file=sys.stderr, flush=True)
 

@@ -175,7 +175,7 @@ _LIVE_LOG = os.environ.get("AMDQB_TEST_LOG")
 
 def pytest_runtest_logreport(report):
     """With AMDQB_TEST_LOG set, append each test's outcome, duration and (on failure) its error as
-    it happens: a run cut off by a time limit still leaves every finished result behind."""
+    it happens: an interrupted run still leaves every finished result behind."""
     if not _LIVE_LOG or _worker or not (report.when == "call" or report.outcome != "passed"):
         return  # under xdist the controller, which receives every report, writes the log
     line = f"{report.outcome:7s} {report.duration:8.2f}s {report.when:8s} {report.nodeid}\n"
@@ -189,7 +189,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_collection_modifyitems(config, items):
     """AMDQB_RESUME_FROM=<live log>[:<live log>...]: deselect the tests these logs record as passed,
-    so a suite cut off by a time limit can be finished by a second run (scripts/gpu_check.sh)."""
+    so an interrupted suite can be finished by a second run (scripts/gpu_check.sh)."""
     paths = [p for p in os.environ.get("AMDQB_RESUME_FROM", "").split(os.pathsep) if p]
     done = set()
     for path in paths:

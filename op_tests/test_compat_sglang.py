@@ -17,10 +17,8 @@ import torch
 
 from amdqb.compat import sglang
 
-from conftest import DEVICE, kernel_backends
-
-ROUTER_BACKENDS = ["torch"] + [b for b in kernel_backends("biased_topk") if isinstance(b, str)]
-ALIGN_BACKENDS = ["torch"] + [b for b in kernel_backends("align_block_size") if isinstance(b, str)]
+from compat_cases import ALIGN_BACKENDS, ROUTER_BACKENDS, check_route, logits_for, top
+from conftest import DEVICE
 
 
 @pytest.fixture(params=ROUTER_BACKENDS)
@@ -33,11 +31,6 @@ def backend(request, monkeypatch):
 def align_backend(request, monkeypatch):
     monkeypatch.setenv("AMDQB_BACKEND", request.param)
     return request.param
-
-
-def top(values, k):
-    """Indices of the k largest, ties to the smaller index (SGLang's kernels, amdqb's contract)."""
-    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def ref_gate(
@@ -69,20 +62,8 @@ def ref_gate(
     return w, ids.to(torch.int32)
 
 
-def logits_for(t, e, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(t, e, generator=g) * 2).to(dtype).to(DEVICE)
-
-
 def bias_for(e, seed, dtype=torch.float32):
     return (torch.rand(e, generator=torch.Generator().manual_seed(seed)) * 0.5).to(dtype).to(DEVICE)
-
-
-def check_gate(got, want):
-    w, ids = got
-    assert w.dtype == torch.float32 and ids.dtype == torch.int32
-    assert torch.equal(ids.cpu(), want[1].cpu())
-    torch.testing.assert_close(w.cpu(), want[0].cpu(), atol=1e-6, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -129,7 +110,7 @@ def test_moe_fused_gate(backend, e, groups, topk_group, k, n_shared, on_output):
     logits, bias = logits_for(t, e, seed=e + k), bias_for(e, seed=e)
     topk = k + n_shared
     got = sglang.moe_fused_gate(logits, bias, groups, topk_group, topk, n_shared, 2.5, on_output)
-    check_gate(
+    check_route(
         got, ref_gate(logits, bias, topk, True, groups, topk_group, n_shared, 2.5, on_output)
     )
     w = got[0]
@@ -147,7 +128,7 @@ def test_moe_fused_gate_half_inputs_route_in_fp32(backend, dtype):
     logits = logits_for(17, e, seed=3, dtype=dtype)
     bias = bias_for(e, seed=4, dtype=dtype)
     got = sglang.moe_fused_gate(logits, bias, groups, topk_group, k, 0, 2.5)
-    check_gate(got, ref_gate(logits.float(), bias.float(), k, True, groups, topk_group))
+    check_route(got, ref_gate(logits.float(), bias.float(), k, True, groups, topk_group))
     in_dtype = torch.sigmoid(logits).gather(1, got[1].long()).float()
     torch.testing.assert_close(got[0], in_dtype / in_dtype.sum(-1, keepdim=True), atol=2e-2, rtol=0)
 
@@ -167,7 +148,7 @@ def test_biased_grouped_topk(backend, renormalize, n_shared, scale, on_output):
         apply_routed_scaling_factor_on_output=on_output,
     )  # fmt: skip
     want = ref_gate(logits, bias, topk, renormalize, groups, topk_group, n_shared, scale, on_output)
-    check_gate(got, want)
+    check_route(got, want)
 
 
 def test_biased_grouped_topk_padded_rows_and_rejections(backend):
@@ -196,7 +177,7 @@ def test_kimi_k2_moe_fused_gate(backend, k, renormalize, on_output):
     e = 384
     logits, bias = logits_for(5, e, seed=k), bias_for(e, seed=k)
     got = sglang.kimi_k2_moe_fused_gate(logits, bias, k, renormalize, 2.0, on_output)
-    check_gate(got, ref_gate(logits, bias, k, renormalize, 1, 1, scale=2.0, on_output=on_output))
+    check_route(got, ref_gate(logits, bias, k, renormalize, 1, 1, scale=2.0, on_output=on_output))
 
 
 # ----------------------------------------------------------------------------------------------

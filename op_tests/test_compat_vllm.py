@@ -13,10 +13,8 @@ import torch
 
 from amdqb.compat import vllm
 
-from conftest import DEVICE, kernel_backends
-
-ROUTER_BACKENDS = ["torch"] + [b for b in kernel_backends("biased_topk") if isinstance(b, str)]
-ALIGN_BACKENDS = ["torch"] + [b for b in kernel_backends("align_block_size") if isinstance(b, str)]
+from compat_cases import ALIGN_BACKENDS, ROUTER_BACKENDS, check_route, logits_for, top
+from conftest import DEVICE
 
 
 @pytest.fixture(params=ROUTER_BACKENDS)
@@ -43,11 +41,6 @@ def scores_of(logits, scoring_func):
     return torch.sqrt(torch.nn.functional.softplus(z))
 
 
-def top(values, k):
-    """Indices of the k largest, ties to the smaller index (vLLM's kernels, amdqb's contract)."""
-    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
-
-
 def ref_route(
     logits, topk, renormalize, scoring_func, bias=None, groups=None, topk_group=None, scale=1.0
 ):
@@ -68,18 +61,6 @@ def ref_route(
     if renormalize:
         w = w / w.sum(-1, keepdim=True)
     return w * scale, ids.to(torch.int32)
-
-
-def logits_for(t, e, seed, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(t, e, generator=g) * 2).to(dtype).to(DEVICE)
-
-
-def check_route(got, want, atol=1e-6):
-    w, ids = got
-    assert w.dtype == torch.float32 and ids.dtype == torch.int32
-    assert torch.equal(ids.cpu(), want[1].cpu())  # selection order: score desc, id asc
-    torch.testing.assert_close(w.cpu(), want[0].cpu(), atol=atol, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ COMMAND_HELP = {
     ),
 }
 
-BENCH_SUITES = {  # kept in step with bench/cli.py's SUITE_HELP (op_tests/test_cli.py checks it)
+BENCH_SUITES = {  # bench/cli.py's SUITE_HELP is this dict: the package's help needs no bench
     "route": "moe_route_rows (atomic / lds / deterministic) and moe_align_block_size vs torch",
     "router": "fused router: no QB, QB uniform / log_margin / tie-free in each mode; biased_topk",
     "chunks": "moe_sort_chunks_and_pad + moe_unpad_and_restore_chunks round trip vs split/cat",

@@ -15,6 +15,8 @@ import traceback
 
 import torch
 
+from amdqb.cli import BENCH_SUITES
+
 from . import balance, chunks, common, route, router, serving
 from .common import TimingConfig, quick_config, write_json
 
@@ -26,14 +28,8 @@ SUITES = {
     "serving": serving.run,
 }
 
-SUITE_HELP = {
-    "route": "moe_route_rows (atomic / lds / deterministic) and moe_align_block_size vs torch",
-    "router": "fused router: no QB, QB uniform / log_margin / tie-free in each mode; biased_topk",
-    "chunks": "moe_sort_chunks_and_pad + moe_unpad_and_restore_chunks round trip vs split/cat",
-    "balance": "QuantileBalancer.step() (recover, EMA, centre, bounds, zero)",
-    "serving": "routing share of a serving MoE layer (biased_topk + align), eager and graph",
-    "all": "every suite above, in that order",
-}
+# One description per suite, shared with ``amdqb --help`` (which runs without bench installed).
+SUITE_HELP = BENCH_SUITES
 
 # What --tokens / --experts / --topk set in each suite (None: the flag does not apply).
 FLAG_KEYS = {

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from . import dispatch
 from .ops._checks import (
     INT32_MAX,
     LOAD_DTYPES,
@@ -298,15 +299,7 @@ class QuantileBalancer:
 
 def _check_device(device) -> torch.device:
     """``device=``: None (the CPU), a ``torch.device`` or its string; an available one."""
-    if device is None:
-        return torch.device("cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ValueError(f"device must be a torch device or its name, got {device!r}") from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device} is not available (no CUDA/ROCm device)")
-    return device
+    return torch.device("cpu") if device is None else dispatch.as_device(device)
 
 
 @torch.no_grad()

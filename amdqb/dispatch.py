@@ -113,16 +113,23 @@ def _device_info_cached(device_str: str) -> DeviceInfo:
     )
 
 
-def device_info(device: torch.device | str | None = None) -> DeviceInfo:
-    """Cached :class:`DeviceInfo` of ``device`` (default: the current CUDA device, else the CPU)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+def as_device(device: torch.device | str) -> torch.device:
+    """``device`` (a ``torch.device`` or its name) as a ``torch.device``; a ``ValueError`` naming
+    it when it is neither or names an unavailable CUDA/ROCm device."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
         raise ValueError(f"device must be a torch device or its name, got {device!r}") from exc
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} is not available (no CUDA/ROCm device)")
+    return dev
+
+
+def device_info(device: torch.device | str | None = None) -> DeviceInfo:
+    """Cached :class:`DeviceInfo` of ``device`` (default: the current CUDA device, else the CPU)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = as_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return _device_info_cached(str(dev))

@@ -52,7 +52,7 @@ import torch
 
 from ..ops import layout as _layout
 from ..ops import router as _router
-from ..ops._checks import ID_DTYPES, check_int, check_tensor
+from ..ops._checks import ID_DTYPES, check_bool, check_float, check_int, check_tensor
 
 __all__ = [
     "biased_grouped_topk",
@@ -108,40 +108,47 @@ def _shared_and_routed(
     num_fused_shared_experts: int,
     routed_scaling_factor: Optional[float],
     apply_routed_scaling_factor_on_output: bool,
+    num_token_non_padded=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGLang's biased (grouped) gate: ``topk - n`` routed experts, then ``n`` shared slots."""
+    """SGLang's biased (grouped) gate: ``topk - n`` routed experts, then ``n`` shared slots, all
+    written by one kernel."""
     check_tensor("gating_output", gating_output, dim=2)
     check_tensor("bias", bias, dim=1)
     check_int("num_fused_shared_experts", num_fused_shared_experts, low=0, high=topk - 1)
-    scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
+    scale = (
+        1.0
+        if routed_scaling_factor is None
+        else check_float("routed_scaling_factor", routed_scaling_factor, finite=True)
+    )
     if num_fused_shared_experts and scale == 0.0:
         raise ValueError("routed_scaling_factor must be non-zero with fused shared experts")
-    if bias.dtype != torch.float32 or not bias.is_contiguous():
-        bias = bias.to(torch.float32).contiguous()  # amdqb's correction bias is fp32 [E]
-    on_output = bool(renormalize) and bool(apply_routed_scaling_factor_on_output)
-    weights, ids = _router.biased_topk(
+    renormalize = check_bool("renormalize", renormalize)
+    on_output = renormalize and check_bool(
+        "apply_routed_scaling_factor_on_output", apply_routed_scaling_factor_on_output
+    )
+    # shared experts: (routed sum / scale) / routed sum after the renormalisation (times scale on
+    # the output), or the routed sum / scale without it
+    shared = {}
+    if num_fused_shared_experts:
+        if renormalize:
+            shared = dict(shared_weight=1.0 if on_output else 1.0 / scale)
+        else:
+            shared = dict(shared_div=scale)
+    weights, ids, _ = _router.serving_topk(
         gating_output,
         topk - num_fused_shared_experts,
         bias,
         score_function="sigmoid",
-        renormalize=bool(renormalize),
+        renormalize=renormalize,
         scaling_factor=scale if on_output else None,
         num_groups=num_groups,
         group_topk=group_topk,
+        num_shared=num_fused_shared_experts,
+        non_padded=num_token_non_padded,
+        names=("gating_output", "bias"),
+        **shared,
     )
-    if not num_fused_shared_experts:
-        return weights, ids
-    t, e = gating_output.shape
-    shape = (t, num_fused_shared_experts)
-    if renormalize:  # (routed sum / scale) / routed sum, then * scale on the output
-        shared_w = torch.full(shape, 1.0 if on_output else 1.0 / scale, device=weights.device)
-    else:
-        shared_w = (weights.sum(-1, keepdim=True) / scale).expand(shape)
-    shared_ids = torch.arange(e, e + num_fused_shared_experts, dtype=torch.int32, device=ids.device)
-    return (
-        torch.cat([weights, shared_w], dim=1),
-        torch.cat([ids, shared_ids.expand(shape)], dim=1),
-    )
+    return weights, ids
 
 
 def moe_fused_gate(
@@ -205,7 +212,7 @@ def biased_grouped_topk(
         )
     check_int("topk", topk, low=1)
     grouped = num_expert_group is not None and num_expert_group > 1
-    weights, ids = _shared_and_routed(
+    return _shared_and_routed(
         gating_output,
         correction_bias,
         topk,
@@ -215,11 +222,8 @@ def biased_grouped_topk(
         num_fused_shared_experts,
         routed_scaling_factor,
         bool(apply_routed_scaling_factor_on_output),
+        num_token_non_padded,
     )
-    if num_token_non_padded is not None:
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        ids.masked_fill_((rows >= num_token_non_padded).unsqueeze(1), -1)
-    return weights, ids
 
 
 def kimi_k2_moe_fused_gate(

@@ -54,7 +54,7 @@ import torch
 
 from ..ops import layout as _layout
 from ..ops import router as _router
-from ..ops._checks import ID_DTYPES, check_int, check_tensor
+from ..ops._checks import ID_DTYPES, check_bool, check_float, check_int, check_tensor
 from ..ref.layout import align_buffer_sizes
 from ..ref.router import activation, normalise
 
@@ -73,6 +73,7 @@ INACTIVE_EXPERT_ID = -1
 
 _FUSED_TOPK_SCORES = ("softmax", "sigmoid")
 _BIAS_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
+_NAMES = ("gating_output", "e_score_correction_bias")
 
 
 def _check_scoring(scoring_func, allowed) -> str:
@@ -90,21 +91,16 @@ def _check_tokens(hidden_states, gating_output) -> None:
         )
 
 
-def _fp32_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    # vLLM keeps e_score_correction_bias in the checkpoint's dtype; amdqb's bias is fp32 [E]
-    if bias is None:
-        return None
-    check_tensor("e_score_correction_bias", bias, dim=1)
-    if bias.dtype != torch.float32 or not bias.is_contiguous():
-        bias = bias.to(torch.float32).contiguous()
-    return bias
-
-
 def _scale(routed_scaling_factor) -> Optional[float]:
     if routed_scaling_factor is None:
         return None
-    value = float(routed_scaling_factor)
+    value = check_float("routed_scaling_factor", routed_scaling_factor, finite=True)
     return None if value == 1.0 else value
+
+
+def _ids_dtype(indices_type) -> torch.dtype:
+    """The kernel writes int32 or int64 ids itself; other integer types are converted after."""
+    return indices_type if indices_type in (torch.int32, torch.int64) else torch.int32
 
 
 def _ids_as(ids: torch.Tensor, indices_type) -> torch.Tensor:
@@ -120,18 +116,17 @@ def fused_topk(
     scoring_func: str = "softmax",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """vLLM's ``fused_topk``: ``(topk_weights fp32 [M, k], topk_ids [M, k], token_expert_indices
-    int32 [M, k])`` with ``token_expert_indices[t, j] = j * M + t``."""
+    int32 [M, k])`` with ``token_expert_indices[t, j] = j * M + t``, all from one kernel."""
     _check_tokens(hidden_states, gating_output)
     _check_scoring(scoring_func, _FUSED_TOPK_SCORES)
-    weights, ids = _router.biased_topk(
-        gating_output, topk, score_function=scoring_func, renormalize=bool(renormalize)
-    )
-    m = gating_output.size(0)
-    token_expert_indices = (
-        torch.arange(topk * m, dtype=torch.int32, device=gating_output.device)
-        .view(topk, m)
-        .t()
-        .contiguous()
+    weights, ids, token_expert_indices = _router.serving_topk(
+        gating_output,
+        topk,
+        score_function=scoring_func,
+        renormalize=check_bool("renormalize", renormalize),
+        token_expert_indices=True,
+        ids_dtype=_ids_dtype(indices_type),
+        names=_NAMES,
     )
     return weights, _ids_as(ids, indices_type), token_expert_indices
 
@@ -154,6 +149,7 @@ def fused_topk_bias(
     _check_tokens(hidden_states, gating_output)
     _check_scoring(scoring_func, _BIAS_SCORES)
     scale = _scale(routed_scaling_factor)
+    renormalize = check_bool("renormalize", renormalize)
     if hash_indices_table is not None:
         if input_tokens is None:
             raise ValueError("hash_indices_table needs input_tokens")
@@ -166,13 +162,15 @@ def fused_topk_bias(
         if scale is not None:
             weights = weights * scale
         return weights, _ids_as(ids.to(torch.int32), indices_type)
-    weights, ids = _router.biased_topk(
+    weights, ids, _ = _router.serving_topk(
         gating_output,
         topk,
-        _fp32_bias(e_score_correction_bias),
+        e_score_correction_bias,
         score_function=scoring_func,
-        renormalize=bool(renormalize),
+        renormalize=renormalize,
         scaling_factor=scale,
+        ids_dtype=_ids_dtype(indices_type),
+        names=_NAMES,
     )
     return weights, _ids_as(ids, indices_type)
 
@@ -196,16 +194,18 @@ def grouped_topk(
     groups = None if num_expert_group <= 1 else num_expert_group
     if groups is not None and topk_group < 1:
         raise ValueError(f"topk_group must be >= 1 with num_expert_group={num_expert_group}")
-    return _router.biased_topk(
+    weights, ids, _ = _router.serving_topk(
         gating_output,
         topk,
-        _fp32_bias(e_score_correction_bias),
+        e_score_correction_bias,
         score_function=scoring_func,
-        renormalize=bool(renormalize),
+        renormalize=check_bool("renormalize", renormalize),
         scaling_factor=_scale(routed_scaling_factor),
         num_groups=groups,
         group_topk=None if groups is None else topk_group,
+        names=_NAMES,
     )
+    return weights, ids
 
 
 # ----------------------------------------------------------------------------------------------

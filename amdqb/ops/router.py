@@ -29,6 +29,7 @@ import torch
 
 from .. import dispatch
 from .._library import impl, kernel_op
+from ..backends.calls import TopkCall
 from ..ref.router import BINNINGS, SCORE_FUNCTIONS, SELECTIONS, unpack_bitmap
 from ._checks import (
     FLOAT_DTYPES,
@@ -171,33 +172,42 @@ def _router_bwd(
     )
 
 
-@kernel_op("biased_topk", mutates_args=("weights_out", "ids_out"))
+@kernel_op("biased_topk", mutates_args=("weights_out", "ids_out", "tei_out"))
 def _biased_topk(
     logits: torch.Tensor,
-    topk: int,
     expert_bias: Optional[torch.Tensor],
+    weights_out: torch.Tensor,
+    ids_out: torch.Tensor,
+    tei_out: Optional[torch.Tensor],
+    non_padded: Optional[torch.Tensor],
+    topk: int,
     score_function: str,
     renormalize: bool,
     scaling_factor: Optional[float],
     num_groups: Optional[int],
     group_topk: Optional[int],
-    weights_out: torch.Tensor,
-    ids_out: torch.Tensor,
     approximate: bool,
+    num_shared: int,
+    shared_weight: float,
+    shared_div: Optional[float],
+    non_padded_rows: Optional[int],
     backend: str,
 ) -> None:
-    impl("biased_topk", backend)(
-        logits,
+    call = TopkCall(
         topk,
-        expert_bias,
         score_function,
         renormalize,
         scaling_factor,
         num_groups,
         group_topk,
-        weights_out,
-        ids_out,
         approximate,
+        num_shared,
+        shared_weight,
+        shared_div,
+        non_padded_rows,
+    )
+    impl("biased_topk", backend)(
+        call, logits, expert_bias, weights_out, ids_out, tei_out, non_padded
     )
 
 
@@ -563,13 +573,66 @@ def biased_topk(
         score descending, expert id ascending).
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    num_experts = logits.shape[-1]
-    if num_experts < 1:
+    if logits.shape[-1] < 1:
         raise ValueError("logits must have at least one expert (last dim >= 1)")
+    if expert_bias is not None:
+        check_tensor("expert_bias", expert_bias, dtypes=(torch.float32,))
+    lead = logits.shape[:-1]
+    weights, ids, _ = serving_topk(
+        logits.reshape(-1, logits.shape[-1]) if logits.dim() != 2 else logits,
+        topk,
+        expert_bias,
+        score_function=score_function,
+        renormalize=renormalize,
+        scaling_factor=scaling_factor,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        approximate_activation=approximate_activation,
+        backend=backend,
+    )
+    return weights.view(*lead, topk), ids.view(*lead, topk)
+
+
+def serving_topk(
+    logits: torch.Tensor,
+    topk: int,
+    expert_bias: Optional[torch.Tensor] = None,
+    *,
+    score_function: str = "sigmoid",
+    renormalize: bool = True,
+    scaling_factor: Optional[float] = None,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    approximate_activation: bool = False,
+    num_shared: int = 0,
+    shared_weight: float = 0.0,
+    shared_div: Optional[float] = None,
+    non_padded=None,
+    token_expert_indices: bool = False,
+    ids_dtype: torch.dtype = torch.int32,
+    backend: Optional[str] = None,
+    names: tuple[str, str] = ("logits", "expert_bias"),
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The serving top-k with every output of the peers' fused gates, in one kernel launch on the
+    hip backend (:class:`amdqb.backends.calls.TopkCall`): ``(weights fp32 [T, topk + num_shared],
+    ids [T, topk + num_shared] in ids_dtype, token_expert_indices int32 [T, topk] or None)``.
+
+    ``logits [T, E]`` may have strided rows (its experts contiguous); ``expert_bias`` may be
+    fp32, fp16 or bf16 (read in its dtype, converted to fp32). ``num_shared`` / ``shared_weight``
+    / ``shared_div``: SGLang's fused shared experts (``shared_div`` needs ``renormalize=False``
+    and no scaling factor); ``non_padded``: an int or a device int32 / int64 scalar, rows at or
+    past it get ids -1. ``names``: the caller's names of the logits and the bias, for errors.
+    """
+    logits_name, bias_name = names
+    check_tensor(logits_name, logits, dtypes=FLOAT_DTYPES, dim=2)
+    tokens, num_experts = logits.shape
+    if num_experts < 1:
+        raise ValueError(f"{logits_name} must have at least one expert (last dim >= 1)")
     device = logits.device
     topk = check_int("topk", topk, low=1, high=num_experts)
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
     renormalize = check_bool("renormalize", renormalize)
+    approximate_activation = check_bool("approximate_activation", approximate_activation)
     num_groups, group_topk = check_groups(
         num_groups,
         group_topk,
@@ -581,20 +644,38 @@ def biased_topk(
     if scaling_factor is not None:
         scaling_factor = check_float("scaling_factor", scaling_factor, finite=True)
     check_backend(backend)
+    num_shared = check_int("num_shared", num_shared, low=0)
+    if shared_div is not None:
+        shared_div = check_float("shared_div", shared_div, finite=True)
+        if renormalize or scaling_factor is not None:
+            raise ValueError("shared_div needs renormalize=False and no scaling_factor")
+    if ids_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
     if expert_bias is not None:
         check_tensor(
-            "expert_bias",
-            expert_bias,
-            dtypes=(torch.float32,),
-            shape=(num_experts,),
-            device=device,
-            contiguous=True,
+            bias_name, expert_bias, dtypes=FLOAT_DTYPES, shape=(num_experts,), device=device
         )
-    lead = logits.shape[:-1]
-    logits2d = logits.reshape(-1, num_experts)
-    if not logits2d.is_contiguous():
-        logits2d = logits2d.contiguous()
-    tokens = logits2d.shape[0]
+        if not expert_bias.is_contiguous():
+            expert_bias = expert_bias.contiguous()
+    non_padded_rows = None
+    if isinstance(non_padded, torch.Tensor):
+        check_tensor(
+            "num_token_non_padded",
+            non_padded,
+            dtypes=(torch.int32, torch.int64),
+            device=device,
+        )
+        if non_padded.numel() != 1:
+            raise ValueError(
+                f"num_token_non_padded must hold one value, got shape {tuple(non_padded.shape)}"
+            )
+    elif non_padded is not None:
+        non_padded_rows = check_int("num_token_non_padded", non_padded, low=0)
+        non_padded = None
+    if token_expert_indices and topk * tokens > 2**31 - 1:
+        raise ValueError(f"token_expert_indices of {tokens} tokens x {topk} do not fit int32")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     chosen_backend = dispatch.kernel_backend(
         "biased_topk",
         device,
@@ -603,21 +684,35 @@ def biased_topk(
         topk=topk,
         score_function=score_function,
         grouped=num_groups is not None,
+        num_groups=num_groups or 0,
+        group_topk=group_topk or 0,
     )
-    weights = torch.empty(tokens, topk, dtype=torch.float32, device=device)
-    ids = torch.empty(tokens, topk, dtype=torch.int32, device=device)
+    out_k = topk + num_shared
+    weights = torch.empty(tokens, out_k, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, out_k, dtype=ids_dtype, device=device)
+    tei = (
+        torch.empty(tokens, topk, dtype=torch.int32, device=device)
+        if token_expert_indices
+        else None
+    )
     _biased_topk(
-        logits2d,
-        topk,
+        logits,
         expert_bias,
+        weights,
+        ids,
+        tei,
+        non_padded,
+        topk,
         score_function,
         bool(renormalize),
         scaling_factor,
         num_groups,
         group_topk,
-        weights,
-        ids,
         bool(approximate_activation),
+        num_shared,
+        float(shared_weight),
+        shared_div,
+        non_padded_rows,
         chosen_backend,
     )
-    return weights.view(*lead, topk), ids.view(*lead, topk)
+    return weights, ids, tei

@@ -332,6 +332,62 @@ def biased_topk(
     return w, idx.to(torch.int32)
 
 
+def serving_topk(
+    logits: torch.Tensor,
+    topk: int,
+    expert_bias: torch.Tensor | None = None,
+    score_function: str = "sigmoid",
+    renormalize: bool = True,
+    scaling_factor: float | None = None,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    *,
+    num_shared: int = 0,
+    shared_weight: float = 0.0,
+    shared_div: float | None = None,
+    non_padded=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`biased_topk` with the outputs of the peers' fused gates (amdqb.backends.calls.TopkCall):
+    ``(weights fp32 [T, topk + num_shared], ids int64 [T, topk + num_shared])``.
+
+    The last ``num_shared`` slots are the fused shared experts ``E .. E + num_shared - 1`` with
+    weight ``shared_weight``, or ``routed_sum / shared_div`` (``routed_sum`` the
+    :func:`routes_sum` of the routed weights before renormalisation); rows at or past
+    ``non_padded`` (an int or a device scalar) get ids -1. The bias may be fp16 / bf16: it is
+    converted to fp32 first."""
+    z = logits.float()
+    s = activation(z, score_function)
+    bias = None if expert_bias is None else expert_bias.float()
+    sel_scores = s if bias is None else s + bias
+    rule = "serving" if bias is None else "serving_biased"
+    idx = select_experts(sel_scores, topk, num_groups, group_topk, topk, group_rule=rule)
+    w = s.gather(1, idx)
+    routed_sum = routes_sum(w)
+    if renormalize:
+        w = w / (routed_sum + NORM_EPS)
+    if scaling_factor is not None:
+        w = w * scaling_factor
+    ids = idx
+    if num_shared:
+        t, e = z.shape
+        if shared_div is not None:
+            shared_w = (routed_sum / shared_div).expand(t, num_shared)
+        else:
+            shared_w = torch.full((t, num_shared), shared_weight, device=z.device)
+        shared_ids = torch.arange(e, e + num_shared, device=z.device).expand(t, num_shared)
+        w = torch.cat([w, shared_w], dim=1)
+        ids = torch.cat([ids, shared_ids], dim=1)
+    if non_padded is not None:
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        ids = ids.masked_fill((rows >= non_padded).unsqueeze(1), -1)
+    return w, ids
+
+
+def token_expert_indices(tokens: int, topk: int, device=None) -> torch.Tensor:
+    """vLLM's ``token_expert_indices`` int32 ``[T, k]``: ``j * T + t``."""
+    return torch.arange(topk * tokens, dtype=torch.int32, device=device).view(topk, tokens).t()
+
+
 def pack_bitmap(routing_map: torch.Tensor) -> torch.Tensor:
     """bool ``[..., E]`` -> uint8 ``[..., ceil(E/8)]``, bit ``e % 8`` of byte ``e // 8`` (LSB first)."""
     *lead, e = routing_map.shape

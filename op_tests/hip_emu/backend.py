@@ -54,7 +54,7 @@ def _poisoning(op: str, fn):
     """``fn`` with its fully-written outputs poisoned first (positions of amdqb.backends' API)."""
     outputs = {
         "router_fwd": (8, 9),  # probs_out, map_out (the QB histogram accumulates)
-        "biased_topk": (8, 9),  # weights_out, ids_out
+        "biased_topk": (3, 4, 5),  # weights_out, ids_out, tei_out
         "route_rows": (4,),  # rows_out (counts_out arrives zero-filled, counters are inputs)
         "align_block_size": (3, 4, 5),  # sorted_ids_out, expert_ids_out, num_post_pad_out
     }[op]

@@ -30,7 +30,9 @@ import functools
 import torch
 
 from ... import configs
-from . import layout, router
+from .. import _serving
+from . import layout, router, topk
+from ._common import config
 from ._runtime import HipBuildError
 
 BACKEND = "hip"
@@ -71,6 +73,16 @@ def unsupported(op: str, info, features: dict):
         return None
     if op not in ("router_fwd", "biased_topk"):
         return None
+    if op == "biased_topk" and features.get("grouped"):
+        cfg = configs.load(info.arch_family)
+        groups, group_topk = features.get("num_groups"), features.get("group_topk")
+        num_experts, k = int(features.get("num_experts", 0)), int(features.get("topk", 0))
+        if topk.plan(num_experts, k, features.get("score_function"), groups, group_topk, cfg):
+            return None
+        return (
+            f"grouped Top-k of {groups} groups over E={num_experts}, k={k}: no amdqb_topk row "
+            "plan (groups must split into whole lanes of at most hip.topk.max_slots experts)"
+        )
     if features.get("grouped"):
         return "grouped Top-k is not implemented"
     num_experts = int(features.get("num_experts", 0))
@@ -99,7 +111,52 @@ def _on_runtime(op):
 
 
 router_fwd = _on_runtime(router.router_fwd)
-biased_topk = _on_runtime(router.biased_topk)
+
+
+def biased_topk(call, logits, expert_bias, weights_out, ids_out, tei_out, non_padded):
+    """amdqb_topk (every output in one launch) where it has a row plan, else the router kernels
+    (ungrouped) with the remaining outputs filled around them."""
+    tokens, num_experts = logits.shape
+    if tokens == 0:
+        return
+    rt = _rt()
+    row_plan = topk.plan(
+        num_experts,
+        call.topk,
+        call.score_function,
+        call.num_groups,
+        call.group_topk,
+        config(logits),
+    )
+    if row_plan is not None:
+        topk.launch(
+            rt, call, row_plan, logits, expert_bias, weights_out, ids_out, tei_out, non_padded
+        )
+        return
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    if expert_bias is not None and expert_bias.dtype != torch.float32:
+        expert_bias = expert_bias.float()
+    routed_w, routed_ids = _serving.routed_buffers(call, weights_out, ids_out)
+    router.biased_topk(
+        rt,
+        logits,
+        call.topk,
+        expert_bias,
+        call.score_function,
+        call.renormalize,
+        call.scaling_factor,
+        None,
+        None,
+        routed_w,
+        routed_ids,
+        call.approximate,
+    )
+    _serving.finish(
+        call, num_experts, routed_w, routed_ids, weights_out, ids_out, tei_out, non_padded
+    )
+
+
 align_block_size = _on_runtime(layout.align_block_size)
 
 

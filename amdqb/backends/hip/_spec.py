@@ -126,6 +126,39 @@ def router_module(
     )
 
 
+def topk_module(
+    plan,
+    dtype_name: str,
+    bias_dtype_name: str | None,
+    score_function: str,
+    cfg,
+    approximate: bool = False,
+) -> ModuleSpec:
+    """topk.hip for one row plan (amdqb.backends.hip.topk.TopkPlan), logits / bias dtype and
+    score function."""
+    return ModuleSpec(
+        "topk.hip",
+        (
+            ("AMDQB_NUM_EXPERTS", str(int(plan.num_experts))),
+            ("AMDQB_IN_DTYPE", str(DTYPE_CODES[dtype_name])),
+            (
+                "AMDQB_BIAS_DTYPE",
+                str(-1 if bias_dtype_name is None else DTYPE_CODES[bias_dtype_name]),
+            ),
+            ("AMDQB_SCORE", str(SCORE_CODES[score_function])),
+            ("AMDQB_APPROX_ACTIVATION", "1" if approximate else "0"),
+            ("AMDQB_TOPK", str(int(plan.topk))),
+            ("AMDQB_ROW_LANES", str(int(plan.lanes))),
+            ("AMDQB_SLOTS", str(int(plan.slots))),
+            ("AMDQB_CONTIGUOUS", "1" if plan.contiguous else "0"),
+            ("AMDQB_GROUPS", str(int(plan.groups))),
+            ("AMDQB_GROUP_LANES", str(int(plan.group_lanes))),
+            ("AMDQB_TOPK_GROUP", str(int(plan.topk_group))),
+            ("AMDQB_TOPK_BLOCK", str(int(cfg["hip.topk.block"]))),
+        ),
+    )
+
+
 def read_sources(spec: ModuleSpec, root: Path | None = None) -> tuple[str, dict[str, str]]:
     """(kernel source text, {relative path: sha256}) of the kernel file and every header."""
     root = root or source_root()
@@ -252,8 +285,13 @@ class KernelParams:
 
     def __init__(self, values):
         for v in values:
-            if not isinstance(v, (ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p)):
-                raise TypeError(f"kernel arguments must be exact-width ctypes values, got {v!r}")
+            if not isinstance(
+                v,
+                (ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.Structure),
+            ):
+                raise TypeError(
+                    f"kernel arguments must be exact-width ctypes values or structs, got {v!r}"
+                )
         self.values = tuple(values)
         self.array = (ctypes.c_void_p * max(1, len(self.values)))(
             *[ctypes.addressof(v) for v in self.values]

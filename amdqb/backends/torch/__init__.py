@@ -101,31 +101,26 @@ def router_bwd(
     grad_logits_out.copy_(g)
 
 
-def biased_topk(
-    logits,
-    topk,
-    expert_bias,
-    score_function,
-    renormalize,
-    scaling_factor,
-    num_groups,
-    group_topk,
-    weights_out,
-    ids_out,
-    approximate=False,  # the oracle is exact: the approximation is a kernel opt-in
-):
-    w, ids = ref.biased_topk(
+def biased_topk(call, logits, expert_bias, weights_out, ids_out, tei_out, non_padded):
+    # the oracle is exact: call.approximate (a kernel opt-in) does not apply
+    w, ids = ref.serving_topk(
         logits,
-        topk,
+        call.topk,
         expert_bias,
-        score_function=score_function,
-        renormalize=renormalize,
-        scaling_factor=scaling_factor,
-        num_groups=num_groups,
-        group_topk=group_topk,
+        score_function=call.score_function,
+        renormalize=call.renormalize,
+        scaling_factor=call.scaling_factor,
+        num_groups=call.num_groups,
+        group_topk=call.group_topk,
+        num_shared=call.num_shared,
+        shared_weight=call.shared_weight,
+        shared_div=call.shared_div,
+        non_padded=non_padded if non_padded is not None else call.non_padded_rows,
     )
     weights_out.copy_(w)
     ids_out.copy_(ids)
+    if tei_out is not None:
+        tei_out.copy_(ref.token_expert_indices(logits.shape[0], call.topk, logits.device))
 
 
 def qb_recover(histogram, bin_bounds, topk, out, binning="uniform", expert_bias=None):

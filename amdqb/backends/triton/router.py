@@ -50,6 +50,7 @@ import triton
 
 from ... import configs
 from ...ref.router import margin_octave_bits
+from .. import _serving
 from . import _router_kernels as K
 from ._common import compile_options, interpreting, on_device
 from .codegen import KernelSpec
@@ -405,41 +406,35 @@ def _launch_histogram(logits, cut, bounds, hist, family, lds_ok, from_bins=False
     )
 
 
-def biased_topk(
-    logits,
-    topk,
-    expert_bias,
-    score_function,
-    renormalize,
-    scaling_factor,
-    num_groups,
-    group_topk,
-    weights_out,
-    ids_out,
-    approximate=False,
-):
+def biased_topk(call, logits, expert_bias, weights_out, ids_out, tei_out, non_padded):
     T, E = logits.shape
     if T == 0:
         return
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    if expert_bias is not None and expert_bias.dtype != torch.float32:
+        expert_bias = expert_bias.float()
     # the serving rule: a group's best score, or the sum of its best two with a correction bias
     group_scores = 2 if expert_bias is not None else 1
     family = _family(logits.device)
-    plan = plan_router(E, topk, False, num_groups, group_topk, family, group_scores)
-    score = _SCORES[score_function]
+    plan = plan_router(E, call.topk, False, call.num_groups, call.group_topk, family, group_scores)
+    score = _SCORES[call.score_function]
+    routed_w, routed_ids = _serving.routed_buffers(call, weights_out, ids_out)
     with on_device(logits):
         _launch_router(
             logits,
             plan,
             score=score,
             pre=score == 2,  # serving form: softmax over all experts, then Top-k
-            renorm=bool(renormalize),
+            renorm=bool(call.renormalize),
             bias=expert_bias,
-            scaling=scaling_factor,
-            ids=ids_out,
-            weights=weights_out,
+            scaling=call.scaling_factor,
+            ids=routed_ids,
+            weights=routed_w,
             map_code=3,
-            approx=approximate,
+            approx=call.approximate,
         )
+    _serving.finish(call, E, routed_w, routed_ids, weights_out, ids_out, tei_out, non_padded)
 
 
 def _bwd_tile(E: int, family: str) -> tuple[int, int, int]:

@@ -1,0 +1,143 @@
+"""hip launcher of the serving top-k: ``amdqb_topk`` (``hip_src/kernels/topk.hip``), one launch
+writing every output of a :class:`~amdqb.backends.calls.TopkCall`.
+
+Precision and tie-break contract: ``amdqb.ref.router.biased_topk`` (fp32 scores with torch's bits,
+selection by (value descending, expert id ascending), NaN lowest; weights renormalised in the
+order of ``routes_sum``).
+
+Row plan (:func:`plan`): a token row is ``lanes`` lanes of a logical warp holding ``slots`` experts
+each. Without groups lane ``l`` holds experts ``l + lanes * i`` with ``lanes = min(32,
+next_pow2(E))`` -- torch's warp-softmax layout, so the softmax sum runs in torch's order. With
+groups a lane holds ``slots`` consecutive experts and each group spans ``group_lanes`` whole lanes
+(its best two combine over them); the largest power-of-two split of the group that fits 32 lanes.
+Configurations without a plan (more than ``hip.topk.max_slots`` experts per lane, k above the
+row's lanes, groups that do not split into whole lanes) are declined: the router kernels
+(``amdqb.backends.hip.router``) run them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from . import _spec
+from ._common import cdiv, config, dev
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_NO_PADDING = 2**63 - 1
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p <<= 1
+    return p
+
+
+@dataclass(frozen=True)
+class TopkPlan:
+    num_experts: int
+    topk: int
+    lanes: int  # lanes per token row (a power of two <= 32)
+    slots: int  # experts per lane
+    contiguous: bool  # lane l holds experts l * slots + i (else l + lanes * i)
+    groups: int = 0
+    group_lanes: int = 1
+    topk_group: int = 0
+
+
+def plan(
+    num_experts: int, topk: int, score_function: str, num_groups, group_topk, cfg
+) -> TopkPlan | None:
+    """The row plan of amdqb_topk for this configuration, or None (declined)."""
+    max_slots = int(cfg["hip.topk.max_slots"])
+    if num_groups is None or num_groups <= 1:
+        lanes = min(32, _pow2_at_least(num_experts))
+        slots = cdiv(num_experts, lanes)
+        if slots > max_slots or topk > lanes:
+            return None
+        return TopkPlan(num_experts, topk, lanes, slots, contiguous=False)
+    size = num_experts // num_groups
+    split = 1  # lanes per group: the largest power of two dividing the group that fits 32 lanes
+    while size % (2 * split) == 0 and num_groups * 2 * split <= 32:
+        split *= 2
+    slots = size // split
+    lanes = _pow2_at_least(num_groups * split)
+    softmax_lanes = min(32, _pow2_at_least(num_experts))
+    if lanes > 32 or slots > max_slots or topk > lanes:
+        return None
+    if score_function == "softmax" and lanes < softmax_lanes:
+        return None  # the softmax sum runs over torch's warp-softmax lanes inside the row
+    return TopkPlan(num_experts, topk, lanes, slots, True, num_groups, split, int(group_topk))
+
+
+class TopkParams(ctypes.Structure):
+    """``struct TopkParams`` of topk.hip, field for field."""
+
+    _fields_ = [
+        ("logits", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("weights", ctypes.c_void_p),
+        ("ids", ctypes.c_void_p),
+        ("token_expert_idx", ctypes.c_void_p),
+        ("non_padded", ctypes.c_void_p),
+        ("row_stride", ctypes.c_int64),
+        ("tokens", ctypes.c_int64),
+        ("non_padded_rows", ctypes.c_int64),
+        ("out_k", ctypes.c_int32),
+        ("num_shared", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("shared_weight", ctypes.c_float),
+        ("shared_div", ctypes.c_float),
+        ("flags", ctypes.c_int32),
+    ]
+
+
+def _address(t) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def launch(rt, call, topk_plan, logits, bias, weights_out, ids_out, tei_out, non_padded) -> None:
+    """amdqb_topk over ``logits [T, E]`` (``logits.stride(1) == 1``)."""
+    tokens, num_experts = logits.shape
+    if tokens == 0:
+        return
+    cfg = config(logits)
+    device = dev(logits)
+    spec = _spec.topk_module(
+        topk_plan,
+        _DTYPE_NAMES[logits.dtype],
+        None if bias is None else _DTYPE_NAMES[bias.dtype],
+        call.score_function,
+        cfg,
+        approximate=call.approximate,
+    )
+    flags = (1 if call.renormalize else 0) | (2 if ids_out.dtype == torch.int64 else 0)
+    if non_padded is not None and non_padded.dtype == torch.int64:
+        flags |= 4
+    if call.shared_div is not None:
+        flags |= 8
+    params = TopkParams(
+        _address(logits),
+        _address(bias),
+        _address(weights_out),
+        _address(ids_out),
+        _address(tei_out),
+        _address(non_padded),
+        logits.stride(0),
+        tokens,
+        _NO_PADDING if call.non_padded_rows is None else int(call.non_padded_rows),
+        call.out_k,
+        call.num_shared,
+        1.0 if call.scaling_factor is None else float(call.scaling_factor),
+        float(call.shared_weight),
+        1.0 if call.shared_div is None else float(call.shared_div),
+        flags,
+    )
+    rows_per_warp = 32 // topk_plan.lanes
+    # a power of two (whole waves on wave64 from 64 threads up), no more warps than rows need
+    threads = min(int(cfg["hip.topk.block"]), _pow2_at_least(32 * cdiv(tokens, rows_per_warp)))
+    grid = cdiv(tokens, rows_per_warp * (threads // 32))
+    rt.launch(rt.kernel(device, spec, "amdqb_topk"), grid, threads, 0, [params])

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from amdqb import dispatch, ref
+from amdqb.backends.calls import AlignCall
 
 from conftest import DEVICE, HAS_GPU, available_backends
 
@@ -354,7 +355,7 @@ def test_memsafe_align(impl, kind, block_size):
     sorted_b = Banded((padded,), torch.int32)
     experts_b = Banded((blocks,), torch.int32)
     post_b = Banded((1,), torch.int32)
-    impl(ids_b.t, block_size, e, sorted_b.t, experts_b.t, post_b.t)
+    impl(AlignCall(block_size, e), ids_b.t, None, sorted_b.t, experts_b.t, post_b.t)
     want = ref.moe_align_block_size(ids, block_size, e)
     for got, w in zip((sorted_b.t, experts_b.t, post_b.t), want):
         assert torch.equal(got.cpu(), w)

@@ -46,3 +46,34 @@ def finish(
         ids_out.masked_fill_((rows >= limit).unsqueeze(1), -1)
     if tei_out is not None:
         tei_out.copy_(token_expert_indices(tokens, k, tei_out.device))
+
+
+def align_buckets(call, topk_ids, expert_map) -> torch.Tensor:
+    """The bucket of every route of an align call (:class:`amdqb.backends.calls.AlignCall`) as
+    int64 ids for a kernel that skips ids outside ``[0, num_experts)``."""
+    v = topk_ids.reshape(-1).long()
+    if call.map_mode == "filter":
+        inside = (v >= 0) & (v < expert_map.numel())
+        mapped = expert_map.long()[v.clamp(0, expert_map.numel() - 1)]
+        return torch.where(inside, mapped, torch.full_like(v, -1))
+    return v + call.id_shift if call.id_shift else v
+
+
+def align_finish(call, expert_map, expert_ids_out, num_post_pad_out) -> None:
+    """The blocks' experts of an align call from a kernel that wrote each used block's bucket:
+    minus ``owner_shift`` or through the map, ``tail_value`` past the padded total."""
+    if call.owner_shift == 0 and call.tail_value == 0 and call.map_mode != "output":
+        return  # the kernels' own convention (buckets, 0 past the total)
+    starts = torch.arange(
+        0, expert_ids_out.numel() * call.block_size, call.block_size, device=expert_ids_out.device
+    )
+    used = starts < num_post_pad_out.view(1)
+    value = torch.where(
+        used,
+        expert_ids_out - call.owner_shift,
+        torch.full_like(expert_ids_out, call.tail_value),
+    )
+    if call.map_mode == "output":
+        as_int32 = expert_map.to(torch.int32)
+        value = torch.where(used, as_int32[expert_ids_out.long()], as_int32[call.tail_value])
+    expert_ids_out.copy_(value)

@@ -45,3 +45,29 @@ class TopkCall:
     def out_k(self) -> int:
         """Entries per row of the weights and ids."""
         return self.topk + self.num_shared
+
+
+ALIGN_MAP_MODES = ("none", "filter", "output")
+
+
+@dataclass(frozen=True)
+class AlignCall:
+    """A ``moe_align_block_size`` call with the compat modules' conventions, the backends'
+    ``align_block_size(call, topk_ids, expert_map, sorted_ids_out, expert_ids_out,
+    num_post_pad_out)``.
+
+    ``topk_ids`` is read as its ``numel`` ids in memory order (int32 / int64). A route with id ``v``
+    goes to bucket ``v + id_shift`` (SGLang's EP convention: ``id_shift=1``), or with
+    ``map_mode="filter"`` to bucket ``expert_map[v]`` (vLLM's global -> local filter, -1 remote);
+    buckets outside ``[0, num_experts)`` are skipped. A used block's expert is its bucket minus
+    ``owner_shift`` (``map_mode="output"``: ``expert_map[bucket]``); blocks at or past the padded
+    total get ``tail_value`` (``"output"``: ``expert_map[tail_value]``, negative values indexing
+    from the end as in PyTorch).
+    """
+
+    block_size: int
+    num_experts: int
+    id_shift: int = 0
+    map_mode: str = "none"
+    owner_shift: int = 0
+    tail_value: int = 0

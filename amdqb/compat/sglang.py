@@ -88,14 +88,19 @@ def moe_align_block_size(
             f"cumsum_buffer must hold num_experts + 1 = {num_experts + 1} ints, "
             f"got {cumsum_buffer.numel()}"
         )
-    # bucket id + 1: the EP-filtered routes (-1) become bucket 0, aligned first
+    # bucket id + 1: the EP-filtered routes (-1) become bucket 0, aligned first; blocks carry
+    # bucket - 1, 0 past the padded total; ids read in memory order, as SGLang's kernel does
     _layout.align_block_size_into(
-        topk_ids + 1, block_size, num_experts, sorted_token_ids, experts_ids, num_tokens_post_pad
+        topk_ids,
+        block_size,
+        num_experts,
+        sorted_token_ids,
+        experts_ids,
+        num_tokens_post_pad,
+        id_shift=1,
+        owner_shift=1,
+        raw_storage=True,
     )
-    starts = torch.arange(
-        0, experts_ids.numel() * block_size, block_size, device=experts_ids.device
-    )
-    experts_ids.sub_((starts < num_tokens_post_pad.view(1)).to(torch.int32))
 
 
 def _shared_and_routed(

@@ -54,12 +54,22 @@ import torch
 
 from ..ops import layout as _layout
 from ..ops import router as _router
-from ..ops._checks import ID_DTYPES, check_bool, check_float, check_int, check_tensor
+from ..ops._checks import (
+    ID_DTYPES,
+    INT32_MAX,
+    MAX_EXPERTS,
+    check_bool,
+    check_float,
+    check_int,
+    check_tensor,
+)
+from ..ops.layout import MAX_ALIGN_PADDING
 from ..ref.layout import align_buffer_sizes
 from ..ref.router import activation, normalise
 
 __all__ = [
     "INACTIVE_EXPERT_ID",
+    "LEGACY_BUFFER_SIZES",
     "_custom_ops",
     "fused_topk",
     "fused_topk_bias",
@@ -70,6 +80,11 @@ __all__ = [
 #: Expert id of the aligned blocks past the padded total (vLLM's ``inactive_expert_id``): -1 in
 #: vLLM since its PR #35161, 0 before. Read at every call.
 INACTIVE_EXPERT_ID = -1
+
+#: vLLM's buffer rule before its sizes were capped for decode: ``numel + E * (block_size - 1)``
+#: rows even when there are fewer routes than experts (``numel * block_size`` rows since). Set it
+#: to True for those releases (their tests check the sizes). Read at every call.
+LEGACY_BUFFER_SIZES = False
 
 _FUSED_TOPK_SCORES = ("softmax", "sigmoid")
 _BIAS_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -218,21 +233,15 @@ def _check_expert_map(expert_map, num_experts: int, device) -> torch.Tensor:
     return expert_map
 
 
-def _local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_experts: int):
-    """Ids mapped global -> local; -1 for remote experts and for raw ids outside ``[0, E)``,
-    which the alignment then skips (vLLM's in-kernel ``expert_map`` filter)."""
-    valid = (topk_ids >= 0) & (topk_ids < num_experts)
-    local = expert_map[topk_ids.clamp(0, num_experts - 1).long()]
-    return torch.where(valid, local, torch.full_like(local, -1))
-
-
-def _inactive_tail(expert_ids: torch.Tensor, num_tokens_post_pad, block_size: int) -> None:
-    """:data:`INACTIVE_EXPERT_ID` in every block at or past the padded total (the kernels wrote
-    expert 0 there)."""
-    if INACTIVE_EXPERT_ID == 0:
-        return
-    starts = torch.arange(0, expert_ids.numel() * block_size, block_size, device=expert_ids.device)
-    expert_ids.masked_fill_(starts >= num_tokens_post_pad, INACTIVE_EXPERT_ID)
+def buffer_sizes(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool):
+    """``(rows of sorted_token_ids, blocks of expert_ids)`` by vLLM's rule (see
+    :data:`LEGACY_BUFFER_SIZES`)."""
+    if not LEGACY_BUFFER_SIZES:
+        return align_buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
+    rows = numel + num_experts * (block_size - 1)
+    if pad_sorted_ids:
+        rows = -(-rows // block_size) * block_size
+    return rows, -(-rows // block_size)
 
 
 def moe_align_block_size(
@@ -244,25 +253,40 @@ def moe_align_block_size(
     ignore_invalid_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """vLLM's functional ``moe_align_block_size``: ``(sorted_token_ids int32, expert_ids int32,
-    num_tokens_post_pad int32 [1])`` in buffers of vLLM's sizes (``num_experts`` global)."""
+    num_tokens_post_pad int32 [1])`` in buffers of vLLM's sizes (``num_experts`` global), written
+    by one kernel launch (two for large inputs); every argument is checked before anything is
+    allocated."""
     check_tensor("topk_ids", topk_ids, dtypes=ID_DTYPES, min_dim=1)
-    check_int("block_size", block_size, low=1)
-    check_int("num_experts", num_experts, low=1)
+    block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)
+    ignore_invalid_experts = check_bool("ignore_invalid_experts", ignore_invalid_experts)
     device = topk_ids.device
     if expert_map is not None:
         _check_expert_map(expert_map, num_experts, device)
-    rows, blocks = align_buffer_sizes(topk_ids.numel(), num_experts, block_size, pad_sorted_ids)
+    if num_experts * (block_size - 1) > MAX_ALIGN_PADDING:
+        raise ValueError(
+            f"num_experts * (block_size - 1) = {num_experts * (block_size - 1)} padding rows "
+            f"exceed {MAX_ALIGN_PADDING} (block_size={block_size}, num_experts={num_experts})"
+        )
+    rows, blocks = buffer_sizes(topk_ids.numel(), num_experts, block_size, pad_sorted_ids)
+    if rows > INT32_MAX:
+        raise ValueError(f"aligned buffer of {rows} rows does not fit int32 indices")
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=device)
     expert_ids = torch.empty(blocks, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
-    filtering = expert_map is not None and ignore_invalid_experts
-    ids = _local_ids(topk_ids, expert_map, num_experts) if filtering else topk_ids
+    mode = "none" if expert_map is None else "filter" if ignore_invalid_experts else "output"
     _layout.align_block_size_into(
-        ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad
+        topk_ids,
+        block_size,
+        num_experts,
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        expert_map=expert_map,
+        map_mode=mode,
+        tail_value=INACTIVE_EXPERT_ID,
     )
-    _inactive_tail(expert_ids, num_post_pad, block_size)
-    if expert_map is not None and not ignore_invalid_experts:
-        expert_ids = expert_map.to(torch.int32)[expert_ids.long()]  # vLLM's map, tail included
     return sorted_ids, expert_ids, num_post_pad
 
 
@@ -276,26 +300,31 @@ def _ops_moe_align_block_size(
     expert_map: Optional[torch.Tensor] = None,
 ) -> None:
     """``vllm._custom_ops.moe_align_block_size``: the layout written into the caller's int32
-    buffers. ``sorted_token_ids`` is filled whole (the sentinel past the routes); ``experts_ids``
-    over ``ceil(len(sorted_token_ids) / block_size)`` blocks, :data:`INACTIVE_EXPERT_ID` past the
-    padded total. An
-    ``expert_map`` filters remote experts (vLLM passes it here only with
-    ``ignore_invalid_experts``). The buffers must hold the padded total of any routing
-    (``numel + min(numel, E) * (block_size - 1)`` rows): checked from their shapes."""
+    buffers by one kernel launch (two for large inputs). ``sorted_token_ids`` is filled whole (the
+    sentinel past the routes); ``experts_ids`` over ``ceil(len(sorted_token_ids) / block_size)``
+    blocks, :data:`INACTIVE_EXPERT_ID` past the padded total. An ``expert_map`` filters remote
+    experts (vLLM passes it here only with ``ignore_invalid_experts``). The buffers must hold the
+    padded total of any routing (``numel + min(numel, E) * (block_size - 1)`` rows): checked from
+    their shapes."""
     check_tensor("topk_ids", topk_ids, dtypes=ID_DTYPES, min_dim=1)
-    check_int("num_experts", num_experts, low=1)
-    check_int("block_size", block_size, low=1)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
     check_tensor("sorted_token_ids", sorted_token_ids, dtypes=(torch.int32,), dim=1)
     check_tensor("experts_ids", experts_ids, dtypes=(torch.int32,), dim=1)
-    ids = topk_ids
     if expert_map is not None:
         _check_expert_map(expert_map, num_experts, topk_ids.device)
-        ids = _local_ids(topk_ids, expert_map, num_experts)
     written = experts_ids[: -(-sorted_token_ids.numel() // block_size)]
     _layout.align_block_size_into(
-        ids, block_size, num_experts, sorted_token_ids, written, num_tokens_post_pad
+        topk_ids,
+        block_size,
+        num_experts,
+        sorted_token_ids,
+        written,
+        num_tokens_post_pad,
+        expert_map=expert_map,
+        map_mode="none" if expert_map is None else "filter",
+        tail_value=INACTIVE_EXPERT_ID,
     )
-    _inactive_tail(written, num_tokens_post_pad.view(1), block_size)
 
 
 class _custom_ops:  # noqa: N801 -- vLLM's module name, so ``_custom_ops as ops`` reads the same

@@ -32,8 +32,8 @@ AMDQB_EMU_REGISTER(amdqb_route_compact_i32)
 AMDQB_EMU_REGISTER(amdqb_route_compact_i64)
 AMDQB_EMU_REGISTER(amdqb_route_det_scan)
 AMDQB_EMU_REGISTER(amdqb_route_finalize)
-AMDQB_EMU_REGISTER(amdqb_align_rank_i32)
-AMDQB_EMU_REGISTER(amdqb_align_rank_i64)
+AMDQB_EMU_REGISTER(amdqb_align_hist)
+AMDQB_EMU_REGISTER(amdqb_align)
 #elif defined(AMDQB_EMU_CONVERT)
 // The prelude's scalar helpers, called directly from Python.
 #include "amdqb_prelude.h"

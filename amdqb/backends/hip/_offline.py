@@ -79,8 +79,9 @@ ROUTE_KERNELS = frozenset(
         for t in ("i32", "i64")
     }
     | {"amdqb_route_det_scan", "amdqb_route_finalize"}
-    | {f"amdqb_align_rank_{t}" for t in ("i32", "i64")}
+    | {"amdqb_align_hist", "amdqb_align"}
 )
+TOPK_KERNELS = frozenset({"amdqb_topk"})
 ROUTER_KERNELS = frozenset(
     {"amdqb_router", "amdqb_qb_hist", "amdqb_qb_hist_bins", "amdqb_scores", "amdqb_router_decode"}
 )
@@ -110,13 +111,35 @@ def _variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
         (2048, "bfloat16", "sigmoid", {}),
     ]
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    return [("layout", _spec.layout_module(cfg))] + [
-        (
-            " ".join([f"router E={n} {short[dt]} {sf}", *opts]),
-            _spec.router_module(n, dt, sf, cfg, **opts),
-        )
-        for n, dt, sf, opts in routers
+    # the serving top-k at the peers' shapes: Mixtral, Qwen3-MoE, DeepSeek-V3 (grouped, bias),
+    # Kimi-K2 (bias)
+    from .topk import plan as topk_plan
+
+    topks = [
+        (8, 2, "float32", "softmax", None, None, None),
+        (128, 8, "bfloat16", "softmax", None, None, None),
+        (256, 8, "float32", "sigmoid", "float32", 8, 4),
+        (384, 8, "float32", "sigmoid", "bfloat16", None, None),
     ]
+    return (
+        [("layout", _spec.layout_module(cfg))]
+        + [
+            (
+                " ".join([f"router E={n} {short[dt]} {sf}", *opts]),
+                _spec.router_module(n, dt, sf, cfg, **opts),
+            )
+            for n, dt, sf, opts in routers
+        ]
+        + [
+            (
+                f"topk E={n} k={k} {short[dt]} {sf}"
+                + (f" bias {short[bdt]}" if bdt else "")
+                + (f" groups {g}/{tg}" if g else ""),
+                _spec.topk_module(topk_plan(n, k, sf, g, tg, cfg), dt, bdt, sf, cfg),
+            )
+            for n, k, dt, sf, bdt, g, tg in topks
+        ]
+    )
 
 
 def module_variants(arch: str = "gfx942") -> list[_spec.ModuleSpec]:
@@ -129,7 +152,9 @@ def module_variants(arch: str = "gfx942") -> list[_spec.ModuleSpec]:
 
 
 def expected_kernels(spec: _spec.ModuleSpec) -> frozenset:
-    return ROUTE_KERNELS if spec.kernel_file == "layout.hip" else ROUTER_KERNELS
+    return {"layout.hip": ROUTE_KERNELS, "topk.hip": TOPK_KERNELS}.get(
+        spec.kernel_file, ROUTER_KERNELS
+    )
 
 
 def wave_size(arch: str) -> int:

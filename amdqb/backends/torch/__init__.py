@@ -12,6 +12,7 @@ from ... import ref
 from ...ref import aux_loss as ref_aux
 from ...ref.qb import LOG_MARGIN_RHO
 from ...ref.router import NORM_EPS, activation
+from .. import _serving
 
 
 def availability(info) -> tuple[bool, str]:
@@ -158,12 +159,11 @@ def route_rows(
     counts_out.copy_(counts)
 
 
-def align_block_size(
-    topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
-):
+def align_block_size(call, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out):
     # The layout of any buffer length is a prefix of the oracle's, the rest sentinel / expert 0:
     # the op checked that the buffers hold the padded total, so only those fill values are cut.
-    sorted_ids, expert_ids, post = ref.moe_align_block_size(topk_ids, block_size, num_experts)
+    ids = _serving.align_buckets(call, topk_ids, expert_map)
+    sorted_ids, expert_ids, post = ref.moe_align_block_size(ids, call.block_size, call.num_experts)
     n = min(sorted_ids.numel(), sorted_ids_out.numel())
     sorted_ids_out.fill_(topk_ids.numel())
     sorted_ids_out[:n].copy_(sorted_ids[:n])
@@ -171,6 +171,7 @@ def align_block_size(
     expert_ids_out.zero_()
     expert_ids_out[:nb].copy_(expert_ids[:nb])
     num_post_pad_out.copy_(post)
+    _serving.align_finish(call, expert_map, expert_ids_out, num_post_pad_out)
 
 
 def chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out, num_in_tokens):

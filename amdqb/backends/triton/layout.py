@@ -31,6 +31,7 @@ import torch
 import triton
 
 from ... import configs
+from .. import _serving
 from . import _layout_kernels as K
 from ._common import on_device, pow2
 from .codegen import typed_spec
@@ -192,7 +193,15 @@ def _align_wide(ids, block_size, num_experts, sorted_ids, expert_ids, num_post_p
     )  # fmt: skip
 
 
-def align_block_size(
+def align_block_size(call, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out):
+    ids = _serving.align_buckets(call, topk_ids, expert_map)
+    _align_block_size(
+        ids, call.block_size, call.num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
+    )
+    _serving.align_finish(call, expert_map, expert_ids_out, num_post_pad_out)
+
+
+def _align_block_size(
     topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
     n = topk_ids.numel()

@@ -39,6 +39,7 @@ BENCH_SUITES = {  # bench/cli.py's SUITE_HELP is this dict: the package's help n
     "chunks": "moe_sort_chunks_and_pad + moe_unpad_and_restore_chunks round trip vs split/cat",
     "balance": "QuantileBalancer.step() (recover, EMA, centre, bounds, zero)",
     "serving": "routing share of a serving MoE layer (biased_topk + align), eager and graph",
+    "compat": "vLLM / SGLang routers and align at the peers' shapes, and the launch floor",
     "all": "every suite above, in that order",
 }
 

@@ -17,7 +17,7 @@ import torch
 
 from amdqb.cli import BENCH_SUITES
 
-from . import balance, chunks, common, route, router, serving
+from . import balance, chunks, common, compat, route, router, serving
 from .common import TimingConfig, quick_config, write_json
 
 SUITES = {
@@ -26,6 +26,7 @@ SUITES = {
     "chunks": chunks.run,
     "balance": balance.run,
     "serving": serving.run,
+    "compat": compat.run,
 }
 
 # One description per suite, shared with ``amdqb --help`` (which runs without bench installed).
@@ -38,6 +39,7 @@ FLAG_KEYS = {
     "chunks": ("tokens", "experts", None),
     "balance": ("tokens", "num_experts", "topk"),
     "serving": ("buckets", "num_experts", "topk"),
+    "compat": (None, None, None),
 }
 
 
@@ -104,6 +106,7 @@ def _shapes(args, small: bool, names: list[str]) -> dict:
         "chunks": dict(tokens=(512,), hidden=256) if small else {},
         "balance": dict(num_experts=128, num_bins=64) if small else {},
         "serving": dict(buckets=(1, 8), config="small") if small else {},
+        "compat": {},
     }
     for name in names:
         for key, value in zip(FLAG_KEYS[name], (args.tokens, args.experts, args.topk)):

@@ -119,7 +119,7 @@ while [ $# -gt 0 ]; do
     profile) run_profile || status=1 ;;
     bench)
       suite=all
-      case "${1:-}" in route|router|chunks|balance|serving) suite=$1; shift ;; esac
+      case "${1:-}" in route|router|chunks|balance|serving|compat) suite=$1; shift ;; esac
       run_bench "$suite" || status=1 ;;
     full) AMDQB_RESUME_FROM=$RESUME_FROM run_tests || status=1
           run_sanitize || status=1; run_bench || status=1 ;;

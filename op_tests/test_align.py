@@ -76,11 +76,10 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
     tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and pad_sorted_ids."""
     rt = emu_rt
     if tiled:  # tiles of 64 routes from 65 routes on
-        set_config(
-            monkeypatch,
-            {"hip.align.single_block_routes": 64, "hip.align.min_tile_routes": 64},
-            torch.device("cpu"),
-        )
+        values = {"hip.align.single_block_routes": 64, "hip.align.min_tile_routes": 64}
+    else:  # every case in one block
+        values = {"hip.align.single_block_routes": 1 << 20}
+    set_config(monkeypatch, values, torch.device("cpu"))
     cases = [
         (7, 900, 3, "dropped", 4, False),
         (896, 300, 16, "uniform", 64, False),  # 8 ranking warps, many empty blocks of rows

@@ -549,6 +549,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
   const int nt = (int)blockDim.x;
   allow_dependent_launch();  // the rank pass is launched as this pass's dependent
   for (int e = tid; e < p.num_experts; e += nt) hist[e] = 0;
+  // the sentinel over sorted_ids; the rank pass, which waits for this grid, writes the routes
+  const i64 stride = (i64)gridDim.x * nt;
+  for (i64 s = (i64)blockIdx.x * nt + tid; s < p.sorted_len; s += stride)
+    p.sorted_ids[s] = (int)p.n;
   block_sync();
   const i64 t0 = (i64)blockIdx.x * p.tile;
   const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
@@ -599,16 +603,25 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
       if (b >= 0) atomic_add_shared(&count[b], 1);
     }
   } else {
-    wait_for_prior_grid();  // tile_counts are amdqb_align_hist's
+    wait_for_prior_grid();  // tile_counts (and the sentinel fill) are amdqb_align_hist's
 #pragma unroll
     for (int u = 0; u < MAX_PER_THREAD; ++u) {
       const int e = tid + u * nt;
       if (e < E) {
+        // the column in batches of COLS independent loads (one at a time, each add would wait
+        // for its own L2 round trip)
+        constexpr int COLS = 8;
         int total = 0, before = 0;
-        for (int t = 0; t < p.tiles; ++t) {
-          const int c = p.tile_counts[(i64)t * E + e];
-          before += t < (int)blockIdx.x ? c : 0;
-          total += c;
+        for (int t0c = 0; t0c < p.tiles; t0c += COLS) {
+          int c[COLS];
+#pragma unroll
+          for (int q = 0; q < COLS; ++q)
+            c[q] = t0c + q < p.tiles ? p.tile_counts[(i64)(t0c + q) * E + e] : 0;
+#pragma unroll
+          for (int q = 0; q < COLS; ++q) {
+            before += t0c + q < (int)blockIdx.x ? c[q] : 0;
+            total += c[q];
+          }
         }
         count[e] = total;
         base[u] = before;
@@ -624,27 +637,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   block_sync();
   const i64 total = (i64)start[E - 1] + padded_count(count[E - 1], p.block_size);
 
-  // 3. This block's share of the padding slots, the tail and expert_ids (disjoint from the route
-  // slots the ranking writes).
-  const i64 sentinel_n = p.n;
+  // 3. The sentinel over sorted_ids (one block: all of it, before the ranks below overwrite the
+  // route slots after the barrier; several: amdqb_align_hist wrote it), this block's slice of
+  // expert_ids, the padded total.
   {
-    const i64 pad_items = (i64)E * p.block_size;  // (bucket, j < block_size) pairs
-    const i64 per = (pad_items + p.tiles - 1) / p.tiles;
-    const i64 lo = (i64)blockIdx.x * per;
-    const i64 hi = lo + per < pad_items ? lo + per : pad_items;
-    for (i64 q = lo + tid; q < hi; q += nt) {
-      const int e = (int)(q / p.block_size);
-      const int j = (int)(q - (i64)e * p.block_size);
-      const int c = count[e];
-      const i64 slot = (i64)start[e] + c + j;
-      if ((u32)(c + j) < padded_count(c, p.block_size) && slot < p.sorted_len)
-        p.sorted_ids[slot] = (int)sentinel_n;
-    }
-    const i64 tail = p.sorted_len - total;
-    const i64 tper = tail > 0 ? (tail + p.tiles - 1) / p.tiles : 0;
-    const i64 tlo = total + (i64)blockIdx.x * tper;
-    const i64 thi = tlo + tper < p.sorted_len ? tlo + tper : p.sorted_len;
-    for (i64 s = tlo + tid; s < thi; s += nt) p.sorted_ids[s] = (int)sentinel_n;
+    if (p.tiles == 1)
+      for (i64 s = tid; s < p.sorted_len; s += nt) p.sorted_ids[s] = (int)p.n;
     const int jper = (p.num_blocks + p.tiles - 1) / p.tiles;
     const int j0 = (int)blockIdx.x * jper;
     const int j1 = j0 + jper < p.num_blocks ? j0 + jper : p.num_blocks;

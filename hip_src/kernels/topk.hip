@@ -45,11 +45,9 @@ using namespace amdqb;
 
 namespace {
 
-constexpr int pow2_at_least(int n) {
-  int p = 1;
-  while (p < n) p <<= 1;
-  return p;
-}
+// The smallest power of two >= n, for n <= 64 (an expression: NVRTC compiles no host functions).
+#define AMDQB_POW2_AT_LEAST(n)                                                                     \
+  ((n) <= 1 ? 1 : (n) <= 2 ? 2 : (n) <= 4 ? 4 : (n) <= 8 ? 8 : (n) <= 16 ? 16 : (n) <= 32 ? 32 : 64)
 
 constexpr int E = AMDQB_NUM_EXPERTS;
 constexpr int K = AMDQB_TOPK;
@@ -62,10 +60,10 @@ constexpr int TOPK_GROUP = AMDQB_TOPK_GROUP;
 constexpr int BLOCK = AMDQB_TOPK_BLOCK;
 constexpr bool HAS_BIAS = AMDQB_BIAS_DTYPE >= 0;
 constexpr bool SOFTMAX = AMDQB_SCORE == 2;
-constexpr int ROWS = 32 / L;             // token rows per logical warp
-constexpr int KP = pow2_at_least(K);     // length of the sorted lists the lanes merge
-constexpr int NSORT = pow2_at_least(V);  // the lane's sorting network
-constexpr int SOFTMAX_LANES = E < 32 ? pow2_at_least(E) : 32;  // torch's warp-softmax lanes
+constexpr int ROWS = 32 / L;                   // token rows per logical warp
+constexpr int KP = AMDQB_POW2_AT_LEAST(K);     // length of the sorted lists the lanes merge
+constexpr int NSORT = AMDQB_POW2_AT_LEAST(V);  // the lane's sorting network
+constexpr int SOFTMAX_LANES = E < 32 ? AMDQB_POW2_AT_LEAST(E) : 32;  // torch's warp-softmax lanes
 // Per-row LDS: the unbiased scores for the weights (bias), or the exponentials for the softmax sum
 // of the contiguous layout.
 constexpr bool ROW_LDS = HAS_BIAS || (SOFTMAX && CONTIGUOUS);

@@ -203,23 +203,26 @@ def align_rank_warps(num_experts: int) -> int:
 
 def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
     """(tiles, routes per tile, threads, ranking warps) of an align call. Up to
-    ``hip.align.single_block_routes`` routes one block does everything (one launch); beyond, tiles
-    of at least ``hip.align.min_tile_routes`` routes, at most ``hip.align.max_tiles`` of them and
-    at most ``hip.align.colsum_budget`` column entries (tiles * E) for every rank block to sum."""
-    warps = align_rank_warps(num_experts)
-    threads = 32 * warps
-    while threads * _BASES_PER_THREAD < num_experts:
-        threads *= 2
+    ``hip.align.single_block_routes`` routes one block does everything (one launch), with as many
+    ranking warps as give each two or more chunks of 32 routes; beyond, tiles of at least
+    ``hip.align.min_tile_routes`` routes, at most ``hip.align.max_tiles`` of them and at most
+    ``hip.align.colsum_budget`` column entries (tiles * E) for every rank block to sum."""
+    lds_warps = align_rank_warps(num_experts)
     if n <= cfg["hip.align.single_block_routes"]:
-        return 1, max(n, 1), threads, warps
+        warps = 1
+        while warps < lds_warps and 64 * warps < n:
+            warps *= 2
+        return 1, max(n, 1), max(256, 32 * warps), warps
     tiles = min(
         cfg["hip.align.max_tiles"],
         max(1, cfg["hip.align.colsum_budget"] // num_experts),
         cdiv(n, cfg["hip.align.min_tile_routes"]),
     )
-    tiles = max(1, tiles)
-    per = cdiv(n, tiles)
-    return cdiv(n, per), per, threads, warps
+    per = cdiv(n, max(1, tiles))
+    threads = 32 * lds_warps
+    while threads * _BASES_PER_THREAD < num_experts:  # each thread holds its experts' tile bases
+        threads *= 2
+    return cdiv(n, per), per, threads, lds_warps
 
 
 def align_block_size(

@@ -403,6 +403,56 @@ def test_router_compiles_without_graph_breaks():
     assert torch.equal(got[1], want[1])
 
 
+def test_router_custom_op_schema_is_the_call_type_flat():
+    """Under torch.compile the router ops carry the tensors, then RouterCall's fields in order,
+    then the backend token: the schema is generated from the call type, never written out."""
+    import dataclasses
+
+    from amdqb.backends.calls import ROUTER_BWD_TENSORS, ROUTER_FWD_TENSORS, RouterCall
+
+    fields = [f.name for f in dataclasses.fields(RouterCall)]
+    for op, tensors in (("router_fwd", ROUTER_FWD_TENSORS), ("router_bwd", ROUTER_BWD_TENSORS)):
+        schema = getattr(torch.ops.amdqb, op).default._schema
+        assert [a.name for a in schema.arguments] == [*tensors, *fields, "backend"]
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_router_with_qb_indices_and_backward_compiles(backend):
+    """A QB router call writing caller-owned indices, and its backward, in one fullgraph
+    compile: the call type reaches the backend through the flat custom op unchanged."""
+    torch._dynamo.reset()
+    e, k, t = 32, 4, 16
+    bias = torch.linspace(-0.1, 0.1, e, device=DEVICE)
+    z = torch.randn(t, e, device=DEVICE)
+    outs = []
+    for compiled in (False, True):
+        hist = torch.zeros(e, 10, dtype=torch.int32, device=DEVICE)
+        bounds = amdqb.mark_qb_bin_bounds_validated(torch.tensor([-1.0, 1.0], device=DEVICE))
+        idx = torch.empty(t, k, dtype=torch.int32, device=DEVICE)
+        x = z.clone().requires_grad_(True)
+
+        def route(x, idx=idx, hist=hist, bounds=bounds):
+            probs, ids = amdqb.fused_topk_with_score_function(
+                x,
+                k,
+                expert_bias=bias,
+                topk_indices=idx,
+                qb_histogram=hist,
+                qb_bin_bounds=bounds,
+                qb_histogram_mode="two_kernel",
+                backend=backend,
+            )
+            return probs * 2, ids
+
+        fn = torch.compile(route, fullgraph=True, backend="aot_eager") if compiled else route
+        probs, ids = fn(x)
+        probs.sum().backward()
+        outs.append((probs.detach(), ids.clone(), hist.clone(), x.grad))
+    for got, want in zip(outs[1], outs[0]):
+        assert torch.equal(got, want)
+    assert int(outs[1][2].sum()) == t * e
+
+
 def test_route_rows_and_align_compile_without_graph_breaks():
     torch._dynamo.reset()
     ids = torch.randint(0, 8, (16, 2), dtype=torch.int32, device=DEVICE)

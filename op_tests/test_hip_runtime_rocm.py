@@ -36,6 +36,7 @@ import torch
 
 import amdqb
 from amdqb import configs, dispatch, ref
+from amdqb.backends.calls import RouterCall
 from amdqb.backends.hip import _runtime, _spec
 from amdqb.backends.hip import layout as hip_layout
 from amdqb.backends.hip import router as hip_router
@@ -532,17 +533,12 @@ def _router_calls():
         probs = torch.empty(tokens, e)
         yield f"router_fwd T={tokens}", lambda rt, lg=logits, p=probs: hip_router.router_fwd(
             rt,
+            RouterCall(e, k),
             lg,
-            k,
-            "sigmoid",
-            False,
-            None,
-            None,
-            None,
             None,
             p,
             torch.empty(lg.shape, dtype=torch.bool),
-            "bytemap",
+            None,
             None,
             None,
             None,
@@ -554,25 +550,19 @@ def _router_calls():
         ):
             hist = torch.zeros(e, 16, dtype=torch.int32)
             bounds = torch.tensor([-1.0, 1.0])
+            call = RouterCall(e, k, qb_mode=mode, qb_binning=binning, num_bins=16)
             yield f"router_fwd T={tokens} qb {mode} {binning}", (
-                lambda rt, lg=logits, p=probs, h=hist, b=bounds, m=mode, bn=binning: hip_router.router_fwd(
+                lambda rt, lg=logits, p=probs, h=hist, b=bounds, c=call: hip_router.router_fwd(
                     rt,
+                    c,
                     lg,
-                    k,
-                    "sigmoid",
-                    False,
-                    None,
-                    None,
-                    None,
                     torch.zeros(e),
                     p,
                     torch.empty(lg.shape, dtype=torch.bool),
-                    "bytemap",
                     h,
                     b,
-                    m,
-                    "te",
-                    bn,
+                    None,
+                    None,
                 )
             )
         yield f"biased_topk T={tokens}", lambda rt, lg=logits: hip_router.biased_topk(

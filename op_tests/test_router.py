@@ -24,6 +24,7 @@ import amdqb
 from amdqb import dispatch, ref
 from amdqb.backends import hip as hip_backend
 from amdqb.backends import torch as torch_backend
+from amdqb.backends.calls import RouterCall
 from amdqb.backends.hip import _runtime, _spec
 from amdqb.backends.hip import router as hip_router
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
@@ -248,7 +249,8 @@ def test_router_fwd_direct(backend, map_kind):
     hist = torch.zeros(e, 100, dtype=torch.int32, device=DEVICE)
     bounds = torch.tensor([-1.25, 1.25], device=DEVICE)
     op = dispatch._backend_module(backend).OPS["router_fwd"]
-    op(z, k, "sigmoid", False, None, None, None, bias, probs, m, map_kind, hist, bounds, "auto")
+    call = RouterCall(e, k, map_kind=map_kind, qb_mode="auto", num_bins=100)
+    op(call, z, bias, probs, m, hist, bounds, None, None)
     s = backend_scores(backend, z, "sigmoid")
     idx_ref, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
     p_ref, _, map_ref = oracle(z, k, scores=s, expert_bias=bias)
@@ -324,7 +326,8 @@ def test_router_bwd_direct(backend):
     outs = []
     for be in (backend, "torch"):
         out = torch.full((t, e), float("nan"), device=DEVICE)
-        dispatch._backend_module(be).OPS["router_bwd"](gp, z, routed, k, "sigmoid", False, 1.5, out)
+        call = RouterCall(e, k, scaling_factor=1.5)
+        dispatch._backend_module(be).OPS["router_bwd"](call, gp, z, routed, out)
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
@@ -835,5 +838,6 @@ def test_explicit_backward_formulas_equal_autograd_of_oracle(score_function, pre
     )
     (probs * grad_out).sum().backward()
     explicit = torch.empty(9, 13)
-    torch_backend.router_bwd(grad_out, logits.detach(), rmap, k, score_function, pre, 1.3, explicit)
+    call = RouterCall(logits.shape[1], k, score_function, use_pre_softmax=pre, scaling_factor=1.3)
+    torch_backend.router_bwd(call, grad_out, logits.detach(), rmap, explicit)
     torch.testing.assert_close(explicit, logits.grad, atol=1e-6, rtol=1e-5)

@@ -28,8 +28,17 @@ from typing import Optional
 import torch
 
 from .. import dispatch
-from .._library import impl, kernel_op
-from ..ref.router import BINNINGS, SCORE_FUNCTIONS, SELECTIONS, unpack_bitmap
+from .._library import call_op, impl, kernel_op
+from ..backends.calls import (
+    BINNINGS,
+    QB_MODES,
+    ROUTER_BWD_TENSORS,
+    ROUTER_FWD_TENSORS,
+    SCORE_FUNCTIONS,
+    SELECTIONS,
+    RouterCall,
+)
+from ..ref.router import unpack_bitmap
 from ._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -44,7 +53,6 @@ from ._checks import (
 
 ROUTING_MAP_FORMATS = ("bytemap", "bitmap_u8")
 MAX_MARGIN_BINS = 256  # log_margin bins fit a byte (the two-kernel mode stores them per element)
-QB_MODES = ("two_kernel", "fused_atomic", "auto")
 _VALIDATED_ATTR = "_amdqb_qb_bounds_validated_version"
 
 
@@ -105,70 +113,15 @@ def check_qb_bounds_values(lower: float, upper: float, binning: str, name="qb_bi
 # --------------------------------------------------------------------------------------------
 # Kernel-level ops (custom ops under torch.compile, direct calls in eager mode).
 # --------------------------------------------------------------------------------------------
-@kernel_op("router_fwd", mutates_args=("probs_out", "map_out", "qb_histogram"))
-def _router_fwd(
-    logits: torch.Tensor,
-    topk: int,
-    score_function: str,
-    use_pre_softmax: bool,
-    num_groups: Optional[int],
-    group_topk: Optional[int],
-    scaling_factor: Optional[float],
-    expert_bias: Optional[torch.Tensor],
-    probs_out: torch.Tensor,
-    map_out: torch.Tensor,
-    map_kind: str,
-    qb_histogram: Optional[torch.Tensor],
-    qb_bin_bounds: Optional[torch.Tensor],
-    qb_mode: Optional[str],
-    selection: str,
-    qb_binning: str,
-    approximate: bool,
-    backend: str,
-) -> None:
-    impl("router_fwd", backend)(
-        logits,
-        topk,
-        score_function,
-        use_pre_softmax,
-        num_groups,
-        group_topk,
-        scaling_factor,
-        expert_bias,
-        probs_out,
-        map_out,
-        map_kind,
-        qb_histogram,
-        qb_bin_bounds,
-        qb_mode,
-        selection,
-        qb_binning,
-        approximate,
-    )
-
-
-@kernel_op("router_bwd", mutates_args=("grad_logits_out",))
-def _router_bwd(
-    grad_probs: torch.Tensor,
-    logits: torch.Tensor,
-    routed: torch.Tensor,
-    topk: int,
-    score_function: str,
-    use_pre_softmax: bool,
-    scaling_factor: Optional[float],
-    grad_logits_out: torch.Tensor,
-    backend: str,
-) -> None:
-    impl("router_bwd", backend)(
-        grad_probs,
-        logits,
-        routed,
-        topk,
-        score_function,
-        use_pre_softmax,
-        scaling_factor,
-        grad_logits_out,
-    )
+_router_fwd = call_op(
+    "router_fwd",
+    RouterCall,
+    ROUTER_FWD_TENSORS,
+    mutates_args=("probs_out", "map_out", "qb_histogram", "scores_out", "cutoff_out"),
+)
+_router_bwd = call_op(
+    "router_bwd", RouterCall, ROUTER_BWD_TENSORS, mutates_args=("grad_logits_out",)
+)
 
 
 @kernel_op("biased_topk", mutates_args=("weights_out", "ids_out"))
@@ -212,33 +165,15 @@ def _routed_mask(map_out: torch.Tensor, map_kind: str, num_experts: int) -> torc
 
 class _RouterFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits2d, cfg, user_indices, qb):
-        topk, score_function, use_pre_softmax, groups, scaling_factor, bias, map_kind, backends = (
-            cfg[:8]
-        )
-        selection, qb_binning, approximate = cfg[8]
-        backend = backends[0]  # (forward, backward)
-        probs, map_out = _alloc_outputs(logits2d, topk, map_kind, user_indices)
+    def forward(ctx, logits2d, call, backends, user_indices, inputs):
+        bias, hist, bounds = inputs  # not differentiated: bias and bounds read, hist accumulated
+        probs, map_out = _alloc_outputs(logits2d, call, user_indices)
         _router_fwd(
-            logits2d,
-            topk,
-            score_function,
-            use_pre_softmax,
-            groups[0],
-            groups[1],
-            scaling_factor,
-            bias,
-            probs,
-            map_out,
-            map_kind,
-            *qb,
-            selection,
-            qb_binning,
-            approximate,
-            backend,
+            call, logits2d, bias, probs, map_out, hist, bounds, None, None, backend=backends[0]
         )
         ctx.save_for_backward(logits2d, map_out)
-        ctx.cfg = cfg
+        ctx.call = call
+        ctx.bwd_backend = backends[1]
         if user_indices is not None:
             ctx.mark_dirty(user_indices)
             map_out = user_indices
@@ -248,32 +183,19 @@ class _RouterFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_probs, _grad_map):
         logits2d, map_out = ctx.saved_tensors
-        topk, score_function, use_pre_softmax, _groups, scaling_factor, _b, map_kind, backends = (
-            ctx.cfg[:8]
-        )
-        backend = backends[1]
-        routed = _routed_mask(map_out, map_kind, logits2d.shape[1])
+        call = ctx.call
+        routed = _routed_mask(map_out, call.map_kind, call.num_experts)
         grad = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
-        _router_bwd(
-            grad_probs.contiguous(),
-            logits2d,
-            routed,
-            topk,
-            score_function,
-            use_pre_softmax,
-            scaling_factor,
-            grad,
-            backend,
-        )
-        return grad.to(logits2d.dtype), None, None, None
+        _router_bwd(call, grad_probs.contiguous(), logits2d, routed, grad, backend=ctx.bwd_backend)
+        return grad.to(logits2d.dtype), None, None, None, None
 
 
-def _alloc_outputs(logits2d, topk, map_kind, user_indices):
+def _alloc_outputs(logits2d, call: RouterCall, user_indices):
     tokens, num_experts = logits2d.shape
     probs = torch.empty_like(logits2d)
-    if map_kind == "indices":
-        return probs, user_indices.view(tokens, topk)
-    if map_kind == "bitmap":
+    if call.map_kind == "indices":
+        return probs, user_indices.view(tokens, call.topk)
+    if call.map_kind == "bitmap":
         nbytes = (num_experts + 7) // 8
         return probs, torch.empty(tokens, nbytes, dtype=torch.uint8, device=logits2d.device)
     return probs, torch.empty(tokens, num_experts, dtype=torch.bool, device=logits2d.device)
@@ -468,6 +390,23 @@ def fused_topk_with_score_function(
     else:
         map_kind = "bitmap" if map_format == "bitmap_u8" else "bytemap"
 
+    call = RouterCall(
+        num_experts=num_experts,
+        topk=topk,
+        score_function=score_function,
+        use_pre_softmax=bool(use_pre_softmax),
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        map_kind=map_kind,
+        selection=selection,
+        approximate=bool(approximate_activation),
+        qb_mode=qb_histogram_mode if use_qb else None,
+        qb_binning=qb_binning if use_qb else "uniform",
+        num_bins=qb_histogram.shape[1] if use_qb else 0,
+    )
+    if not use_qb:
+        qb_histogram = qb_bin_bounds = None
     chosen_backend = dispatch.kernel_backend(
         "router_fwd",
         device,
@@ -477,47 +416,35 @@ def fused_topk_with_score_function(
         score_function=score_function,
         grouped=num_groups is not None,
         qb=use_qb,
-        num_bins=qb_histogram.shape[1] if use_qb else 0,
+        num_bins=call.num_bins,
         selection=selection,
-        qb_binning=qb_binning if use_qb else "uniform",
+        qb_binning=call.qb_binning,
     )
-    qb = (qb_histogram, qb_bin_bounds, qb_histogram_mode) if use_qb else (None, None, None)
     if torch.is_grad_enabled() and logits.requires_grad:
         # the backward runs on the forward's backend when it has a backward kernel (hip has none)
         bwd_backend = dispatch.kernel_backend(
             "router_bwd", device, prefer=chosen_backend, num_experts=num_experts, topk=topk
         )
-        cfg = (
-            topk,
-            score_function,
-            bool(use_pre_softmax),
-            (num_groups, group_topk),
-            scaling_factor,
-            expert_bias,
-            map_kind,
-            (chosen_backend, bwd_backend),
-            (selection, qb_binning, bool(approximate_activation)),
-        )
-        probs, map_out = _RouterFunction.apply(logits2d, cfg, topk_indices, qb)
-    else:
-        probs, map_out = _alloc_outputs(logits2d, topk, map_kind, topk_indices)
-        _router_fwd(
+        probs, map_out = _RouterFunction.apply(
             logits2d,
-            topk,
-            score_function,
-            bool(use_pre_softmax),
-            num_groups,
-            group_topk,
-            scaling_factor,
+            call,
+            (chosen_backend, bwd_backend),
+            topk_indices,
+            (expert_bias, qb_histogram, qb_bin_bounds),
+        )
+    else:
+        probs, map_out = _alloc_outputs(logits2d, call, topk_indices)
+        _router_fwd(
+            call,
+            logits2d,
             expert_bias,
             probs,
             map_out,
-            map_kind,
-            *qb,
-            selection,
-            qb_binning,
-            bool(approximate_activation),
-            chosen_backend,
+            qb_histogram,
+            qb_bin_bounds,
+            None,
+            None,
+            backend=chosen_backend,
         )
     probs = probs.view(*lead, num_experts)
     if map_kind == "indices":

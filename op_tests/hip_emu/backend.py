@@ -53,7 +53,9 @@ def _poison(t: torch.Tensor | None) -> None:
 def _poisoning(op: str, fn):
     """``fn`` with its fully-written outputs poisoned first (positions of amdqb.backends' API)."""
     outputs = {
-        "router_fwd": (8, 9),  # probs_out, map_out (the QB histogram accumulates)
+        # (call, logits, bias, probs_out, map_out, hist, bounds, scores_out, cutoff_out): the QB
+        # histogram accumulates
+        "router_fwd": (3, 4, 7, 8),
         "biased_topk": (8, 9),  # weights_out, ids_out
         "route_rows": (4,),  # rows_out (counts_out arrives zero-filled, counters are inputs)
         "align_block_size": (3, 4, 5),  # sorted_ids_out, expert_ids_out, num_post_pad_out

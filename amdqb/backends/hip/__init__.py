@@ -26,6 +26,7 @@ has not executed anything: no ROCm device exists where this is developed.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -89,12 +90,15 @@ def unsupported(op: str, info, features: dict):
 
 
 def _on_runtime(op):
-    """The launcher ``op`` with the process runtime as its first argument."""
+    """The launcher ``op`` with the process runtime as its first argument (its signature: the
+    launcher's without ``rt``)."""
 
     @functools.wraps(op)
     def call(*args):
         return op(_rt(), *args)
 
+    sig = inspect.signature(op)
+    call.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
     return call
 
 

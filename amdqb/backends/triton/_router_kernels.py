@@ -242,6 +242,8 @@ def _router_fwd_kernel(
     cut_ptr,
     scratch_ptr,
     bytes_ptr,
+    scores_ptr,
+    cutoff_ptr,
     T,
     scaling,
     E: tl.constexpr,
@@ -275,6 +277,8 @@ def _router_fwd_kernel(
     TIE_FREE: tl.constexpr,  # select by b - sigmoid(-z) instead of s + b (sigmoid with a bias)
     MARGIN: tl.constexpr,  # QB binning: False uniform (r = alpha - s), True log_margin (d)
     MBITS: tl.constexpr,  # log_margin: 2^MBITS bins per octave
+    SCORES: tl.constexpr,  # write the scores before the bias (scores_ptr, fp32 [T, E])
+    CUTOFF: tl.constexpr,  # QB: write the cutoff alpha (cutoff_ptr, fp32 [T])
 ):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -326,6 +330,8 @@ def _router_fwd_kernel(
             else:
                 sel = wv
     key = tl.where(valid[None, :], _order_key(sel), INT32_MIN)
+    if SCORES:
+        tl.store((scores_ptr + rbase)[:, None] + col[None, :], wv, mask=mask2)
 
     # ---- grouped Top-k: keep the GT groups whose best GN selection values sum highest ----------
     if NG > 1:
@@ -521,6 +527,8 @@ def _router_fwd_kernel(
     # ---- Quantile Balancing -------------------------------------------------------------------
     if QB > 0:
         alpha = _key_value(kc)  # the (k+1)-th selection value
+        if CUTOFF:
+            tl.store(cutoff_ptr + rows, alpha, mask=row_ok)
         if MARGIN:
             # log_margin: d = alpha - (the selection value), binned by the router itself; the
             # two-kernel mode stores the bins ([T, E] bytes) for the counting pass

@@ -50,14 +50,14 @@ import triton
 
 from ... import configs
 from ...ref.router import margin_octave_bits
+from ..calls import SCORE_CODES, RouterCall
 from . import _router_kernels as K
 from ._common import compile_options, interpreting, on_device
 from .codegen import KernelSpec
 
 MAX_EXPERTS = 4096
 
-_SCORES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
-_MAPS = {"bytemap": 1, "bitmap": 2, "indices": 3}
+_SCORES = SCORE_CODES
 
 
 def _next_pow2(x: int) -> int:
@@ -260,6 +260,8 @@ def _launch_router(
     approx=False,
     tie_free=False,
     margin=False,
+    scores=None,
+    cutoff=None,
 ):
     T = logits.shape[0]
     grid = (triton.cdiv(T, plan.BT),)
@@ -283,6 +285,8 @@ def _launch_router(
         cut if cut is not None else dummy,
         scratch,
         bytes_scratch,
+        scores if scores is not None else dummy,
+        cutoff if cutoff is not None else dummy,
         T,
         float(1.0 if scaling is None else scaling),
         **plan.constexprs(),
@@ -300,6 +304,8 @@ def _launch_router(
         TIE_FREE=bool(tie_free),
         MARGIN=bool(margin),
         MBITS=margin_octave_bits(nbins),
+        SCORES=scores is not None,
+        CUTOFF=cutoff is not None,
         num_warps=plan.num_warps,
         **compile_options(logits.device),
     )
@@ -314,69 +320,63 @@ def _resolve_qb_mode(mode: str, T: int, device: torch.device, family: str) -> tu
 
 
 def router_fwd(
+    call: RouterCall,
     logits,
-    topk,
-    score_function,
-    use_pre_softmax,
-    num_groups,
-    group_topk,
-    scaling_factor,
     expert_bias,
     probs_out,
     map_out,
-    map_kind,
     qb_histogram,
     qb_bin_bounds,
-    qb_mode,
-    selection="te",
-    qb_binning="uniform",
-    approximate=False,
+    scores_out,
+    cutoff_out,
 ):
+    call.check_forward(logits, qb_histogram)
     T, E = logits.shape
     if T == 0:
         return
     family = _family(logits.device)
-    use_qb = qb_histogram is not None
-    plan = plan_router(E, topk, use_qb, num_groups, group_topk, family)
-    score = _SCORES[score_function]
-    pre = bool(use_pre_softmax) and score == 2
-    renorm = score != 2 and topk > 1
-    map_code = _MAPS[map_kind]
-    if map_kind == "bytemap":
+    plan = plan_router(E, call.topk, call.qb, call.num_groups, call.group_topk, family)
+    score = SCORE_CODES[call.score_function]
+    if call.map_kind == "bytemap":
         map_kwargs = {"map_out": map_out.view(torch.uint8), "map_code": 1}
-    elif map_kind == "bitmap":
+    elif call.map_kind == "bitmap":
         map_kwargs = {"map_out": map_out, "map_code": 2}
     else:
-        map_kwargs = {"ids": map_out, "map_code": map_code}
+        map_kwargs = {"ids": map_out, "map_code": 3}
     common = dict(
         score=score,
-        pre=pre,
-        renorm=renorm,
+        pre=call.use_pre_softmax and score == 2,
+        renorm=score != 2 and call.topk > 1,
         bias=expert_bias,
-        scaling=scaling_factor,
-        tie_free=selection == "tie_free",
-        approx=approximate,
+        scaling=call.scaling_factor,
+        tie_free=call.selection == "tie_free",
+        approx=call.approximate,
+        probs=probs_out,
+        scores=scores_out,
+        **map_kwargs,
     )
     with on_device(logits):
-        if not use_qb:
-            _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common)
+        if not call.qb:
+            _launch_router(logits, plan, **common)
             return
-        B = qb_histogram.shape[1]
-        margin = qb_binning == "log_margin"
+        B = call.num_bins
+        margin = call.qb_binning == "log_margin"
         qb = dict(nbins=B, hist=qb_histogram, bounds=qb_bin_bounds, margin=margin)
-        mode, lds_ok = _resolve_qb_mode(qb_mode, T, logits.device, family)
+        mode, lds_ok = _resolve_qb_mode(call.qb_mode, T, logits.device, family)
         if mode == "fused_atomic":
-            _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common, qb=1, **qb)
+            _launch_router(logits, plan, **common, qb=1, cutoff=cutoff_out, **qb)
             return
         # two kernels: the router writes each token's cutoff (uniform) or every bin (log_margin,
         # uint8 [T, E]); the second kernel counts
         if margin:
             cut = torch.empty(T, E, dtype=torch.uint8, device=logits.device)
+        elif cutoff_out is not None:
+            cut, cutoff_out = cutoff_out, None  # the cutoffs the second kernel reads
         else:
             cut = torch.empty(T, dtype=torch.float32, device=logits.device)
-        _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common, qb=2, cut=cut, **qb)
+        _launch_router(logits, plan, **common, qb=2, cut=cut, cutoff=cutoff_out, **qb)
         _launch_histogram(
-            logits, cut, qb_bin_bounds, qb_histogram, family, lds_ok, margin, approximate
+            logits, cut, qb_bin_bounds, qb_histogram, family, lds_ok, margin, call.approximate
         )
 
 
@@ -450,21 +450,13 @@ def _bwd_tile(E: int, family: str) -> tuple[int, int, int]:
     return W, BT, _warps(BT * W, cfg)
 
 
-def router_bwd(
-    grad_probs,
-    logits,
-    routed,
-    topk,
-    score_function,
-    use_pre_softmax,
-    scaling_factor,
-    grad_logits_out,
-):
+def router_bwd(call: RouterCall, grad_probs, logits, routed, grad_logits_out):
+    call.check(logits)
     T, E = logits.shape
     if T == 0:
         return
     W, BT, warps = _bwd_tile(E, _family(logits.device))
-    score = _SCORES[score_function]
+    score = SCORE_CODES[call.score_function]
     with on_device(logits):
         K._router_bwd_kernel[(triton.cdiv(T, BT),)](
             grad_probs,
@@ -472,13 +464,13 @@ def router_bwd(
             routed.view(torch.uint8),
             grad_logits_out,
             T,
-            float(1.0 if scaling_factor is None else scaling_factor),
+            float(1.0 if call.scaling_factor is None else call.scaling_factor),
             E=E,
             W=W,
             BT=BT,
             SCORE=score,
-            PRE=bool(use_pre_softmax) and score == 2,
-            NORM=topk > 1,
+            PRE=call.use_pre_softmax and score == 2,
+            NORM=call.topk > 1,
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -555,6 +547,8 @@ _FWD_PTRS = (
     "cut_ptr",
     "scratch_ptr",
     "bytes_ptr",
+    "scores_ptr",
+    "cutoff_ptr",
 )
 
 
@@ -577,6 +571,8 @@ def _fwd_spec(name, plan, *, types, score, pre, renorm, qb, nbins, map_code, den
         TIE_FREE=False,
         MARGIN=False,
         MBITS=0,
+        SCORES=False,
+        CUTOFF=False,
     )
     for key in constexprs:
         sig[key] = "constexpr"

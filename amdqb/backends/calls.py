@@ -1,0 +1,136 @@
+"""Descriptions of kernel-level calls: what every backend of an op receives besides the tensors.
+
+A call type is a frozen (hashable, immutable) dataclass built once by the op (``amdqb.ops``) after
+validation and handed unchanged to the dispatcher's capability checks and to the backend's entry
+point; the tensors follow it positionally in the order of the op's ``*_TENSORS`` tuple. Under
+``torch.compile`` the registered custom op (``amdqb._library``) carries the fields flat, in
+declaration order, and rebuilds the call inside the op.
+
+The contract of every backend is then ``router_fwd(call: RouterCall, *ROUTER_FWD_TENSORS)`` and
+``router_bwd(call: RouterCall, *ROUTER_BWD_TENSORS)`` (op_tests/test_backend_contract.py checks
+every backend's signature and that each field changes what it computes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+# The vocabularies of the calls (this module imports nothing of amdqb, nor torch: the oracles,
+# the ops and the path-loaded hip build specification of setup.py all take them from here).
+SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
+SCORE_CODES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}  # the kernels' compile-time codes
+SELECTIONS = ("te", "tie_free")
+BINNINGS = ("uniform", "log_margin")
+MAP_KINDS = ("bytemap", "bitmap", "indices")
+QB_MODES = ("two_kernel", "fused_atomic", "auto")
+
+
+@dataclass(frozen=True)
+class RouterCall:
+    """One call of the fused router (forward and backward share it).
+
+    * ``num_experts`` E (the logits' last dimension), ``topk`` k;
+    * ``score_function`` and ``use_pre_softmax`` (softmax: over all E before Top-k, else Top-k of
+      the logits and a softmax over the k), ``num_groups`` / ``group_topk`` (grouped Top-k, both
+      None when ungrouped), ``scaling_factor`` (None: 1);
+    * ``map_kind``: ``"bytemap"`` (``map_out`` bool [T, E]), ``"bitmap"`` (uint8 [T, ceil(E/8)])
+      or ``"indices"`` ([T, k] int16/32/64 in selection order);
+    * ``selection``: ``"te"`` ranks by ``s + b``, ``"tie_free"`` by ``b - sigmoid(-z)``;
+    * ``approximate``: the kernels' opt-in approximate exponential (the oracle ignores it);
+    * ``qb_mode``: None (no Quantile Balancing) or ``"two_kernel"`` / ``"fused_atomic"`` /
+      ``"auto"``: the histogram ``qb_histogram`` [E, ``num_bins``] accumulates under bounds
+      ``qb_bin_bounds`` with ``qb_binning`` ``"uniform"`` or ``"log_margin"``;
+    * ``write_scores``: ``scores_out`` fp32 [T, E] receives the scores the selection ranked,
+      before the bias (softmax with ``use_pre_softmax``: over E; softmax without: the logits);
+    * ``write_cutoff`` (QB only): ``cutoff_out`` fp32 [T] receives each token's cutoff, the
+      (k+1)-th selection value.
+    """
+
+    num_experts: int
+    topk: int
+    score_function: str = "sigmoid"
+    use_pre_softmax: bool = False
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    scaling_factor: Optional[float] = None
+    map_kind: str = "bytemap"
+    selection: str = "te"
+    approximate: bool = False
+    qb_mode: Optional[str] = None
+    qb_binning: str = "uniform"
+    num_bins: int = 0
+    write_scores: bool = False
+    write_cutoff: bool = False
+
+    def __post_init__(self):
+        for name, choices in (
+            ("score_function", SCORE_FUNCTIONS),
+            ("map_kind", MAP_KINDS),
+            ("selection", SELECTIONS),
+            ("qb_binning", BINNINGS),
+        ):
+            if getattr(self, name) not in choices:
+                value = getattr(self, name)
+                raise ValueError(f"RouterCall.{name} must be one of {choices}, got {value!r}")
+        if self.qb_mode is not None and self.qb_mode not in QB_MODES:
+            raise ValueError(f"RouterCall.qb_mode must be None or one of {QB_MODES}")
+        if (self.qb_mode is None) != (self.num_bins == 0):
+            raise ValueError("RouterCall.num_bins is the QB histogram's B (0 without qb_mode)")
+        if self.write_cutoff and self.qb_mode is None:
+            raise ValueError("RouterCall.write_cutoff needs qb_mode (the cutoff is QB's)")
+        if (self.num_groups is None) != (self.group_topk is None):
+            raise ValueError("RouterCall.num_groups and group_topk go together")
+
+    def check(self, logits) -> None:
+        """The expert count against the logits (the first statement of a backend's entry point:
+        ``amdqb.ops`` builds consistent calls, direct callers may not)."""
+        if logits.shape[-1] != self.num_experts:
+            raise ValueError(
+                f"RouterCall.num_experts={self.num_experts} but the logits have "
+                f"{logits.shape[-1]} experts"
+            )
+
+    def check_forward(self, logits, qb_histogram) -> None:
+        """:meth:`check`, and the bin count against the QB histogram."""
+        self.check(logits)
+        if self.qb and (qb_histogram is None or qb_histogram.shape[-1] != self.num_bins):
+            got = None if qb_histogram is None else tuple(qb_histogram.shape)
+            raise ValueError(f"RouterCall.num_bins={self.num_bins} but qb_histogram is {got}")
+
+    @property
+    def qb(self) -> bool:
+        return self.qb_mode is not None
+
+    @property
+    def grouped(self) -> bool:
+        return self.num_groups is not None
+
+    @property
+    def num_selected(self) -> int:
+        """Experts selected per token: k, or k + 1 under QB (the cutoff)."""
+        return self.topk + (1 if self.qb else 0)
+
+
+# The tensors that follow the call, in order (None where the call does not use one).
+ROUTER_FWD_TENSORS = (
+    "logits",  # [T, E] fp32/bf16/fp16, contiguous
+    "expert_bias",  # fp32 [E] or None
+    "probs_out",  # [T, E] in the logits dtype
+    "map_out",  # per call.map_kind
+    "qb_histogram",  # int32 [E, B] (accumulated) or None
+    "qb_bin_bounds",  # fp32 [2] or None
+    "scores_out",  # fp32 [T, E] when call.write_scores, else None
+    "cutoff_out",  # fp32 [T] when call.write_cutoff, else None
+)
+ROUTER_BWD_TENSORS = (
+    "grad_probs",  # [T, E] any float dtype, contiguous
+    "logits",  # [T, E] the forward's logits
+    "routed",  # bool [T, E]: the forward's routes
+    "grad_logits_out",  # fp32 [T, E]
+)
+
+
+def field_values(call) -> tuple:
+    """The fields of a call, in declaration order (the custom ops' flat form)."""
+    return tuple(getattr(call, f.name) for f in fields(call))

@@ -135,6 +135,15 @@ def warp_router(monkeypatch, emu_rt):
         )
 
 
+def forget_build_failures() -> None:
+    """Forget the dispatcher's recorded run-time build failures, their warnings and its cached
+    choices (tests that fake a failing toolchain start and end clean)."""
+    with dispatch._LOCK:
+        dispatch._FAILURES.clear()
+        dispatch._WARNED.clear()
+    dispatch._select.cache_clear()
+
+
 def set_config(monkeypatch, values: dict, device=None):
     """For the test, ``values`` replace the config entries of ``device``'s architecture family
     (default: the suite's device), as ``amdqb.configs.override`` does; undone by ``monkeypatch``."""

@@ -4,6 +4,7 @@ inputs (each a clear error before any launch). QB bounds validation: test_router
 
 import inspect
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 import amdqb
 from amdqb import dispatch, ref
 from amdqb.backends import hip as hip_backend
+from amdqb.backends.calls import AlignRequest, BiasedTopkRequest, RouterCall, RouteRowsRequest
 
 from conftest import DEVICE, HAS_GPU
 
@@ -134,35 +136,47 @@ def test_unavailable_forced_backend_explains_why():
 
 def test_hip_declines_with_reasons():
     info = dispatch.device_info("cpu")
-    ok = dict(num_experts=896, topk=16, score_function="sigmoid", grouped=False, qb=True)
-    assert hip_backend.unsupported("router_fwd", info, {**ok, "num_bins": 1000}) is None
-    assert "grouped" in hip_backend.unsupported("router_fwd", info, {**ok, "grouped": True})
-    assert "num_experts" in hip_backend.unsupported(
-        "biased_topk", info, {**ok, "num_experts": 5000}
-    )
-    assert "65" in hip_backend.unsupported("router_fwd", info, {**ok, "topk": 64})
-    assert hip_backend.unsupported("router_fwd", info, {**ok, "topk": 64, "qb": False}) is None
-    assert "num_bins" in hip_backend.unsupported("router_fwd", info, {**ok, "num_bins": 20000})
-    assert (
-        hip_backend.unsupported("route_rows", info, {"num_experts": 10**6, "impl": "atomic"})
-        is None
-    )
+    limits = hip_backend.LIMITS
+    qb = RouterCall(896, 16, qb_mode="auto", num_bins=1000)
+    assert limits["router_fwd"](info, qb) is None
+    assert "grouped" in limits["router_fwd"](info, replace(qb, num_groups=8, group_topk=4))
+    assert "num_experts" in limits["biased_topk"](info, BiasedTopkRequest(num_experts=5000))
+    assert "65" in limits["router_fwd"](info, replace(qb, topk=64))  # k + 1 under QB
+    assert limits["router_fwd"](info, RouterCall(896, 64)) is None
+    assert "num_bins" in limits["router_fwd"](info, replace(qb, num_bins=20000))
+    big = RouteRowsRequest(num_experts=10**6, impl="atomic")
+    assert limits["route_rows"](info, big) is None
+    assert "deterministic" in limits["route_rows"](info, replace(big, deterministic=True))
+    assert "align" in limits["align_block_size"](info, AlignRequest(num_experts=5000))
 
 
 def test_triton_declines_large_expert_counts():
     from amdqb.backends.triton import router
 
     info = dispatch.device_info(DEVICE)
-    reason = router.UNSUPPORTED["router_fwd"](info, {"num_experts": 5000, "qb": False})
+    reason = router.LIMITS["router_fwd"](info, RouterCall(5000, 8))
     assert reason and "E > 4096" in reason
-    assert router.UNSUPPORTED["biased_topk"](info, {"num_experts": 5000})
-    assert (
-        router.UNSUPPORTED["router_fwd"](info, {"num_experts": 4096, "qb": True, "num_bins": 1000})
-        is None
-    )
-    assert router.UNSUPPORTED["router_fwd"](
-        info, {"num_experts": 4096, "qb": True, "num_bins": 2**20}
-    )
+    assert router.LIMITS["biased_topk"](info, BiasedTopkRequest(num_experts=5000))
+    qb = RouterCall(4096, 8, qb_mode="auto", num_bins=1000)
+    assert router.LIMITS["router_fwd"](info, qb) is None
+    assert router.LIMITS["router_fwd"](info, replace(qb, num_bins=2**20))
+
+
+def test_capability_limits_are_declared_per_op():
+    """Every backend's capability checks are keyed by ops it implements, each a typed check of
+    the op's call or request (``amdqb.backends.calls``)."""
+    import typing
+
+    from amdqb.backends import calls
+
+    for name in dispatch.BACKENDS:
+        module = dispatch._backend_module(name)
+        for op, check in getattr(module, "LIMITS", {}).items():
+            assert op in module.OPS, (name, op)
+            hints = typing.get_type_hints(check)
+            arg = list(inspect.signature(check).parameters)[1]
+            assert hints[arg] is type(calls.DEFAULT_REQUESTS[op]), (name, op)
+            assert check(dispatch.device_info("cpu"), calls.request(op)) is None, (name, op)
 
 
 def test_amd_arch_helpers():
@@ -483,14 +497,37 @@ def test_backward_backend_follows_forward_or_falls_back(monkeypatch):
     """The router's backward uses the forward's backend when it has a backward kernel; a backend
     without one (or unavailable here) falls back to the table, also when AMDQB_BACKEND forces it."""
     dev = DEVICE
-    assert (
-        dispatch.backend_name("router_bwd", dev, prefer="torch", num_experts=8, topk=2) == "torch"
-    )
-    table = dispatch.backend_name("router_bwd", dev, num_experts=8, topk=2)
+    call = RouterCall(8, 2)
+    assert dispatch.select("router_bwd", dev, call=call, prefer="torch").backend == "torch"
+    table = dispatch.select("router_bwd", dev, call=call).backend
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
-    got = dispatch.backend_name("router_bwd", dev, prefer="hip", num_experts=8, topk=2)
+    got = dispatch.select("router_bwd", dev, call=call, prefer="hip").backend
     assert got == table and "router_bwd" in dispatch._backend_module(got).OPS
     z = torch.randn(5, 8, device=dev, requires_grad=True)
     probs, _ = amdqb.fused_topk_with_score_function(z, 2, backend="torch")
     probs.sum().backward()
     assert z.grad is not None and torch.isfinite(z.grad).all()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="runs the hip backend on the CPU emulator")
+def test_no_backend_runs_another_inside_it():
+    """hip's deterministic routes keep E counters in LDS: beyond MAX_DET_EXPERTS the dispatcher
+    passes hip over (the next backend runs the call), and backend="hip" raises naming the limit
+    -- nothing inside the hip backend quietly runs the torch oracle."""
+    from amdqb.backends.hip import layout as hip_layout
+
+    from hip_emu.backend import emulated_hip_backend
+
+    e = hip_layout.MAX_DET_EXPERTS + 1
+    ids = torch.randint(0, e, (8, 2), dtype=torch.int32)
+    with emulated_hip_backend():
+        assert dispatch.select("route_rows", "cpu", "hip", num_experts=64).backend == "hip"
+        choice = dispatch.select(
+            "route_rows", "cpu", prefer="hip", num_experts=e, impl="atomic", deterministic=True
+        )
+        assert choice.backend != "hip" and "deterministic" in dict(choice.rejected)["hip"]
+        with pytest.raises(RuntimeError, match=f"hip: deterministic routes with num_experts={e}"):
+            amdqb.moe_route_rows(ids, e, deterministic=True, backend="hip")
+        rows, counts = amdqb.moe_route_rows(ids, e, deterministic=True)
+    want_rows, want_counts = ref.moe_route_rows(ids, e)
+    assert torch.equal(rows, want_rows) and torch.equal(counts, want_counts)

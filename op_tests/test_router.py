@@ -660,7 +660,7 @@ def test_router_on_a_side_stream(backend):
 def test_router_wide_expert_counts(backend):
     # E in (2048, 4096] runs with register spills; beyond, the dispatcher is told to fall back.
     info = dispatch.device_info(DEVICE)
-    assert hip_backend.unsupported("router_fwd", info, {"num_experts": 5000, "topk": 8})
+    assert hip_backend.LIMITS["router_fwd"](info, RouterCall(5000, 8))
     e = 3000
     logits = make_logits(33, e, "normal", e).to(DEVICE)
     probs, rmap = amdqb.fused_topk_with_score_function(logits, 8, backend=backend)

@@ -13,7 +13,7 @@ every backend's signature and that each field changes what it computes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 # The vocabularies of the calls (this module imports nothing of amdqb, nor torch: the oracles,
@@ -134,3 +134,83 @@ ROUTER_BWD_TENSORS = (
 def field_values(call) -> tuple:
     """The fields of a call, in declaration order (the custom ops' flat form)."""
     return tuple(getattr(call, f.name) for f in fields(call))
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests: what the dispatcher's capability checks read of the ops whose backends take plain
+# arguments (their entry points are listed in ``amdqb.backends``).
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BiasedTopkRequest:
+    num_experts: int = 256
+    topk: int = 8
+    score_function: str = "sigmoid"
+    grouped: bool = False
+
+
+@dataclass(frozen=True)
+class RouteRowsRequest:
+    num_experts: int = 256
+    impl: str = "atomic"  # "atomic" | "lds" (the op's capacity gate chose it)
+    deterministic: bool = False
+
+
+@dataclass(frozen=True)
+class AlignRequest:
+    num_experts: int = 256
+
+
+@dataclass(frozen=True)
+class QbRequest:
+    num_bins: int = 64
+
+
+@dataclass(frozen=True)
+class ChunkRowMapRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class ChunkCopyRequest:
+    dtype: str = "torch.float32"
+
+
+@dataclass(frozen=True)
+class AuxScoresRequest:
+    num_experts: int = 256
+    topk: int = 8
+    score_function: str = "softmax"
+
+
+@dataclass(frozen=True)
+class AuxLossRequest:
+    cols: int = 256
+
+
+# The request of every op without features: a representative configuration every backend of the
+# op handles (``amdqb info`` reports the choice for it); the ops replace its fields.
+DEFAULT_REQUESTS = {
+    "router_fwd": RouterCall(256, 8),
+    "router_bwd": RouterCall(256, 8),
+    "biased_topk": BiasedTopkRequest(),
+    "qb_recover": QbRequest(),
+    "qb_step": QbRequest(),
+    "route_rows": RouteRowsRequest(),
+    "align_block_size": AlignRequest(),
+    "chunk_row_map": ChunkRowMapRequest(),
+    "chunk_copy": ChunkCopyRequest(),
+    "aux_scores_fwd": AuxScoresRequest(),
+    "aux_scores_bwd": AuxScoresRequest(),
+    "aux_loss_fwd": AuxLossRequest(),
+    "aux_loss_bwd": AuxLossRequest(),
+}
+
+
+def request(op: str, **features):
+    """The request of ``op``: its default with ``features`` replacing fields (a TypeError names
+    a feature the op's request type lacks)."""
+    try:
+        default = DEFAULT_REQUESTS[op]
+    except KeyError:
+        raise ValueError(f"unknown op {op!r}; ops: {sorted(DEFAULT_REQUESTS)}") from None
+    return replace(default, **features) if features else default

@@ -178,7 +178,12 @@ def moe_route_rows(
     if chosen == "lds" and num_experts > LDS_MAX_EXPERTS:
         raise ValueError(f"impl='lds' supports num_experts <= {LDS_MAX_EXPERTS}, got {num_experts}")
     chosen_backend = dispatch.kernel_backend(
-        "route_rows", device, backend, num_experts=num_experts, impl=chosen
+        "route_rows",
+        device,
+        backend,
+        num_experts=num_experts,
+        impl=chosen,
+        deterministic=deterministic,
     )
     # counts arrive zero-filled at the backend (the lds kernels accumulate into them); with the
     # op's own counters both come from one fill

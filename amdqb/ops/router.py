@@ -407,23 +407,11 @@ def fused_topk_with_score_function(
     )
     if not use_qb:
         qb_histogram = qb_bin_bounds = None
-    chosen_backend = dispatch.kernel_backend(
-        "router_fwd",
-        device,
-        backend,
-        num_experts=num_experts,
-        topk=topk,
-        score_function=score_function,
-        grouped=num_groups is not None,
-        qb=use_qb,
-        num_bins=call.num_bins,
-        selection=selection,
-        qb_binning=call.qb_binning,
-    )
+    chosen_backend = dispatch.kernel_backend("router_fwd", device, backend, call)
     if torch.is_grad_enabled() and logits.requires_grad:
         # the backward runs on the forward's backend when it has a backward kernel (hip has none)
         bwd_backend = dispatch.kernel_backend(
-            "router_bwd", device, prefer=chosen_backend, num_experts=num_experts, topk=topk
+            "router_bwd", device, call=call, prefer=chosen_backend
         )
         probs, map_out = _RouterFunction.apply(
             logits2d,

@@ -89,7 +89,7 @@ def emulated_hip_backend(wave: int = 32):
     hip_backend.availability = availability
     for op, fn in saved_ops.items():
         hip_backend.OPS[op] = _poisoning(op, fn)
-    dispatch._select_cached.cache_clear()
+    dispatch._select.cache_clear()
     _ACTIVE.append(rt)
     try:
         yield rt
@@ -98,4 +98,4 @@ def emulated_hip_backend(wave: int = 32):
         hip_backend._rt, hip_backend.availability = saved_rt, saved_availability
         hip_backend.OPS.clear()
         hip_backend.OPS.update(saved_ops)
-        dispatch._select_cached.cache_clear()
+        dispatch._select.cache_clear()

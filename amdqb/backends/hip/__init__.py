@@ -2,10 +2,12 @@
 NVRTC via cuda-python on NVIDIA), cached on disk, launched on torch's current stream.
 
 Ops: ``router_fwd`` and ``biased_topk`` (``router.py``), ``route_rows`` and ``align_block_size``
-(``layout.py``). Declined through :func:`unsupported` (the dispatcher falls back to triton/torch):
-grouped Top-k, more than 4096 experts in a router or an align, Top-n above ``hip.router.cap``
-(n = k, or k + 1 under QB), QB with more than 12288 bins. ``router_bwd``, the QB updates and the
-chunk ops are left to the other backends.
+(``layout.py``). Capability limits, declared next to each op's launcher (``LIMITS``: the
+dispatcher passes the backend over, another runs the call; ``backend="hip"`` raises naming the
+limit): grouped Top-k, more than 4096 experts in a router or an align, Top-n above
+``hip.router.cap`` (n = k, or k + 1 under QB), QB with more than 12288 bins, deterministic routes
+with more than 12288 experts. ``router_bwd``, the QB updates and the chunk ops are left to the
+other backends. Nothing here runs another backend.
 
 Build failures: a module is compiled and loaded at the first kernel request of an op on a device
 (nothing is compiled at import or by ``availability``). When that fails -- hiprtc rejects the
@@ -30,7 +32,6 @@ import inspect
 
 import torch
 
-from ... import configs
 from . import layout, router
 from ._runtime import HipBuildError
 
@@ -63,32 +64,6 @@ def availability(info) -> tuple[bool, str]:
     return True, f"{rt.toolchain.compiler_id()} on {info.arch} (wave{info.wave_size})"
 
 
-def unsupported(op: str, info, features: dict):
-    """Reason this backend declines a configuration, or None."""
-    if op == "align_block_size":
-        num_experts = int(features.get("num_experts", 0))
-        if num_experts > layout.MAX_ALIGN_EXPERTS:
-            return f"align with num_experts={num_experts} > {layout.MAX_ALIGN_EXPERTS} (LDS rows)"
-        return None
-    if op not in ("router_fwd", "biased_topk"):
-        return None
-    if features.get("grouped"):
-        return "grouped Top-k is not implemented"
-    num_experts = int(features.get("num_experts", 0))
-    if num_experts > router.MAX_ROUTER_EXPERTS:
-        return (
-            f"num_experts={num_experts} > {router.MAX_ROUTER_EXPERTS} " "(register-resident rows)"
-        )
-    qb = bool(features.get("qb"))
-    n = int(features.get("topk", 0)) + (1 if qb else 0)
-    cap = router.max_select(configs.load(info.arch_family))
-    if n > cap:
-        return f"selecting {n} experts per token > {cap}"
-    if qb and int(features.get("num_bins", 0)) > router.MAX_QB_BINS:
-        return f"QB num_bins={features.get('num_bins')} > {router.MAX_QB_BINS} (LDS row)"
-    return None
-
-
 def _on_runtime(op):
     """The launcher ``op`` with the process runtime as its first argument (its signature: the
     launcher's without ``rt``)."""
@@ -102,25 +77,13 @@ def _on_runtime(op):
     return call
 
 
+LIMITS = {**router.LIMITS, **layout.LIMITS}
 router_fwd = _on_runtime(router.router_fwd)
 biased_topk = _on_runtime(router.biased_topk)
 align_block_size = _on_runtime(layout.align_block_size)
 
 
-def route_rows(
-    topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
-):
-    if deterministic and num_experts > layout.MAX_DET_EXPERTS:
-        # Beyond the LDS budget of the deterministic kernels: the oracle (eager only).
-        from ..torch import route_rows as torch_route_rows
-
-        torch_route_rows(
-            topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
-        )
-        return
-    layout.route_rows(
-        _rt(), topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
-    )
+route_rows = _on_runtime(layout.route_rows)
 
 
 def score_values(

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import torch
 
+from ..calls import AlignRequest, RouteRowsRequest
 from . import _spec
 from ._common import _STATIC_LDS_LIMIT, cdiv, config, dev, ptr
 from ._spec import arg_i32, arg_i64
 
+# Capability limits (declared in LIMITS below: the dispatcher passes this backend over beyond them).
 MAX_DET_EXPERTS = 12288  # deterministic route kernels keep E ints in LDS
 MAX_ALIGN_EXPERTS = 4096  # the align rank kernel keeps (warps + 1) * E + tile ints in LDS
 
@@ -213,3 +215,24 @@ def align_block_size(
             ptr(num_post_pad_out),
         ],
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# Capability checks (the dispatcher's: a reason passes this backend over, the next one runs)
+# ------------------------------------------------------------------------------------------------
+def route_rows_limits(info, request: RouteRowsRequest) -> str | None:
+    if request.deterministic and request.num_experts > MAX_DET_EXPERTS:
+        return (
+            f"deterministic routes with num_experts={request.num_experts} > {MAX_DET_EXPERTS} "
+            "(the kernels keep E counters in LDS)"
+        )
+    return None
+
+
+def align_block_size_limits(info, request: AlignRequest) -> str | None:
+    if request.num_experts > MAX_ALIGN_EXPERTS:
+        return f"align with num_experts={request.num_experts} > {MAX_ALIGN_EXPERTS} (LDS rows)"
+    return None
+
+
+LIMITS = {"route_rows": route_rows_limits, "align_block_size": align_block_size_limits}

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import torch
 
+from ... import configs
 from ...ref.router import margin_octave_bits
-from ..calls import RouterCall
+from ..calls import BiasedTopkRequest, RouterCall
 from . import _spec
 from ._common import cdiv, config, dev, ptr
 from ._spec import arg_i32
 
-# Limits of this backend (``unsupported`` declines beyond them; the next backend runs the op).
+# Capability limits (declared in LIMITS below: the dispatcher passes this backend over beyond them).
 MAX_ROUTER_EXPERTS = 4096  # experts per lane live in registers (spills beyond ~2048)
 MAX_QB_BINS = 12288  # one LDS histogram row of the two-kernel mode within 48 KiB
 
@@ -366,7 +367,7 @@ def biased_topk(
     approximate=False,
 ):
     if num_groups is not None:
-        raise NotImplementedError("hip biased_topk: grouped Top-k is declined via unsupported()")
+        raise NotImplementedError("hip biased_topk: grouped Top-k is a declared capability limit")
     if logits.shape[0] == 0:
         return
     cfg = config(logits)
@@ -410,3 +411,31 @@ def score_values(
             [ptr(logits2d), arg_i32(tokens), ptr(out), arg_i32(1 if complement else 0)],
         )
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Capability checks (the dispatcher's: a reason passes this backend over, the next one runs)
+# ------------------------------------------------------------------------------------------------
+def _topk_limits(info, num_experts: int, grouped: bool, num_selected: int) -> str | None:
+    if grouped:
+        return "grouped Top-k is not implemented"
+    if num_experts > MAX_ROUTER_EXPERTS:
+        return f"num_experts={num_experts} > {MAX_ROUTER_EXPERTS} (register-resident rows)"
+    cap = max_select(configs.load(info.arch_family))
+    if num_selected > cap:
+        return f"selecting {num_selected} experts per token > {cap}"
+    return None
+
+
+def router_fwd_limits(info, call: RouterCall) -> str | None:
+    why = _topk_limits(info, call.num_experts, call.grouped, call.num_selected)
+    if why is None and call.qb and call.num_bins > MAX_QB_BINS:
+        why = f"QB num_bins={call.num_bins} > {MAX_QB_BINS} (LDS row)"
+    return why
+
+
+def biased_topk_limits(info, request: BiasedTopkRequest) -> str | None:
+    return _topk_limits(info, request.num_experts, request.grouped, request.topk)
+
+
+LIMITS = {"router_fwd": router_fwd_limits, "biased_topk": biased_topk_limits}

@@ -25,11 +25,12 @@ import triton
 
 from ... import configs
 from ...ref.router import pack_bitmap
+from ..calls import AuxScoresRequest
 from . import _aux_loss_kernels as K
 from ._common import compile_options, on_device
 from .codegen import KernelSpec
 
-MAX_EXPERTS = 8192
+MAX_ROW_EXPERTS = 8192
 
 _SCORES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
 
@@ -205,12 +206,14 @@ def aux_loss_bwd(coeff_buf, tokens_per_expert, grad_loss, grad_probs_out):
 
 
 # --------------------------------------------------------------------------------------------
-# Dispatcher hooks.
+# Capability checks (the dispatcher's: a reason passes this backend over, the next one runs).
 # --------------------------------------------------------------------------------------------
-def _scores_unsupported(info, features):
-    e = features.get("num_experts", 0)
-    if e > MAX_EXPERTS:
-        return f"E > {MAX_EXPERTS} (num_experts={e}): a whole row is kept in registers"
+def aux_scores_limits(info, request: AuxScoresRequest) -> str | None:
+    if request.num_experts > MAX_ROW_EXPERTS:
+        return (
+            f"E > {MAX_ROW_EXPERTS} (num_experts={request.num_experts}): a whole row is kept in "
+            "registers"
+        )
     return None
 
 
@@ -220,7 +223,7 @@ OPS = {
     "aux_loss_fwd": aux_loss_fwd,
     "aux_loss_bwd": aux_loss_bwd,
 }
-UNSUPPORTED = {"aux_scores_fwd": _scores_unsupported, "aux_scores_bwd": _scores_unsupported}
+LIMITS = {"aux_scores_fwd": aux_scores_limits, "aux_scores_bwd": aux_scores_limits}
 
 
 # --------------------------------------------------------------------------------------------

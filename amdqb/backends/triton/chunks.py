@@ -73,7 +73,6 @@ def chunk_copy(src, row_map, dst, reverse):
 
 
 OPS = {"chunk_row_map": chunk_row_map, "chunk_copy": chunk_copy}
-UNSUPPORTED: dict = {}
 
 
 def codegen_specs() -> list:

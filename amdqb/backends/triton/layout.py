@@ -31,6 +31,7 @@ import torch
 import triton
 
 from ... import configs
+from ..calls import RouteRowsRequest
 from . import _layout_kernels as K
 from ._common import on_device, pow2
 from .codegen import typed_spec
@@ -243,13 +244,17 @@ def align_block_size(
 OPS = {"route_rows": route_rows, "align_block_size": align_block_size}
 
 
-def _route_unsupported(info, features):
-    if features.get("impl") == "lds" and features.get("num_experts", 0) > LDS_MAX_EXPERTS:
-        return f"impl='lds' supports E <= {LDS_MAX_EXPERTS} (LDS histogram), got {features['num_experts']}"
+def route_rows_limits(info, request: RouteRowsRequest) -> str | None:
+    """A capability check of the dispatcher's: a reason passes this backend over."""
+    if request.impl == "lds" and request.num_experts > LDS_MAX_EXPERTS:
+        return (
+            f"impl='lds' supports E <= {LDS_MAX_EXPERTS} (LDS histogram), got "
+            f"{request.num_experts}"
+        )
     return None
 
 
-UNSUPPORTED = {"route_rows": _route_unsupported}
+LIMITS = {"route_rows": route_rows_limits}
 
 
 # ----------------------------------------------------------------------------------------------

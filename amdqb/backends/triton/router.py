@@ -50,12 +50,12 @@ import triton
 
 from ... import configs
 from ...ref.router import margin_octave_bits
-from ..calls import SCORE_CODES, RouterCall
+from ..calls import SCORE_CODES, BiasedTopkRequest, RouterCall
 from . import _router_kernels as K
 from ._common import compile_options, interpreting, on_device
 from .codegen import KernelSpec
 
-MAX_EXPERTS = 4096
+MAX_ROW_EXPERTS = 4096  # experts of one router row held in registers (a capability limit)
 
 _SCORES = SCORE_CODES
 
@@ -506,29 +506,37 @@ def score_values(
 
 
 # --------------------------------------------------------------------------------------------
-# Dispatcher hooks.
+# Capability checks (the dispatcher's: a reason passes this backend over, the next one runs).
 # --------------------------------------------------------------------------------------------
-def _router_unsupported(info, features):
-    e = features.get("num_experts", 0)
-    if e > MAX_EXPERTS:
-        return f"E > {MAX_EXPERTS} (num_experts={e}): the router keeps a whole row in registers"
-    if features.get("qb") and e * features.get("num_bins", 0) >= 2**31:
-        return "E * B >= 2^31 histogram bins (32-bit histogram offsets)"
+def _row_limit(num_experts: int) -> str | None:
+    if num_experts > MAX_ROW_EXPERTS:
+        return (
+            f"E > {MAX_ROW_EXPERTS} (num_experts={num_experts}): the router keeps a whole row in "
+            "registers"
+        )
     return None
 
 
-def _topk_unsupported(info, features):
-    e = features.get("num_experts", 0)
-    if e > MAX_EXPERTS:
-        return f"E > {MAX_EXPERTS} (num_experts={e}): the router keeps a whole row in registers"
-    return None
+def router_fwd_limits(info, call: RouterCall) -> str | None:
+    why = _row_limit(call.num_experts)
+    if why is None and call.qb and call.num_experts * call.num_bins >= 2**31:
+        why = "E * B >= 2^31 histogram bins (32-bit histogram offsets)"
+    return why
+
+
+def router_bwd_limits(info, call: RouterCall) -> str | None:
+    return _row_limit(call.num_experts)
+
+
+def biased_topk_limits(info, request: BiasedTopkRequest) -> str | None:
+    return _row_limit(request.num_experts)
 
 
 OPS = {"router_fwd": router_fwd, "router_bwd": router_bwd, "biased_topk": biased_topk}
-UNSUPPORTED = {
-    "router_fwd": _router_unsupported,
-    "router_bwd": _topk_unsupported,
-    "biased_topk": _topk_unsupported,
+LIMITS = {
+    "router_fwd": router_fwd_limits,
+    "router_bwd": router_bwd_limits,
+    "biased_topk": biased_topk_limits,
 }
 
 

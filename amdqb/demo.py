@@ -706,7 +706,10 @@ def _method_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import float_range, int_range  # argparse types with ranges: errors name the option
+    from ._cli_types import (
+        float_range,
+        int_range,
+    )  # argparse types with ranges: errors name the option
 
     pos = int_range(1)
     parser = argparse.ArgumentParser(

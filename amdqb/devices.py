@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import configs
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -107,3 +109,8 @@ def device_info(device: torch.device | str | None = None) -> DeviceInfo:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return _device_info_cached(str(dev))
+
+
+def arch_config(device: torch.device | str | None = None) -> configs.ArchConfig:
+    """The config (``amdqb/configs``) of ``device``'s architecture family."""
+    return configs.load(device_info(device).arch_family)

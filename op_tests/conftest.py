@@ -156,9 +156,9 @@ def set_config(monkeypatch, values: dict, device=None):
 
 def device_config(device=None):
     """The config (``amdqb.configs``) the launchers read on ``device`` (default: the suite's)."""
-    from amdqb import configs
+    from amdqb import devices
 
-    return configs.for_device(DEVICE if device is None else device)
+    return devices.arch_config(DEVICE if device is None else device)
 
 
 @pytest.fixture

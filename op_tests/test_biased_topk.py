@@ -13,7 +13,6 @@ import torch
 
 import amdqb
 from amdqb import dispatch, ref
-from amdqb.backends import hip as hip_backend
 
 from conftest import DEVICE, HAS_GPU, over_backends, set_config
 from hip_emu.checks import make_logits
@@ -23,8 +22,8 @@ from router_cases import (
     K_MAIN,
     T_MAIN,
     adversarial_rows,
-    backend_scores,
     count_decode_launches,
+    kernel_scores,
     tie_free_logits,
     tol,
 )
@@ -65,7 +64,7 @@ def test_biased_topk_shapes_and_ties(backend):
     z = adversarial_rows(e)
     for k in (1, e):
         w, ids = amdqb.biased_topk(z, k, backend=backend)
-        s = backend_scores(backend, z, "sigmoid")
+        s = kernel_scores(backend, z, "sigmoid")
         assert torch.equal(ids.long(), ref.ranked_indices(s, k))
     x = tie_free_logits(6, e).reshape(2, 3, e)
     w, ids = amdqb.biased_topk(x, 4, backend=backend)
@@ -103,7 +102,7 @@ def test_biased_topk_weights_are_the_own_scores(backend, score, renormalize):
         scaling_factor=0.5,
         backend=backend,
     )
-    s = hip_backend.score_values(logits, score)
+    s = kernel_scores("hip", logits, score)
     sel = s if bias is None else s + bias
     want_ids = ref.ordering.ranked_indices(sel, k).to(torch.int32)
     assert torch.equal(ids, want_ids)
@@ -124,7 +123,7 @@ def test_biased_topk_matches_oracle_on_own_scores(backend, score, t):
     logits = make_logits(t, e, "normal", t).to(DEVICE)
     bias = None if score == "softmax" else torch.randn(e, device=DEVICE) * 0.05
     w, ids = amdqb.biased_topk(logits, k, bias, score_function=score, backend=backend)
-    s = hip_backend.score_values(logits, score).cpu()
+    s = kernel_scores("hip", logits, score).cpu()
     sel = s if bias is None else s + bias.cpu()
     assert torch.equal(ids.cpu(), ref.ordering.ranked_indices(sel, k).to(torch.int32))
     want_w, _ = ref.biased_topk(logits.cpu(), k, None if bias is None else bias.cpu(), score)
@@ -194,7 +193,7 @@ def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(
             (w1, i1), (w2, i2) = outs
             assert torch.equal(i1, i2)
             assert torch.equal(w1.view(torch.int32), w2.view(torch.int32))
-            sel = hip_backend.score_values(logits, "sigmoid").cpu()
+            sel = kernel_scores("hip", logits, "sigmoid").cpu()
             sel = sel if bias is None else sel + bias.cpu()
             assert torch.equal(i1.cpu(), ref.ordering.ranked_indices(sel, k).to(torch.int32))
 

@@ -26,7 +26,7 @@ def run(capsys, *argv):
 
 
 def test_top_level_help_lists_every_command_and_suite(capsys):
-    from bench import cli as bench_cli
+    from amdqb.bench import cli as bench_cli
 
     for argv in ([], ["--help"], ["-h"]):
         rc, out, _ = run(capsys, *argv)
@@ -165,7 +165,7 @@ def test_bench_router_and_chunks_show_amdqb_rows(capsys, tmp_path):
 
 
 def test_h200_targets_only_on_an_h200(monkeypatch):
-    from bench import balance, common
+    from amdqb.bench import balance, common
 
     cfg = common.TimingConfig(calls=1, replays=1, samples=1, warmup=0)
     kw = dict(num_experts=32, topk=4, num_bins=100, tokens=(16,))

@@ -18,6 +18,7 @@ from amdqb import ref
 
 from conftest import DEVICE, HAS_GPU, kernel_backends
 from hip_emu.checks import make_logits
+from router_cases import kernel_scores
 
 PROFILE = os.environ.get("AMDQB_FUZZ_PROFILE", "fast")
 LARGE = PROFILE == "large"
@@ -126,7 +127,7 @@ def _check_router(backend, t, e, k, dtype, style, seed, qb):
         return
     probs, rmap = out
     module = amdqb.dispatch._backend_module(backend)
-    scores = module.score_values(logits, "sigmoid") if hasattr(module, "score_values") else None
+    scores = kernel_scores(backend, logits, "sigmoid") if "router_fwd" in module.OPS else None
     ref_kwargs = dict(expert_bias=bias, scores=scores)
     if qb:
         hist_ref = torch.zeros_like(hist)
@@ -175,8 +176,8 @@ def test_fuzz_biased_topk(backend, shard, data):
     w, ids = out
     module = amdqb.dispatch._backend_module(backend)
     scores = (
-        module.score_values(logits, "sigmoid")
-        if hasattr(module, "score_values")
+        kernel_scores(backend, logits, "sigmoid")
+        if "router_fwd" in module.OPS
         else ref.router.activation(logits.float(), "sigmoid")
     )
     want_ids = ref.ordering.ranked_indices(scores + bias, k).to(torch.int32)

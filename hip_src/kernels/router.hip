@@ -848,30 +848,3 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
     if (c != 0) atomic_add_global(block_hist + i, c);
   }
 }
-
-// fp32 scores exactly as amdqb_router computes them (softmax: over E), for tests and the oracle
-// comparison; complement != 0 (sigmoid): the tie-free selection's c = sigmoid(-z) instead. One
-// logical warp per token.
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(ROUTER_BLOCK)
-    amdqb_scores(const in_t* logits, int num_tokens, float* out, int complement) {
-  const int lane = lane_id();
-  const auto valid = [&](int j) { return valid_slot(j, lane); };
-  for (i64 t = (i64)blockIdx.x * WARPS + warp_in_block(); t < num_tokens;
-       t += (i64)gridDim.x * WARPS) {
-    float s[VPL];
-    in_t raw[VPL];
-    RowStats st;
-    load_row(logits + t * E, lane, raw);
-    if (complement) {
-      float v[VPL];
-      activate_tie_free(raw, valid, [](int) { return 0.0f; }, s, v);
-#pragma unroll
-      for (int j = 0; j < VPL; ++j) s[j] = -v[j];  // v = 0 - c
-    } else {
-      scores_from_raw(raw, lane, s, 1, st);
-    }
-#pragma unroll
-    for (int j = 0; j < VPL; ++j)
-      if (valid(j)) out[t * E + j * 32 + lane] = s[j];
-  }
-}

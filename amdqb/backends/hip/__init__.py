@@ -17,7 +17,6 @@ the next backend of its order (one warning, remembered per op and device; ``amdq
 Launch errors are not build failures: they raise.
 
 Precision and tie-break contract: the one of ``amdqb.ref`` (see ``router.py`` and ``layout.py``).
-:func:`score_values` returns the fp32 activations exactly as the router kernels compute them.
 
 Verification without a device: every kernel compiles for the AMD targets and for sm_90 (nvcc) and
 through NVRTC with the runtime's own flags (op_tests/test_hip_compile.py), and runs on the CPU under
@@ -84,17 +83,6 @@ align_block_size = _on_runtime(layout.align_block_size)
 
 
 route_rows = _on_runtime(layout.route_rows)
-
-
-def score_values(
-    logits2d: torch.Tensor, score_function: str, complement=False, approximate=False
-) -> torch.Tensor:
-    """fp32 ``[T, E]`` activations exactly as the router kernel computes them (softmax: over E);
-    ``complement``: the tie-free selection's ``sigmoid(-z)``; ``approximate``: the opt-in
-    approximate activation's."""
-    return router.score_values(
-        _rt(), logits2d.contiguous(), score_function, complement=complement, approximate=approximate
-    )
 
 
 OPS = {

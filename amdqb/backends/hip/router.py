@@ -389,30 +389,6 @@ def biased_topk(
     )
 
 
-def score_values(
-    rt, logits2d, score_function, extra_defines=(), complement=False, approximate=False
-):
-    """fp32 ``[T, E]`` scores exactly as the router kernel computes them (softmax: over E);
-    ``complement`` (sigmoid): the tie-free selection's ``c = sigmoid(-z)`` instead.
-    ``extra_defines``: more ``(name, value)`` compile-time constants (tests build variants)."""
-    tokens = logits2d.shape[0]
-    out = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
-    if tokens:
-        cfg = config(logits2d)
-        device = dev(logits2d)
-        spec = router_spec(logits2d, score_function, cfg, approximate=approximate)
-        spec = spec.with_defines(*extra_defines)
-        k = rt.kernel(device, spec, "amdqb_scores")
-        rt.launch(
-            k,
-            _router_grid(rt, cfg, k, device, tokens),
-            router_block(cfg),
-            0,
-            [ptr(logits2d), arg_i32(tokens), ptr(out), arg_i32(1 if complement else 0)],
-        )
-    return out
-
-
 # ------------------------------------------------------------------------------------------------
 # Capability checks (the dispatcher's: a reason passes this backend over, the next one runs)
 # ------------------------------------------------------------------------------------------------

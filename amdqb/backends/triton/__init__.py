@@ -12,9 +12,6 @@ from __future__ import annotations
 from . import aux_loss, chunks, layout, qb, router
 from ._common import interpreting
 
-# the router's own activations (tests compare on them)
-from .router import score_values as score_values
-
 _MODULES = (router, layout, chunks, qb, aux_loss)
 OPS = {name: fn for module in _MODULES for name, fn in module.OPS.items()}
 # the capability checks, declared next to each op's launcher

@@ -600,40 +600,6 @@ def _qb_hist_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Activations alone (tests evaluate the oracle on the kernels' own fp32 scores).
-# --------------------------------------------------------------------------------------------
-@triton.jit
-def _scores_kernel(
-    logits_ptr,
-    out_ptr,
-    T,
-    E: tl.constexpr,
-    W: tl.constexpr,
-    BT: tl.constexpr,
-    SCORE: tl.constexpr,
-    APPROX: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    row_ok = rows < T
-    p = tl.arange(0, W)
-    valid = p < E
-    mask2 = row_ok[:, None] & valid[None, :]
-    rbase = rows.to(tl.int64) * E
-    offs = rbase[:, None] + p[None, :]
-    z = tl.load(logits_ptr + offs, mask=mask2, other=0.0).to(tl.float32)
-    if SCORE == 2:
-        zm = tl.where(valid[None, :], z, float("-inf"))
-        m = tl.max(zm, axis=1)
-        ex = tl.where(valid[None, :], _exp(zm - m[:, None], APPROX), 0.0)
-        ssum = _softmax_row_sum(logits_ptr, rbase, row_ok, m, E, BT, APPROX)
-        s = tl.math.div_rn(ex, ssum[:, None])
-    else:
-        s = _score(z, SCORE, APPROX)
-    tl.store(out_ptr + offs, s, mask=mask2)
-
-
-# --------------------------------------------------------------------------------------------
 # Backward (TransformerEngine's formulas; the routed set is given).
 # --------------------------------------------------------------------------------------------
 @triton.jit

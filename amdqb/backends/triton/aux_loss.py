@@ -24,6 +24,7 @@ import torch
 import triton
 
 from ... import configs
+from ...devices import device_info
 from ...ref.router import pack_bitmap
 from ..calls import AuxScoresRequest
 from . import _aux_loss_kernels as K
@@ -51,9 +52,7 @@ def _config_of(family: str) -> dict:
 
 
 def _config(device: torch.device) -> dict:
-    from ... import dispatch
-
-    return _config_of(dispatch.device_info(device).arch_family)
+    return _config_of(device_info(device).arch_family)
 
 
 def _tile(E: int, cfg: dict) -> tuple[int, int, int]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ... import configs
+from ...devices import arch_config
 from ..calls import RouteRowsRequest
 from . import _layout_kernels as K
 from ._common import on_device, pow2
@@ -121,7 +121,7 @@ def route_rows(
     ids = topk_ids.reshape(-1)
     rows = rows_out.view(-1)
     cap = 0 if capacity is None else capacity
-    cfg = configs.for_device(ids.device)
+    cfg = arch_config(ids.device)
     with on_device(ids):
         if deterministic:
             _route_deterministic(ids, num_experts, capacity, counters, rows, counts_out, n, cfg)
@@ -203,7 +203,7 @@ def align_block_size(
         num_post_pad_out.zero_()
         return
     ids = topk_ids.reshape(-1)
-    cfg = configs.for_device(ids.device)
+    cfg = arch_config(ids.device)
     if num_experts > LDS_MAX_EXPERTS:
         with on_device(ids):
             _align_wide(

@@ -6,7 +6,7 @@ the (k+1)-th of that order, histogram ``clamp(floor((alpha - s - L) * (B / (U - 
 with a correctly rounded ``B / (U - L)``). The selection is exact for every input; weights and
 probabilities agree with the oracle to fp32 rounding (the kernels' ``exp`` / division may differ
 from PyTorch's by an ulp), and the QB histogram is bitwise the oracle's when the oracle is evaluated
-on :func:`score_values` (the kernels' own activations). ``two_kernel`` and ``fused_atomic`` give
+on the kernels' own activations (``RouterCall.write_scores``). ``two_kernel`` and ``fused_atomic`` give
 bitwise-identical histograms (same jit helpers, integer counts).
 
 Launch knobs are the ``triton.router.*`` entries of ``amdqb/configs`` (per architecture family):
@@ -49,6 +49,7 @@ import torch
 import triton
 
 from ... import configs
+from ...devices import device_info
 from ...ref.router import margin_octave_bits
 from ..calls import SCORE_CODES, BiasedTopkRequest, RouterCall
 from . import _router_kernels as K
@@ -65,9 +66,7 @@ def _next_pow2(x: int) -> int:
 
 
 def _family(device: torch.device) -> str:
-    from ... import dispatch
-
-    return dispatch.device_info(device).arch_family
+    return device_info(device).arch_family
 
 
 def config(family: str) -> dict:
@@ -474,35 +473,6 @@ def router_bwd(call: RouterCall, grad_probs, logits, routed, grad_logits_out):
             num_warps=warps,
             **compile_options(logits.device),
         )
-
-
-def score_values(
-    logits2d: torch.Tensor, score_function: str, approximate: bool = False
-) -> torch.Tensor:
-    """fp32 ``[T, E]`` activations computed by exactly the router kernels' activation code.
-
-    Bitwise the router's for every score function: the same jit helpers, and the softmax row sum in
-    the same fixed order (the QB tests rely on this).
-    """
-    T, E = logits2d.shape
-    out = torch.empty(T, E, dtype=torch.float32, device=logits2d.device)
-    if T == 0:
-        return out
-    plan = plan_router(E, 1, False, None, None, _family(logits2d.device))
-    with on_device(logits2d):
-        K._scores_kernel[(triton.cdiv(T, plan.BT),)](
-            logits2d.contiguous(),
-            out,
-            T,
-            E=E,
-            W=plan.W,
-            BT=plan.BT,
-            SCORE=_SCORES[score_function],
-            APPROX=bool(approximate),
-            num_warps=plan.num_warps,
-            **compile_options(logits2d.device),
-        )
-    return out
 
 
 # --------------------------------------------------------------------------------------------

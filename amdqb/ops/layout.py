@@ -36,7 +36,7 @@ from ..ref.layout import align_buffer_sizes
 from ._checks import (
     ID_DTYPES,
     INT32_MAX,
-    MAX_EXPERTS,
+    MAX_ALLOCATED_EXPERTS,
     check_backend,
     check_bool,
     check_choice,
@@ -151,7 +151,7 @@ def moe_route_rows(
         call that received a row.
     """
     _check_ids(topk_ids)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
     device = topk_ids.device
     if capacity is not None:
         capacity = check_int("capacity", capacity, low=0, high=INT32_MAX)
@@ -216,7 +216,7 @@ def _check_align(topk_ids, block_size, num_experts, backend=None):
     """(contiguous ids, block_size, num_experts) of an align call, every argument checked."""
     _check_ids(topk_ids)
     block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
     if num_experts * (block_size - 1) > MAX_ALIGN_PADDING:
         raise ValueError(
             f"num_experts * (block_size - 1) = {num_experts * (block_size - 1)} padding rows "

@@ -22,7 +22,6 @@ still gains exactly T counts inside its ``[E, B]`` buffer.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
@@ -45,6 +44,7 @@ from ._checks import (
     check_backend,
     check_bool,
     check_choice,
+    check_enum,
     check_float,
     check_groups,
     check_int,
@@ -201,34 +201,14 @@ def _alloc_outputs(logits2d, call: RouterCall, user_indices):
     return probs, torch.empty(tokens, num_experts, dtype=torch.bool, device=logits2d.device)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def _map_format(routing_map_format) -> str:
+    """``routing_map_format`` from a string, TE's ``RoutingMapFormat`` or its int (0 / 1)."""
+    return check_enum("routing_map_format", routing_map_format, ROUTING_MAP_FORMATS)
 
 
-def _normalise_map_format(routing_map_format) -> str:
-    if _is_int(routing_map_format):
-        if int(routing_map_format) in (0, 1):
-            return ROUTING_MAP_FORMATS[int(routing_map_format)]
-    name = getattr(routing_map_format, "name", routing_map_format)
-    if isinstance(name, str) and name.lower() in ROUTING_MAP_FORMATS:
-        return name.lower()
-    raise ValueError(
-        f"routing_map_format must be one of {ROUTING_MAP_FORMATS} (or 0/1), got {routing_map_format!r}"
-    )
-
-
-def _normalise_qb_mode(qb_histogram_mode) -> str:
+def _qb_mode(qb_histogram_mode) -> str:
     """``qb_histogram_mode`` from a string, TE's ``QBHistogramMode`` or its int (0 / 1)."""
-    if _is_int(qb_histogram_mode):
-        if int(qb_histogram_mode) in (0, 1):
-            return QB_MODES[int(qb_histogram_mode)]
-    name = getattr(qb_histogram_mode, "name", qb_histogram_mode)
-    if isinstance(name, str) and name.lower() in QB_MODES:
-        return name.lower()
-    raise ValueError(
-        f"qb_histogram_mode must be one of {QB_MODES} (or TE's QBHistogramMode / 0 / 1), "
-        f"got {qb_histogram_mode!r}"
-    )
+    return check_enum("qb_histogram_mode", qb_histogram_mode, QB_MODES, ints=QB_MODES[:2])
 
 
 def fused_topk_with_score_function(
@@ -250,7 +230,8 @@ def fused_topk_with_score_function(
     qb_binning: str = "uniform",
     approximate_activation: bool = False,
     backend: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_raw: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Fused score function + Top-k (+ opt-in QB histogram), TransformerEngine-compatible.
 
     Args:
@@ -284,10 +265,16 @@ def fused_topk_with_score_function(
             scores, routes and histograms are no longer torch's / TE's bits (the oracles stay
             exact). Off by default.
         backend: force ``"hip"``, ``"triton"`` or ``"torch"`` (default: the dispatcher's choice).
+        return_raw: also return the fp32 scores the kernel ranked ``[..., E]`` (before the bias;
+            softmax: over E with ``use_pre_softmax``, else the logits) and, under QB, each token's
+            cutoff ``[...]`` (the (k+1)-th selection value; None without QB), both from the one
+            kernel pass -- TE's raw QB forward. No autograd: call it with gradients off. Beyond
+            TE's signature.
 
     Returns:
         ``(probs, routing_output)``: ``probs [..., E]`` in the logits dtype, zero off the selected
-        experts; ``routing_output`` as chosen by ``routing_map_format`` / ``topk_indices``.
+        experts; ``routing_output`` as chosen by ``routing_map_format`` / ``topk_indices``. With
+        ``return_raw``: ``(probs, routing_output, scores, cutoff)``.
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     num_experts = logits.shape[-1]
@@ -300,8 +287,11 @@ def fused_topk_with_score_function(
     num_groups, group_topk = check_groups(num_groups, group_topk, topk, num_experts)
     if scaling_factor is not None:
         scaling_factor = check_float("scaling_factor", scaling_factor, finite=True)
-    map_format = _normalise_map_format(routing_map_format)
+    map_format = _map_format(routing_map_format)
     check_backend(backend)
+    raw = check_bool("return_raw", return_raw)
+    if raw and torch.is_grad_enabled() and logits.requires_grad:
+        raise ValueError("return_raw has no autograd: call it with gradients off (torch.no_grad)")
     check_choice("selection", selection, SELECTIONS)
     check_choice("qb_binning", qb_binning, BINNINGS)
     if selection == "tie_free" and (score_function != "sigmoid" or expert_bias is None):
@@ -338,7 +328,7 @@ def fused_topk_with_score_function(
                 f"Quantile Balancing only supports 0 < topk < num_experts, got topk={topk}, "
                 f"num_experts={num_experts}"
             )
-        qb_histogram_mode = _normalise_qb_mode(qb_histogram_mode)
+        qb_histogram_mode = _qb_mode(qb_histogram_mode)
         check_tensor(
             "qb_histogram",
             qb_histogram,
@@ -404,10 +394,17 @@ def fused_topk_with_score_function(
         qb_mode=qb_histogram_mode if use_qb else None,
         qb_binning=qb_binning if use_qb else "uniform",
         num_bins=qb_histogram.shape[1] if use_qb else 0,
+        write_scores=raw,
+        write_cutoff=raw and use_qb,
     )
     if not use_qb:
         qb_histogram = qb_bin_bounds = None
     chosen_backend = dispatch.kernel_backend("router_fwd", device, backend, call)
+    scores = cutoff = None
+    if raw:
+        scores = torch.empty(logits2d.shape, dtype=torch.float32, device=device)
+        if use_qb:
+            cutoff = torch.empty(logits2d.shape[0], dtype=torch.float32, device=device)
     if torch.is_grad_enabled() and logits.requires_grad:
         # the backward runs on the forward's backend when it has a backward kernel (hip has none)
         bwd_backend = dispatch.kernel_backend(
@@ -430,14 +427,16 @@ def fused_topk_with_score_function(
             map_out,
             qb_histogram,
             qb_bin_bounds,
-            None,
-            None,
+            scores,
+            cutoff,
             backend=chosen_backend,
         )
     probs = probs.view(*lead, num_experts)
-    if map_kind == "indices":
-        return probs, topk_indices
-    return probs, map_out.view(*lead, map_out.shape[-1])
+    out = topk_indices if map_kind == "indices" else map_out.view(*lead, map_out.shape[-1])
+    if raw:
+        cutoff = None if cutoff is None else cutoff.view(lead)
+        return probs, out, scores.view(*lead, num_experts), cutoff
+    return probs, out
 
 
 def biased_topk(

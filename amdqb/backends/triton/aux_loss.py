@@ -26,22 +26,12 @@ import triton
 from ... import configs
 from ...devices import device_info
 from ...ref.router import pack_bitmap
-from ..calls import AuxScoresRequest
+from ..calls import SCORE_CODES, AuxScoresRequest
 from . import _aux_loss_kernels as K
-from ._common import compile_options, on_device
+from ._common import compile_options, floor_pow2, on_device, pow2
 from .codegen import KernelSpec
 
 MAX_ROW_EXPERTS = 8192
-
-_SCORES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def _floor_pow2(x: int) -> int:
-    return 1 << (max(1, int(x)).bit_length() - 1)
 
 
 def _config_of(family: str) -> dict:
@@ -56,8 +46,8 @@ def _config(device: torch.device) -> dict:
 
 
 def _tile(E: int, cfg: dict) -> tuple[int, int, int]:
-    W = max(16, _next_pow2(E))
-    BT = _floor_pow2(max(1, cfg["row_elems"] // W))
+    W = max(16, pow2(E))
+    BT = floor_pow2(max(1, cfg["row_elems"] // W))
     warps = max(1, min(cfg["max_warps"], BT * W // cfg["elems_per_warp"]))
     return W, BT, warps
 
@@ -88,7 +78,7 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
             K=topk,
             W=W,
             BT=BT,
-            SCORE=_SCORES[score_function],
+            SCORE=SCORE_CODES[score_function],
             EXTRACT=topk <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
             num_warps=warps,
@@ -113,7 +103,7 @@ def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
             E=E,
             W=W,
             BT=BT,
-            SCORE=_SCORES[score_function],
+            SCORE=SCORE_CODES[score_function],
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -129,7 +119,7 @@ def activation_values(logits: torch.Tensor, score_function: str) -> torch.Tensor
     block = 1024
     with on_device(x):
         K._activation_kernel[(triton.cdiv(n, block),)](
-            x, out, n, BLOCK=block, SCORE=_SCORES[score_function], **compile_options(x.device)
+            x, out, n, BLOCK=block, SCORE=SCORE_CODES[score_function], **compile_options(x.device)
         )
     return out
 
@@ -138,8 +128,8 @@ def activation_values(logits: torch.Tensor, score_function: str) -> torch.Tensor
 # Aux loss.
 # --------------------------------------------------------------------------------------------
 def _loss_tile(C: int, cfg: dict) -> tuple[int, int]:
-    BC = min(_next_pow2(C), 1024)
-    BR = _floor_pow2(max(1, cfg["loss_tile_elems"] // BC))
+    BC = min(pow2(C), 1024)
+    BR = floor_pow2(max(1, cfg["loss_tile_elems"] // BC))
     return BC, BR
 
 
@@ -176,7 +166,7 @@ def aux_loss_fwd(
             progs,
             float(coeff_host),
             float(coeff_prefix),
-            PB=max(16, _next_pow2(progs)),
+            PB=max(16, pow2(progs)),
             HAS_T=has_t,
             num_warps=1,
             **opts,

@@ -53,16 +53,10 @@ from ...devices import device_info
 from ...ref.router import margin_octave_bits
 from ..calls import SCORE_CODES, BiasedTopkRequest, RouterCall
 from . import _router_kernels as K
-from ._common import compile_options, interpreting, on_device
+from ._common import compile_options, floor_pow2, interpreting, on_device, pow2
 from .codegen import KernelSpec
 
 MAX_ROW_EXPERTS = 4096  # experts of one router row held in registers (a capability limit)
-
-_SCORES = SCORE_CODES
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
 
 
 def _family(device: torch.device) -> str:
@@ -135,19 +129,19 @@ def plan_router(
     """Every constexpr of a router specialisation. ``group_scores``: how many of a group's best
     scores make its group score (0: TransformerEngine's ``K // group_topk``)."""
     cfg = config(family)
-    EP = max(16, _next_pow2(E))
+    EP = max(16, pow2(E))
     if num_groups is not None and num_groups > 1:
         NG, GT = num_groups, group_topk
         GS = E // NG
-        GSP = _next_pow2(GS)
-        NGP = max(_next_pow2(NG), 16 // GSP if GSP < 16 else 1)
+        GSP = pow2(GS)
+        NGP = max(pow2(NG), 16 // GSP if GSP < 16 else 1)
     else:
         NG, GT, GS, GSP, NGP = 1, 1, E, EP, 1
     GN = group_scores or max(1, K // GT)
     W = NGP * GSP
     R = K if qb else K - 1
-    CAP = max(16, _next_pow2(math.ceil(1.5 * (R + 1))))
-    G = min(W, max(cfg["tau_groups_min"], _next_pow2(R + 1)))
+    CAP = max(16, pow2(math.ceil(1.5 * (R + 1))))
+    G = min(W, max(cfg["tau_groups_min"], pow2(R + 1)))
     if W <= CAP and W <= cfg["max_cap"]:
         # Everything is a candidate: no lower bound needed, no overflow possible.
         CAP, G, use_tau, fast = W, W, False, True
@@ -158,7 +152,7 @@ def plan_router(
     bt = max(1, cfg["row_elems"] // W)
     if pair:
         bt = min(bt, max(1, cfg["pair_elems"] // (pair * pair)))
-    BT = 1 << (bt.bit_length() - 1)
+    BT = floor_pow2(bt)
     warps = max(
         _warps(BT * W, cfg), min(cfg["max_warps"], BT * pair * pair // cfg["pairs_per_warp"])
     )
@@ -183,11 +177,11 @@ def plan_histogram(E: int, B: int, T: int, family: str, lds_ok: bool) -> HistPla
     cfg = config(family)
     budget = cfg["hist_lds_bytes"]
     epp = 1
-    while epp < 32 and _next_pow2(2 * epp * B) * 4 <= budget and 2 * epp <= _next_pow2(E):
+    while epp < 32 and pow2(2 * epp * B) * 4 <= budget and 2 * epp <= pow2(E):
         epp *= 2
-    lds = lds_ok and _next_pow2(epp * B) * 4 <= budget
+    lds = lds_ok and pow2(epp * B) * 4 <= budget
     if not lds:  # direct global atomics: no private histogram, take a wider expert slice
-        epp = min(8, _next_pow2(E))
+        epp = min(8, pow2(E))
     # A private histogram amortises its zero/read-back over big token blocks; global atomics
     # gain nothing from them (and big blocks cost layout-conversion scratch).
     iter_elems = cfg["hist_iter_elems"] if lds else cfg["hist_global_iter_elems"]
@@ -196,7 +190,7 @@ def plan_histogram(E: int, B: int, T: int, family: str, lds_ok: bool) -> HistPla
     per = -(-T // slices)
     per = -(-per // bt) * bt
     slices = max(1, -(-T // per))
-    return HistPlan(epp, bt, _next_pow2(epp * B), lds, per, slices, cfg["hist_warps"])
+    return HistPlan(epp, bt, pow2(epp * B), lds, per, slices, cfg["hist_warps"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,7 +228,7 @@ def lds_histogram_is_per_element(device: torch.device) -> bool:
 # --------------------------------------------------------------------------------------------
 def _scratch_per_row(plan: RouterPlan) -> int:
     """int32 scratch per row: candidate keys and ids, a slot counter, the k values by rank."""
-    return 2 * plan.CAP + 1 + _next_pow2(plan.K)
+    return 2 * plan.CAP + 1 + pow2(plan.K)
 
 
 def _launch_router(
@@ -298,7 +292,7 @@ def _launch_router(
         MAP=map_code,
         DENSE=probs is not None,
         COMPACT_W=weights is not None,
-        KP=_next_pow2(plan.K),
+        KP=pow2(plan.K),
         APPROX=bool(approx),
         TIE_FREE=bool(tie_free),
         MARGIN=bool(margin),
@@ -424,7 +418,7 @@ def biased_topk(
     group_scores = 2 if expert_bias is not None else 1
     family = _family(logits.device)
     plan = plan_router(E, topk, False, num_groups, group_topk, family, group_scores)
-    score = _SCORES[score_function]
+    score = SCORE_CODES[score_function]
     with on_device(logits):
         _launch_router(
             logits,
@@ -443,9 +437,9 @@ def biased_topk(
 
 def _bwd_tile(E: int, family: str) -> tuple[int, int, int]:
     cfg = config(family)
-    W = max(16, _next_pow2(E))
+    W = max(16, pow2(E))
     bt = max(1, cfg["bwd_row_elems"] // W)
-    BT = 1 << (bt.bit_length() - 1)
+    BT = floor_pow2(bt)
     return W, BT, _warps(BT * W, cfg)
 
 
@@ -544,7 +538,7 @@ def _fwd_spec(name, plan, *, types, score, pre, renorm, qb, nbins, map_code, den
         MAP=map_code,
         DENSE=dense,
         COMPACT_W=compact,
-        KP=_next_pow2(plan.K),
+        KP=pow2(plan.K),
         APPROX=False,
         TIE_FREE=False,
         MARGIN=False,
@@ -565,85 +559,30 @@ def codegen_specs(family: str = "gfx942") -> list:
     grouped = plan_router(256, 8, False, 8, 4, family)
     large_k = plan_router(E, 200, False, None, None, family)
     fwd_types = {"map_ptr": "*u8", "scratch_ptr": "*i32", "hist_ptr": "*i32", "bytes_ptr": "*u8"}
+    # (name, plan, score, pre, renorm, qb, map, dense, compact, pointer types beyond fwd_types)
+    variants = [
+        ("router_qb_fused_atomic", qb_plan, 0, False, True, 1, 1, True, False, {}),
+        ("router_qb_two_kernel_cutoff", qb_plan, 0, False, True, 2, 1, True, False, {}),
+        ("router_sigmoid_bytemap", plain, 0, False, True, 0, 1, True, False, {}),
+        ("router_grouped_softmax_bitmap", grouped, 2, True, False, 0, 2, True, False, {}),
+        ("router_large_k_indices", large_k, 0, False, True, 0, 3, True, False, {"ids_ptr": "*i64"}),
+        ("biased_topk_sigmoid", plain, 0, False, True, 0, 3, False, True, {"ids_ptr": "*i32"}),
+    ]
     specs = [
         _fwd_spec(
-            "router_qb_fused_atomic",
-            qb_plan,
-            types=fwd_types,
-            score=0,
-            pre=False,
-            renorm=True,
-            qb=1,
-            nbins=B,
-            map_code=1,
-            dense=True,
-            compact=False,
-        ),
-        _fwd_spec(
-            "router_qb_two_kernel_cutoff",
-            qb_plan,
-            types=fwd_types,
-            score=0,
-            pre=False,
-            renorm=True,
-            qb=2,
-            nbins=B,
-            map_code=1,
-            dense=True,
-            compact=False,
-        ),
-        _fwd_spec(
-            "router_sigmoid_bytemap",
-            plain,
-            types=fwd_types,
-            score=0,
-            pre=False,
-            renorm=True,
-            qb=0,
-            nbins=2,
-            map_code=1,
-            dense=True,
-            compact=False,
-        ),
-        _fwd_spec(
-            "router_grouped_softmax_bitmap",
-            grouped,
-            types=fwd_types,
-            score=2,
-            pre=True,
-            renorm=False,
-            qb=0,
-            nbins=2,
-            map_code=2,
-            dense=True,
-            compact=False,
-        ),
-        _fwd_spec(
-            "router_large_k_indices",
-            large_k,
-            types={**fwd_types, "ids_ptr": "*i64"},
-            score=0,
-            pre=False,
-            renorm=True,
-            qb=0,
-            nbins=2,
-            map_code=3,
-            dense=True,
-            compact=False,
-        ),
-        _fwd_spec(
-            "biased_topk_sigmoid",
-            plain,
-            types={**fwd_types, "ids_ptr": "*i32"},
-            score=0,
-            pre=False,
-            renorm=True,
-            qb=0,
-            nbins=2,
-            map_code=3,
-            dense=False,
-            compact=True,
-        ),
+            name,
+            plan,
+            types={**fwd_types, **types},
+            score=score,
+            pre=pre,
+            renorm=renorm,
+            qb=qb,
+            nbins=B if qb else 2,
+            map_code=map_code,
+            dense=dense,
+            compact=compact,
+        )
+        for name, plan, score, pre, renorm, qb, map_code, dense, compact, types in variants
     ]
     hp = plan_histogram(E, B, 16384, family, lds_ok=True)
     hist_sig = {

@@ -14,7 +14,8 @@ from amdqb import dispatch, ref
 from amdqb.backends import hip as hip_backend
 from amdqb.backends.calls import AlignRequest, BiasedTopkRequest, RouterCall, RouteRowsRequest
 
-from conftest import DEVICE, HAS_GPU
+from conftest import DEVICE, HAS_GPU, backends
+from router_cases import kernel_scores
 
 
 def test_public_signatures_match_spec():
@@ -82,32 +83,45 @@ def test_public_signatures_match_spec():
     assert balancer["binning"].default == "log_margin" and balancer["selection"].default == "te"
 
 
-def test_te_positional_call_and_leading_dims():
-    logits = torch.randn(128, 2, 32, device=DEVICE)
-    bias = torch.zeros(32, device=DEVICE)
+ROUTER_BACKENDS = pytest.mark.parametrize(
+    "backend", ["torch", *backends("router_fwd")], indirect=True
+)
+
+
+@ROUTER_BACKENDS
+def test_te_positional_call_and_leading_dims(backend):
+    logits = torch.randn(128, 2, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    bias = torch.linspace(-0.1, 0.1, 32, device=DEVICE)
     probs, rmap = amdqb.fused_topk_with_score_function(
-        logits, 4, False, None, None, 1.2, "sigmoid", bias
+        logits, 4, False, None, None, 1.2, "sigmoid", bias, backend=backend
     )
     assert probs.shape == (128, 2, 32) and rmap.shape == (128, 2, 32)
     assert rmap.dtype == torch.bool and torch.all(rmap.sum(-1) == 4)
-    expected, _, _ = ref.fused_topk_with_score_function(
-        logits.reshape(-1, 32), 4, scaling_factor=1.2, expert_bias=bias
+    flat = logits.reshape(-1, 32)
+    expected, _, want_map = ref.fused_topk_with_score_function(
+        flat, 4, scaling_factor=1.2, expert_bias=bias, scores=kernel_scores(backend, flat)
     )
+    assert torch.equal(rmap.reshape(-1, 32), want_map)
     torch.testing.assert_close(probs.reshape(-1, 32), expected)
 
 
+@ROUTER_BACKENDS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_output_formats_agree(dtype):
+def test_output_formats_agree(backend, dtype):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(17, 20, generator=g).to(DEVICE, dtype)
-    probs, rmap = amdqb.fused_topk_with_score_function(logits, 3)
+    probs, rmap = amdqb.fused_topk_with_score_function(logits, 3, backend=backend)
     assert probs.dtype == dtype
-    _, bitmap = amdqb.fused_topk_with_score_function(logits, 3, routing_map_format="bitmap_u8")
+    want = ref.fused_topk_with_score_function(logits, 3, scores=kernel_scores(backend, logits))[2]
+    assert torch.equal(rmap, want)
+    _, bitmap = amdqb.fused_topk_with_score_function(
+        logits, 3, routing_map_format="bitmap_u8", backend=backend
+    )
     assert bitmap.dtype == torch.uint8 and bitmap.shape == (17, 3)
     assert torch.equal(ref.unpack_bitmap(bitmap, 20), rmap)
     for idx_dtype in (torch.int16, torch.int32, torch.int64):
         buf = torch.empty(17, 3, dtype=idx_dtype, device=DEVICE)
-        _, out = amdqb.fused_topk_with_score_function(logits, 3, topk_indices=buf)
+        _, out = amdqb.fused_topk_with_score_function(logits, 3, topk_indices=buf, backend=backend)
         assert out is buf
         mask = torch.zeros_like(rmap).scatter_(1, buf.long(), True)
         assert torch.equal(mask, rmap)
@@ -401,13 +415,14 @@ def test_custom_ops_registered_for_compile():
         assert hasattr(torch.ops.amdqb, name), name
 
 
-def test_router_compiles_without_graph_breaks():
+@ROUTER_BACKENDS
+def test_router_compiles_without_graph_breaks(backend):
     torch._dynamo.reset()
     logits = torch.randn(16, 32, device=DEVICE)
-    bias = torch.zeros(32, device=DEVICE)
+    bias = torch.linspace(-0.1, 0.1, 32, device=DEVICE)
 
     def route(x):
-        probs, rmap = amdqb.fused_topk_with_score_function(x, 4, expert_bias=bias)
+        probs, rmap = amdqb.fused_topk_with_score_function(x, 4, expert_bias=bias, backend=backend)
         return probs * 2, rmap
 
     compiled = torch.compile(route, fullgraph=True, backend="aot_eager")
@@ -415,6 +430,8 @@ def test_router_compiles_without_graph_breaks():
     want = route(logits)
     torch.testing.assert_close(got[0], want[0])
     assert torch.equal(got[1], want[1])
+    oracle = ref.fused_topk_with_score_function(logits, 4, expert_bias=bias)
+    torch.testing.assert_close(got[0], 2 * oracle[0], rtol=1e-5, atol=1e-6)
 
 
 def test_router_custom_op_schema_is_the_call_type_flat():
@@ -430,7 +447,7 @@ def test_router_custom_op_schema_is_the_call_type_flat():
         assert [a.name for a in schema.arguments] == [*tensors, *fields, "backend"]
 
 
-@pytest.mark.parametrize("backend", [None, "torch"])
+@ROUTER_BACKENDS
 def test_router_with_qb_indices_and_backward_compiles(backend):
     """A QB router call writing caller-owned indices, and its backward, in one fullgraph
     compile: the call type reaches the backend through the flat custom op unchanged."""

@@ -29,7 +29,7 @@ from amdqb.backends.hip import _spec
 from amdqb.backends.hip import router as hip_router
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
 
-from conftest import DEVICE, HAS_GPU, device_config, over_backends, set_config
+from conftest import DEVICE, HAS_GPU, device_config, expect_declined, over_backends, set_config
 from hip_emu.checks import make_logits, routed_mask
 from router_cases import (
     E_MAIN,
@@ -82,9 +82,12 @@ SCORES = (
 @pytest.mark.parametrize("score,pre,bias", SCORES)
 def test_router_matches_oracle(backend, score, pre, bias, grouped, scaling, fmt):
     t, e, k = T_MAIN, E_MAIN, K_MAIN
+    groups = dict(num_groups=GROUPS[0], group_topk=GROUPS[1]) if grouped else {}
+    expect_declined(
+        backend, "router_fwd", backend == "hip" and grouped, num_experts=e, topk=k, **groups
+    )
     z = tie_free_logits(t, e, seed=e + k)
     eb = torch.linspace(-0.3, 0.3, e, device=DEVICE)[torch.randperm(e).to(DEVICE)] if bias else None
-    groups = dict(num_groups=GROUPS[0], group_topk=GROUPS[1]) if grouped else {}
     kw = dict(
         use_pre_softmax=pre, scaling_factor=scaling, score_function=score, expert_bias=eb, **groups
     )
@@ -203,13 +206,21 @@ def test_router_large_k_exact_path(backend, fmt):
     t, e = (64, 896) if HAS_GPU else (2, 160)
     z = torch.cat([tie_free_logits(t, e, seed=1), adversarial_rows(e)])
     s = kernel_scores(backend, z, "sigmoid")
+    cap = device_config()["hip.router.cap"]  # hip selects at most this many experts per token
     for k in (e // 3, e - 1, e):
+        if expect_declined(
+            backend, "router_fwd", backend == "hip" and k > cap, skip=False, num_experts=e, topk=k
+        ):
+            continue
         probs, routed, ids = run_router(backend, z, k, fmt)
         p_ref, idx_ref, map_ref = oracle(z, k, scores=s)
         assert torch.equal(routed, map_ref)
         if ids is not None:
             assert torch.equal(ids, idx_ref)
     bias = torch.linspace(-0.1, 0.1, e, device=DEVICE)
+    qb = dict(num_experts=e, topk=e - 1, qb_mode="auto", num_bins=32)
+    if expect_declined(backend, "router_fwd", backend == "hip" and e > cap, skip=False, **qb):
+        return
     for mode in ("fused_atomic", "two_kernel"):
         hist = torch.zeros(e, 32, dtype=torch.int32, device=DEVICE)
         bounds = torch.tensor([-1.5, 1.5], device=DEVICE)
@@ -226,6 +237,9 @@ def test_router_grouped_ties(backend):
     # Groups whose sums tie, NaN groups, and every value equal: group order is (sum desc, id asc).
     e, k = E_MAIN, K_MAIN
     ng, gt = GROUPS
+    expect_declined(
+        backend, "router_fwd", backend == "hip", num_experts=e, topk=k, num_groups=ng, group_topk=gt
+    )
     z = adversarial_rows(e)
     kw = dict(num_groups=ng, group_topk=gt)
     probs, routed, ids = run_router(backend, z, k, "int32", **kw)

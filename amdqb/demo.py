@@ -366,21 +366,20 @@ def cutoff_diagnostics(values: torch.Tensor, topk: int, width: float | None):
 def router_backend(method: Method, device: torch.device, experts: int, topk: int) -> str:
     """The backend the amdqb router picks for ``method`` (``ref`` for the fp64 reference)."""
     from . import dispatch
+    from .backends.calls import RouterCall
 
     if method.selection == "fp64":
         return "fp64 ref"
     balancer = getattr(method, "balancer", None)
-    features = {
-        "num_experts": experts,
-        "topk": topk,
-        "score_function": "sigmoid",
-        "grouped": False,
-        "qb": balancer is not None,
-        "num_bins": balancer.num_bins if balancer is not None else 0,
-        "selection": method.selection,
-        "qb_binning": balancer.binning if balancer is not None else "uniform",
-    }
-    return dispatch.select("router_fwd", device, None, **features).backend
+    call = RouterCall(
+        experts,
+        topk,
+        selection=method.selection,
+        qb_mode="auto" if balancer is not None else None,
+        qb_binning=balancer.binning if balancer is not None else "uniform",
+        num_bins=balancer.num_bins if balancer is not None else 0,
+    )
+    return dispatch.select("router_fwd", device, None, call).backend
 
 
 # --------------------------------------------------------------------------------------------
@@ -707,7 +706,10 @@ def _method_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import float_range, int_range  # argparse types with ranges: errors name the option
+    from ._cli_types import (
+        float_range,
+        int_range,
+    )  # argparse types with ranges: errors name the option
 
     pos = int_range(1)
     parser = argparse.ArgumentParser(

@@ -134,8 +134,7 @@ def test_no_external_calls_no_dynamic_stack(objects, tc, arch):
 def test_no_scratch_where_promised(objects, tc, arch):
     """Route and align kernels (every one), the serving top-k, the decode-form Top-k and the QB
     histogram pass (every router module, E up to 2048) keep their per-thread arrays in registers.
-    The full router (amdqb_router, amdqb_scores) is not promised: docs/amd_occupancy.md records its
-    scratch."""
+    The full router (amdqb_router) is not promised: docs/amd_occupancy.md records its scratch."""
     for spec, co in modules_of(objects, tc, arch):
         names = (
             sorted(co.kernels)

@@ -6,6 +6,7 @@ threads, and H200 targets only on an H200 (CPU runs, small shapes)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,8 +16,6 @@ import torch
 from amdqb import cli
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def run(capsys, *argv):
@@ -26,17 +25,41 @@ def run(capsys, *argv):
 
 
 def test_top_level_help_lists_every_command_and_suite(capsys):
-    from bench import cli as bench_cli
+    from amdqb.bench import cli as bench_cli
 
     for argv in ([], ["--help"], ["-h"]):
         rc, out, _ = run(capsys, *argv)
         assert rc == 0
         for name, (short, _) in cli.COMMAND_HELP.items():
             assert name in out and short in out
-        for suite in bench_cli.SUITE_HELP:
-            assert f"    {suite} " in out
-    assert cli.BENCH_SUITES == bench_cli.SUITE_HELP
+        for suite, text in bench_cli.SUITE_HELP.items():
+            assert f"    {suite:8s} {text}" in out
+    # every suite bench runs has its description, and every description a suite
     assert set(bench_cli.SUITE_HELP) == {*bench_cli.SUITES, "all"}
+    rc, out, _ = run(capsys, "bench", "--help")
+    assert rc == 0 and all(f"  {suite:8s} " in out for suite in bench_cli.SUITES)
+
+
+def test_bench_runs_from_the_installed_package(tmp_path):
+    """``amdqb bench`` imports its library from the package (a wheel holds amdqb.bench): run from
+    a folder that is not the checkout, with the package alone on the path."""
+    import subprocess
+
+    from setuptools import find_packages
+
+    assert "amdqb.bench" in find_packages(str(ROOT), include=["amdqb*"])  # pyproject's rule
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # the package's folder; cwd is elsewhere
+    for argv in (["bench", "--help"], ["bench", "balance", "--help"]):
+        res = subprocess.run(
+            [sys.executable, "-m", "amdqb", *argv],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert "usage: amdqb bench" in res.stdout
 
 
 @pytest.mark.parametrize("command", ["info", "demo", "bench"])
@@ -165,7 +188,7 @@ def test_bench_router_and_chunks_show_amdqb_rows(capsys, tmp_path):
 
 
 def test_h200_targets_only_on_an_h200(monkeypatch):
-    from bench import balance, common
+    from amdqb.bench import balance, common
 
     cfg = common.TimingConfig(calls=1, replays=1, samples=1, warmup=0)
     kw = dict(num_experts=32, topk=4, num_bins=100, tokens=(16,))

@@ -67,7 +67,7 @@ def _unpoisoned(monkeypatch, op: str) -> None:
 
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
     monkeypatch.setitem(hip_backend.OPS, op, hip_backend.OPS[op].__wrapped__)
-    dispatch._select_cached.cache_clear()
+    dispatch._select.cache_clear()
     dispatch._IMPLS.clear()
 
 
@@ -184,7 +184,7 @@ def _profiled_kernels(fn) -> list[str]:
 @pytest.mark.parametrize("tokens", [1, 256, 16384])
 def test_entry_points_launch_one_kernel_on_the_gpu(monkeypatch, tokens):
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
-    dispatch._select_cached.cache_clear()
+    dispatch._select.cache_clear()
     for name, fn in _entry_points(tokens).items():
         kernels = _profiled_kernels(fn)
         assert kernels == ["amdqb_topk"], (name, tokens, kernels)
@@ -196,7 +196,7 @@ def test_aligns_launch_one_or_two_kernels_on_the_gpu(monkeypatch, tokens):
     from amdqb import configs
 
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
-    dispatch._select_cached.cache_clear()
+    dispatch._select.cache_clear()
     single = configs.for_device(DEVICE)["hip.align.single_block_routes"]
     want = ["amdqb_align"] if tokens * 8 <= single else ["amdqb_align_hist", "amdqb_align"]
     for name, fn in _aligns(tokens).items():

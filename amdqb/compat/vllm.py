@@ -57,7 +57,7 @@ from ..ops import router as _router
 from ..ops._checks import (
     ID_DTYPES,
     INT32_MAX,
-    MAX_EXPERTS,
+    MAX_ALLOCATED_EXPERTS,
     check_bool,
     check_float,
     check_int,
@@ -258,7 +258,7 @@ def moe_align_block_size(
     allocated."""
     check_tensor("topk_ids", topk_ids, dtypes=ID_DTYPES, min_dim=1)
     block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
     pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)
     ignore_invalid_experts = check_bool("ignore_invalid_experts", ignore_invalid_experts)
     device = topk_ids.device
@@ -307,7 +307,7 @@ def _ops_moe_align_block_size(
     padded total of any routing (``numel + min(numel, E) * (block_size - 1)`` rows): checked from
     their shapes."""
     check_tensor("topk_ids", topk_ids, dtypes=ID_DTYPES, min_dim=1)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
     block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
     check_tensor("sorted_token_ids", sorted_token_ids, dtypes=(torch.int32,), dim=1)
     check_tensor("experts_ids", experts_ids, dtypes=(torch.int32,), dim=1)

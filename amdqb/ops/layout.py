@@ -30,14 +30,14 @@ from typing import Optional
 import torch
 
 from .. import configs, dispatch
-from .._library import impl, kernel_op
-from ..backends.calls import ALIGN_MAP_MODES, AlignCall
+from .._library import call_op, impl, kernel_op
+from ..backends.calls import ALIGN_MAP_MODES, ALIGN_TENSORS, AlignCall
 from ..dispatch import DeviceInfo
 from ..ref.layout import align_buffer_sizes
 from ._checks import (
     ID_DTYPES,
     INT32_MAX,
-    MAX_EXPERTS,
+    MAX_ALLOCATED_EXPERTS,
     check_backend,
     check_bool,
     check_choice,
@@ -101,27 +101,13 @@ def _route_rows(
     )
 
 
-@kernel_op(
-    "align_block_size", mutates_args=("sorted_ids_out", "expert_ids_out", "num_post_pad_out")
+# moe_align_block_size with the compat conventions, from one call (AlignCall).
+_align_block_size = call_op(
+    "align_block_size",
+    AlignCall,
+    ALIGN_TENSORS,
+    mutates_args=("sorted_ids_out", "expert_ids_out", "num_post_pad_out"),
 )
-def _align_block_size(
-    topk_ids: torch.Tensor,
-    expert_map: Optional[torch.Tensor],
-    sorted_ids_out: torch.Tensor,
-    expert_ids_out: torch.Tensor,
-    num_post_pad_out: torch.Tensor,
-    block_size: int,
-    num_experts: int,
-    id_shift: int,
-    map_mode: str,
-    owner_shift: int,
-    tail_value: int,
-    backend: str,
-) -> None:
-    call = AlignCall(block_size, num_experts, id_shift, map_mode, owner_shift, tail_value)
-    impl("align_block_size", backend)(
-        call, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
-    )
 
 
 def _check_ids(topk_ids) -> None:
@@ -158,7 +144,7 @@ def moe_route_rows(
         call that received a row.
     """
     _check_ids(topk_ids)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
     device = topk_ids.device
     if capacity is not None:
         capacity = check_int("capacity", capacity, low=0, high=INT32_MAX)
@@ -185,7 +171,12 @@ def moe_route_rows(
     if chosen == "lds" and num_experts > LDS_MAX_EXPERTS:
         raise ValueError(f"impl='lds' supports num_experts <= {LDS_MAX_EXPERTS}, got {num_experts}")
     chosen_backend = dispatch.kernel_backend(
-        "route_rows", device, backend, num_experts=num_experts, impl=chosen
+        "route_rows",
+        device,
+        backend,
+        num_experts=num_experts,
+        impl=chosen,
+        deterministic=deterministic,
     )
     # counts arrive zero-filled at the backend (the lds kernels accumulate into them); with the
     # op's own counters both come from one fill
@@ -220,7 +211,7 @@ def _check_align(topk_ids, block_size, num_experts, backend=None, raw_storage=Fa
     ``numel`` values from its first element on in memory order (SGLang's kernel reads them so)."""
     _check_ids(topk_ids)
     block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
     if num_experts * (block_size - 1) > MAX_ALIGN_PADDING:
         raise ValueError(
             f"num_experts * (block_size - 1) = {num_experts * (block_size - 1)} padding rows "
@@ -305,22 +296,18 @@ def align_block_size_into(
         )
     if sorted_token_ids.numel() > INT32_MAX:
         raise ValueError(f"aligned buffer of {sorted_token_ids.numel()} rows exceeds int32")
-    chosen_backend = dispatch.kernel_backend(
-        "align_block_size", device, backend, num_experts=num_experts
+    call = AlignCall(
+        num_experts, block_size, int(id_shift), map_mode, int(owner_shift), int(tail_value)
     )
+    chosen_backend = dispatch.kernel_backend("align_block_size", device, backend, call)
     _align_block_size(
+        call,
         ids,
         expert_map,
         sorted_token_ids,
         expert_ids,
         num_tokens_post_pad.view(1),
-        block_size,
-        num_experts,
-        int(id_shift),
-        map_mode,
-        int(owner_shift),
-        int(tail_value),
-        chosen_backend,
+        backend=chosen_backend,
     )
 
 

@@ -25,9 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.calls import BINNINGS as BINNINGS
+from ..backends.calls import SCORE_FUNCTIONS as SCORE_FUNCTIONS
+from ..backends.calls import SELECTIONS as SELECTIONS
 from .ordering import ranked_indices
 
-SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
 NORM_EPS = 1e-20
 WARP = 32
 
@@ -136,10 +138,6 @@ def qb_bin_index(
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
     x = torch.clamp(x, 0.0, float(num_bins - 1))
     return x.to(torch.int64)
-
-
-SELECTIONS = ("te", "tie_free")
-BINNINGS = ("uniform", "log_margin")
 
 
 def sigmoid_complement(logits: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ AMDQB_EMU_REGISTER(amdqb_router)
 AMDQB_EMU_REGISTER(amdqb_qb_hist)
 AMDQB_EMU_REGISTER(amdqb_qb_hist_bins)
 AMDQB_EMU_REGISTER(amdqb_router_decode)
-AMDQB_EMU_REGISTER(amdqb_scores)
 #elif defined(AMDQB_EMU_TOPK)
 #include "topk.hip"
 AMDQB_EMU_REGISTER(amdqb_topk)

@@ -83,14 +83,14 @@ ROUTE_KERNELS = frozenset(
 )
 TOPK_KERNELS = frozenset({"amdqb_topk"})
 ROUTER_KERNELS = frozenset(
-    {"amdqb_router", "amdqb_qb_hist", "amdqb_qb_hist_bins", "amdqb_scores", "amdqb_router_decode"}
+    {"amdqb_router", "amdqb_qb_hist", "amdqb_qb_hist_bins", "amdqb_router_decode"}
 )
 
 
 def arch_config(arch: str):
     """The runtime's config of ``arch`` (``amdqb/configs``, by its architecture family)."""
     from ... import configs
-    from ...dispatch import amd_arch_family
+    from ...devices import amd_arch_family
 
     return configs.load(amd_arch_family(arch.split(":")[0]))
 

@@ -23,10 +23,12 @@ import ctypes
 
 import torch
 
+from ..calls import AlignCall, RouteRowsRequest
 from . import _spec
 from ._common import _STATIC_LDS_LIMIT, cdiv, config, dev, ptr
 from ._spec import arg_i32, arg_i64
 
+# Capability limits (declared in LIMITS below: the dispatcher passes this backend over beyond them).
 MAX_DET_EXPERTS = 12288  # deterministic route kernels keep E ints in LDS
 MAX_ALIGN_EXPERTS = 4096  # the align kernel keeps (1 + warps) * E ints in LDS
 
@@ -226,7 +228,7 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
 
 
 def align_block_size(
-    rt, call, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
+    rt, call: AlignCall, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
     """amdqb_align (one launch up to hip.align.single_block_routes routes), else
     amdqb_align_hist + amdqb_align (its dependent)."""
@@ -276,3 +278,24 @@ def align_block_size(
     else:
         launch = rt.launch
     launch(rt.kernel(device, spec, "amdqb_align"), tiles, threads, smem, [params])
+
+
+# ------------------------------------------------------------------------------------------------
+# Capability checks (the dispatcher's: a reason passes this backend over, the next one runs)
+# ------------------------------------------------------------------------------------------------
+def route_rows_limits(info, request: RouteRowsRequest) -> str | None:
+    if request.deterministic and request.num_experts > MAX_DET_EXPERTS:
+        return (
+            f"deterministic routes with num_experts={request.num_experts} > {MAX_DET_EXPERTS} "
+            "(the kernels keep E counters in LDS)"
+        )
+    return None
+
+
+def align_block_size_limits(info, request: AlignCall) -> str | None:
+    if request.num_experts > MAX_ALIGN_EXPERTS:
+        return f"align with num_experts={request.num_experts} > {MAX_ALIGN_EXPERTS} (LDS rows)"
+    return None
+
+
+LIMITS = {"route_rows": route_rows_limits, "align_block_size": align_block_size_limits}

@@ -22,7 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _spec
+from ... import configs
+from .. import _serving
+from ..calls import TopkCall
+from . import _spec, router
 from ._common import cdiv, config, dev
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -141,3 +144,64 @@ def launch(rt, call, topk_plan, logits, bias, weights_out, ids_out, tei_out, non
     threads = min(int(cfg["hip.topk.block"]), _pow2_at_least(32 * cdiv(tokens, rows_per_warp)))
     grid = cdiv(tokens, rows_per_warp * (threads // 32))
     rt.launch(rt.kernel(device, spec, "amdqb_topk"), grid, threads, 0, [params])
+
+
+def biased_topk(rt, call: TopkCall, logits, expert_bias, weights_out, ids_out, tei_out, non_padded):
+    """amdqb_topk (every output in one launch) where it has a row plan, else the router kernels
+    (ungrouped; the remaining outputs filled around them)."""
+    tokens, num_experts = logits.shape
+    if num_experts != call.num_experts:
+        raise ValueError(
+            f"TopkCall.num_experts={call.num_experts} but the logits have {num_experts} experts"
+        )
+    if tokens == 0:
+        return
+    cfg = config(logits)
+    row_plan = plan(
+        num_experts, call.topk, call.score_function, call.num_groups, call.group_topk, cfg
+    )
+    if row_plan is not None:
+        launch(rt, call, row_plan, logits, expert_bias, weights_out, ids_out, tei_out, non_padded)
+        return
+    if call.grouped:  # the dispatcher passes hip over (biased_topk_limits); direct calls
+        raise ValueError("hip biased_topk: grouped Top-k without an amdqb_topk row plan")
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    if expert_bias is not None and expert_bias.dtype != torch.float32:
+        expert_bias = expert_bias.float()
+    routed_w, routed_ids = _serving.routed_buffers(call, weights_out, ids_out)
+    router.biased_topk(
+        rt,
+        logits,
+        call.topk,
+        expert_bias,
+        call.score_function,
+        call.renormalize,
+        call.scaling_factor,
+        None,
+        None,
+        routed_w,
+        routed_ids,
+        call.approximate,
+    )
+    _serving.finish(
+        call, num_experts, routed_w, routed_ids, weights_out, ids_out, tei_out, non_padded
+    )
+
+
+def biased_topk_limits(info, call: TopkCall) -> str | None:
+    """amdqb_topk's row plan, else the router kernels' limits (which do no groups)."""
+    cfg = configs.load(info.arch_family)
+    args = (call.num_experts, call.topk, call.score_function, call.num_groups, call.group_topk)
+    if plan(*args, cfg) is not None:
+        return None
+    if call.grouped:
+        return (
+            f"grouped Top-k of {call.num_groups} groups over E={call.num_experts}, k={call.topk}: "
+            "no amdqb_topk row plan (groups must split into whole lanes of at most "
+            "hip.topk.max_slots experts)"
+        )
+    return router.topk_limits(info, call.num_experts, False, call.topk)
+
+
+LIMITS = {"biased_topk": biased_topk_limits}

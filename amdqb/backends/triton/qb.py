@@ -79,7 +79,6 @@ def qb_step(
 
 
 OPS = {"qb_recover": qb_recover, "qb_step": qb_step}
-UNSUPPORTED: dict = {}
 
 
 def codegen_specs() -> list:

@@ -15,9 +15,7 @@ import traceback
 
 import torch
 
-from amdqb.cli import BENCH_SUITES
-
-from . import balance, chunks, common, compat, route, router, serving
+from . import SUITE_HELP, balance, chunks, common, compat, route, router, serving
 from .common import TimingConfig, quick_config, write_json
 
 SUITES = {
@@ -28,9 +26,6 @@ SUITES = {
     "serving": serving.run,
     "compat": compat.run,
 }
-
-# One description per suite, shared with ``amdqb --help`` (which runs without bench installed).
-SUITE_HELP = BENCH_SUITES
 
 # What --tokens / --experts / --topk set in each suite (None: the flag does not apply).
 FLAG_KEYS = {

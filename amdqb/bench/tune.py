@@ -1,12 +1,12 @@
 """Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
 ``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
 
-    python -m bench.tune --parts route,gate,align,topk,decode,qbhist,router [--json PATH] [--write]
+    python -m amdqb.bench.tune --parts route,gate,align,topk,decode,qbhist,router [--json PATH] [--write]
 
 A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
 config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
 variant's ``-D`` constants) and launch shapes. Every variant's outputs are checked against the
-default's (or the oracle) before it is timed; timing is ``bench.common.time_alternating``.
+default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.time_alternating``.
 
 * ``route``  -- the lds route kernel's tile (``hip.route.lds_block`` x ``lds_items``) against the
   atomic kernel, masked layout, uniform and all-one-expert ids, M in {512, 2517, 8192};
@@ -317,7 +317,7 @@ PARTS = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m amdqb.bench.tune", description=__doc__)
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated sweeps")
     parser.add_argument("--json", default=None, help="append the measurements to this file")
     parser.add_argument("--write", action="store_true", help="write the winners to the config")
@@ -337,7 +337,7 @@ def main(argv=None) -> int:
         report, chosen = PARTS[part](dev, cfg)
         print(report.markdown(), flush=True)
         reports.append(report)
-        provenance = f"measured: {info.name}, {date}, python -m bench.tune --parts {part}"
+        provenance = f"measured: {info.name}, {date}, python -m amdqb.bench.tune --parts {part}"
         winners.update({k: (v, provenance, why) for k, (v, why) in chosen.items()})
     for key, (value, _provenance, why) in winners.items():
         print(f"{key} = {value}  ({why})")

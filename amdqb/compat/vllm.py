@@ -32,7 +32,12 @@ Semantics (vLLM's):
   (remote experts' blocks become -1; the tail reads ``expert_map[INACTIVE_EXPERT_ID]``, PyTorch
   indexing, which vLLM's kernels never read).
 
-Differences from vLLM (all documented in the README's "Serving: vLLM and SGLang"):
+Launches: on the hip backend every router is one kernel (``amdqb_topk``: ids, weights and
+``token_expert_indices`` together) and every align one kernel, two from
+``hip.align.single_block_routes`` routes on (docs/serving.md). ``indices_type`` int32 / int64 is
+written by the kernel; other integer types cost a conversion.
+
+Differences from vLLM (all documented in docs/serving.md):
 
 * precision: scores, biased scores and weights are fp32 whatever the logits' dtype (vLLM's torch
   paths, ``grouped_topk`` among them, compute the softmax / sigmoid in the logits' dtype);
@@ -42,8 +47,10 @@ Differences from vLLM (all documented in the README's "Serving: vLLM and SGLang"
   expert the aligned routes are in ascending route order (vLLM: any order);
 * vLLM's kernels clamp NaN / Inf logits to 0 before the selection; amdqb ranks NaN scores last
   and keeps them (a NaN logit gives a NaN weight);
-* ``fused_topk``'s third output (``token_expert_indices``, ``j * M + t``) costs an extra launch;
-  the hash-routing form of ``fused_topk_bias`` (``hash_indices_table``) runs in PyTorch.
+* the hash-routing form of ``fused_topk_bias`` (``hash_indices_table``) runs in PyTorch;
+* ``topk_ids`` of an align are read as its logical ids (a non-contiguous tensor is copied first),
+  where vLLM's kernel reads its storage in memory order; :data:`LEGACY_BUFFER_SIZES` selects
+  vLLM's older sorted-ids size rule.
 """
 
 from __future__ import annotations

@@ -315,8 +315,8 @@ def test_num_experts_and_num_bins_must_match_the_tensors(backend):
 @over_backends("router_fwd", waves=(32,))
 def test_backward_honours_its_fields(backend):
     """router_bwd reads topk, score_function, use_pre_softmax and scaling_factor: each variant
-    gives the oracle's gradient (where the hip backend has no backward, its forward's op falls
-    back: test_router.py)."""
+    gives the oracle's gradient (every backend has a backward; where one declines a call, the
+    op runs another's: test_router.py)."""
     fn = dispatch._backend_module(backend).OPS.get("router_bwd")
     if fn is None:
         pytest.skip(f"the {backend} backend has no router backward (the op uses another's)")

@@ -384,7 +384,7 @@ def fused_topk_with_score_function(
         if use_qb:
             cutoff = torch.empty(logits2d.shape[0], dtype=torch.float32, device=device)
     if torch.is_grad_enabled() and logits.requires_grad:
-        # the backward runs on the forward's backend when it has a backward kernel (hip has none)
+        # the backward runs on the forward's backend when that backend can run it
         bwd_backend = dispatch.kernel_backend(
             "router_bwd", device, call=call, prefer=chosen_backend
         )

@@ -56,6 +56,7 @@ def _poisoning(op: str, fn):
         # (call, logits, bias, probs_out, map_out, hist, bounds, scores_out, cutoff_out): the QB
         # histogram accumulates
         "router_fwd": (3, 4, 7, 8),
+        "router_bwd": (4,),  # (call, grad_probs, logits, routed, grad_logits_out)
         "biased_topk": (3, 4, 5),  # (call, logits, bias, weights_out, ids_out, tei_out, ...)
         "route_rows": (4,),  # rows_out (counts_out arrives zero-filled, counters are inputs)
         "align_block_size": (3, 4, 5),  # sorted_ids_out, expert_ids_out, num_post_pad_out

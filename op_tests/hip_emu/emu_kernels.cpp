@@ -14,6 +14,9 @@ AMDQB_EMU_REGISTER(amdqb_router)
 AMDQB_EMU_REGISTER(amdqb_qb_hist)
 AMDQB_EMU_REGISTER(amdqb_qb_hist_bins)
 AMDQB_EMU_REGISTER(amdqb_router_decode)
+#elif defined(AMDQB_EMU_ROUTER_BWD)
+#include "router_bwd.hip"
+AMDQB_EMU_REGISTER(amdqb_router_bwd)
 #elif defined(AMDQB_EMU_TOPK)
 #include "topk.hip"
 AMDQB_EMU_REGISTER(amdqb_topk)
@@ -52,7 +55,8 @@ extern "C" void amdqb_emu_order_key(const float* x, int* y, long long n) {
   for (long long i = 0; i < n; ++i) y[i] = amdqb::order_key(x[i]);
 }
 #else
-#error "define AMDQB_EMU_ROUTER, AMDQB_EMU_TOPK, AMDQB_EMU_ROUTE or AMDQB_EMU_CONVERT"
+#error                                                                                             \
+    "define AMDQB_EMU_ROUTER, AMDQB_EMU_ROUTER_BWD, AMDQB_EMU_TOPK, AMDQB_EMU_ROUTE or AMDQB_EMU_CONVERT"
 #endif
 
 AMDQB_EMU_RUNTIME_DEFINITIONS

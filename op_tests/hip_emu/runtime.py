@@ -51,6 +51,7 @@ class EmuRuntime:
         if which is None:
             which = {
                 "router.hip": "AMDQB_EMU_ROUTER",
+                "router_bwd.hip": "AMDQB_EMU_ROUTER_BWD",
                 "topk.hip": "AMDQB_EMU_TOPK",
                 "layout.hip": "AMDQB_EMU_ROUTE",
             }[spec.kernel_file]

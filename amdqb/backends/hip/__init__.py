@@ -32,7 +32,7 @@ import inspect
 
 import torch
 
-from . import layout, router, topk
+from . import layout, router, router_bwd, topk
 from ._runtime import HipBuildError
 
 BACKEND = "hip"
@@ -77,7 +77,7 @@ def _on_runtime(op):
     return call
 
 
-LIMITS = {**router.LIMITS, **layout.LIMITS, **topk.LIMITS}
+LIMITS = {**router.LIMITS, **router_bwd.LIMITS, **layout.LIMITS, **topk.LIMITS}
 router_fwd = _on_runtime(router.router_fwd)
 biased_topk = _on_runtime(topk.biased_topk)
 align_block_size = _on_runtime(layout.align_block_size)
@@ -88,6 +88,7 @@ route_rows = _on_runtime(layout.route_rows)
 
 OPS = {
     "router_fwd": router_fwd,
+    "router_bwd": _on_runtime(router_bwd.router_bwd),
     "biased_topk": biased_topk,
     "route_rows": route_rows,
     "align_block_size": align_block_size,

@@ -136,6 +136,28 @@ def router_module(
     )
 
 
+def router_bwd_module(
+    num_experts: int, dtype_name: str, grad_dtype_name: str, score_function: str
+) -> ModuleSpec:
+    """router_bwd.hip for one expert count, logits / grad dtype and score function (rows of
+    min(32, next_pow2(E)) lanes)."""
+    lanes = 1
+    while lanes < min(32, num_experts):
+        lanes *= 2
+    return ModuleSpec(
+        "router_bwd.hip",
+        (
+            ("AMDQB_NUM_EXPERTS", str(int(num_experts))),
+            ("AMDQB_IN_DTYPE", str(DTYPE_CODES[dtype_name])),
+            ("AMDQB_GRAD_DTYPE", str(DTYPE_CODES[grad_dtype_name])),
+            ("AMDQB_SCORE", str(SCORE_CODES[score_function])),
+            ("AMDQB_APPROX_ACTIVATION", "0"),
+            ("AMDQB_ROW_LANES", str(lanes)),
+            ("AMDQB_SLOTS", str(-(-int(num_experts) // lanes))),
+        ),
+    )
+
+
 def topk_module(
     plan,
     dtype_name: str,

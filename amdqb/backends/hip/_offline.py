@@ -82,6 +82,7 @@ ROUTE_KERNELS = frozenset(
     | {"amdqb_align_hist", "amdqb_align"}
 )
 TOPK_KERNELS = frozenset({"amdqb_topk"})
+ROUTER_BWD_KERNELS = frozenset({"amdqb_router_bwd"})
 ROUTER_KERNELS = frozenset(
     {"amdqb_router", "amdqb_qb_hist", "amdqb_qb_hist_bins", "amdqb_router_decode"}
 )
@@ -139,6 +140,13 @@ def _variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
             )
             for n, k, dt, sf, bdt, g, tg in topks
         ]
+        + [
+            (
+                f"router_bwd E={n} {short[dt]} {sf}",
+                _spec.router_bwd_module(n, dt, dt, sf),
+            )
+            for n, dt, sf in ((e, "float32", "sigmoid"), (256, "bfloat16", "softmax"))
+        ]
     )
 
 
@@ -152,9 +160,11 @@ def module_variants(arch: str = "gfx942") -> list[_spec.ModuleSpec]:
 
 
 def expected_kernels(spec: _spec.ModuleSpec) -> frozenset:
-    return {"layout.hip": ROUTE_KERNELS, "topk.hip": TOPK_KERNELS}.get(
-        spec.kernel_file, ROUTER_KERNELS
-    )
+    return {
+        "layout.hip": ROUTE_KERNELS,
+        "topk.hip": TOPK_KERNELS,
+        "router_bwd.hip": ROUTER_BWD_KERNELS,
+    }.get(spec.kernel_file, ROUTER_KERNELS)
 
 
 def wave_size(arch: str) -> int:

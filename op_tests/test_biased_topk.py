@@ -222,3 +222,53 @@ def test_biased_topk_oracle():
     assert ids.tolist() == [[3, 1]] and ids.dtype == torch.int32
     s = torch.sigmoid(logits[0])
     torch.testing.assert_close(w[0], torch.stack([s[3], s[1]]) / (s[3] + s[1] + 1e-20))
+
+
+# ----------------------------------------------------------------------------------------------
+# the peers' extra outputs (amdqb.ops.router.serving_topk, TopkCall)
+# ----------------------------------------------------------------------------------------------
+
+
+@over_backends("biased_topk", waves=(32, 64))
+@pytest.mark.parametrize(
+    "e,k,groups,score",
+    [(8, 2, None, "softmax"), (256, 8, (8, 4), "sigmoid"), (40, 6, None, "sigmoid")],
+)
+def test_serving_outputs(backend, e, k, groups, score):
+    """Fused shared experts (constant weight, and the routed sum over the scaling factor with every
+    lane of the row holding it), token_expert_indices, padded rows from a device scalar and from
+    an int, int64 ids, an fp16 / bf16 bias read in its dtype and strided logit rows: the oracle's
+    outputs (ids exact, weights to fp32 rounding)."""
+    from amdqb.ops.router import serving_topk
+
+    t = 37
+    g = torch.Generator().manual_seed(e + k)
+    wide = torch.randn(t, 2 * e, generator=g).to(DEVICE)
+    logits = wide[:, :e]  # rows 2E apart: read through the row stride
+    bias = None
+    if score == "sigmoid":
+        bias = (torch.randn(e, generator=g) * 0.1).to(DEVICE, torch.bfloat16)
+    kw = dict(score_function=score)
+    if groups:
+        kw.update(num_groups=groups[0], group_topk=groups[1])
+    cases = [
+        dict(num_shared=2, shared_weight=0.4, ids_dtype=torch.int64),
+        dict(num_shared=1, shared_div=2.5, renormalize=False, token_expert_indices=True),
+        dict(non_padded=torch.tensor(t // 3, device=DEVICE), token_expert_indices=True),
+        dict(non_padded=t - 5, scaling_factor=1.5, num_shared=1, shared_weight=1.0),
+    ]
+    for case in cases:
+        opts = {**kw, **case}
+        w, ids, tei = serving_topk(logits, k, bias, backend=backend, **opts)
+        oracle = {n: v for n, v in opts.items() if n not in ("ids_dtype", "token_expert_indices")}
+        if isinstance(oracle.get("non_padded"), torch.Tensor):
+            oracle["non_padded"] = oracle["non_padded"].cpu()
+        cpu_bias = None if bias is None else bias.cpu()
+        w_ref, ids_ref = ref.serving_topk(logits.contiguous().cpu(), k, cpu_bias, **oracle)
+        assert ids.dtype == case.get("ids_dtype", torch.int32)
+        assert torch.equal(ids.cpu().long(), ids_ref.cpu().long()), case
+        torch.testing.assert_close(w.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6)
+        if case.get("token_expert_indices"):
+            assert torch.equal(tei.cpu(), ref.token_expert_indices(t, k))
+        else:
+            assert tei is None

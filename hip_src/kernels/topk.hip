@@ -10,7 +10,11 @@
 //   AMDQB_APPROX_ACTIVATION (0: torch's bits), AMDQB_TOPK (k routed experts), AMDQB_ROW_LANES (L,
 //   a power of two <= 32), AMDQB_SLOTS (V experts per lane), AMDQB_CONTIGUOUS (0: lane l holds
 //   experts l + L * i, 1: experts l * V + i), AMDQB_GROUPS (0: no groups), AMDQB_GROUP_LANES (lanes
-//   per group, contiguous layout), AMDQB_TOPK_GROUP, AMDQB_TOPK_BLOCK (threads per block, at most).
+//   per group, contiguous layout), AMDQB_TOPK_GROUP, AMDQB_GROUP_BEST (the best entries a group's
+//   score sums: vLLM / SGLang 2 with a bias, 1 without; TransformerEngine k / topk_group),
+//   AMDQB_DENSE (1: the TransformerEngine router's outputs over every expert -- probs in the
+//   logits dtype, a byte / bit / index map, the ranked scores), AMDQB_TOPK_BLOCK (threads per
+//   block, at most).
 //
 // Precision contract (amdqb.ref.router.biased_topk): logits and bias are converted to fp32 on load;
 // activations are torch's bits (amdqb_activation.h; softmax: exp(z - max) / sum with the sum in
@@ -21,10 +25,12 @@
 //
 // Selection contract (amdqb.ref.ordering): (u descending, expert id ascending), -0.0 == +0.0, NaN
 // below every number, through the packed 64-bit entry (order key, ~id): larger entry = ahead; 0 is
-// the sentinel below every expert (padding slots, experts of groups not kept). Groups (vLLM /
-// SGLang): a group's score is the sum of its best two selection values with a bias, its best one
-// without; groups ranked like experts (score descending, group id ascending, NaN lowest); the
-// AMDQB_TOPK_GROUP best are kept and the Top-k is taken inside them.
+// the sentinel below every expert (padding slots, experts of groups not kept). Groups: a group's
+// score is the sum, in selection order, of its AMDQB_GROUP_BEST best selection values; groups
+// ranked like experts (score descending, group id ascending, NaN lowest); the AMDQB_TOPK_GROUP
+// best are kept and the Top-k is taken inside them. The dense (TransformerEngine) form's weights
+// are the router's: sigmoid / sqrtsoftplus s / (sum + 1e-20) for k > 1, softmax over E, or the
+// softmax over the k selected logits (flags bit 4) exp(z - z_max) / sum in routes_sum's order.
 //
 // Algorithm per row: each lane sorts its V entries (a bitonic network in registers) and keeps the
 // best KP = next_pow2(k); log2(L) butterfly steps then merge the lanes' sorted lists pairwise (the
@@ -39,7 +45,8 @@ using namespace amdqb;
 #if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_BIAS_DTYPE) ||       \
     !defined(AMDQB_SCORE) || !defined(AMDQB_TOPK) || !defined(AMDQB_ROW_LANES) ||                  \
     !defined(AMDQB_SLOTS) || !defined(AMDQB_CONTIGUOUS) || !defined(AMDQB_GROUPS) ||               \
-    !defined(AMDQB_GROUP_LANES) || !defined(AMDQB_TOPK_GROUP) || !defined(AMDQB_TOPK_BLOCK)
+    !defined(AMDQB_GROUP_LANES) || !defined(AMDQB_TOPK_GROUP) || !defined(AMDQB_GROUP_BEST) ||     \
+    !defined(AMDQB_DENSE) || !defined(AMDQB_TOPK_BLOCK)
 #error "topk.hip needs its -D constants (amdqb.backends.hip._spec.topk_module)"
 #endif
 
@@ -57,6 +64,9 @@ constexpr bool CONTIGUOUS = AMDQB_CONTIGUOUS != 0;
 constexpr int GROUPS = AMDQB_GROUPS;
 constexpr int GROUP_LANES = AMDQB_GROUP_LANES;
 constexpr int TOPK_GROUP = AMDQB_TOPK_GROUP;
+constexpr int GROUP_BEST = AMDQB_GROUP_BEST;  // entries a group's score sums
+constexpr int GBP = AMDQB_POW2_AT_LEAST(GROUP_BEST);
+constexpr bool DENSE = AMDQB_DENSE != 0;  // the TE router's outputs (probs, maps) over every expert
 constexpr int BLOCK = AMDQB_TOPK_BLOCK;
 constexpr bool HAS_BIAS = AMDQB_BIAS_DTYPE >= 0;
 constexpr bool SOFTMAX = AMDQB_SCORE == 2;
@@ -72,6 +82,7 @@ static_assert(L >= 1 && L <= 32 && (L & (L - 1)) == 0, "AMDQB_ROW_LANES: a power
 static_assert(L * V >= E, "the row's lanes must hold every expert");
 static_assert(K >= 1 && K <= L && KP <= 32, "k <= AMDQB_ROW_LANES (one route per lane)");
 static_assert(BLOCK % 32 == 0 && BLOCK <= 1024, "AMDQB_TOPK_BLOCK: whole logical warps");
+static_assert(V <= 64 && GROUP_BEST >= 1 && GROUP_BEST <= 32, "AMDQB_SLOTS / AMDQB_GROUP_BEST");
 static_assert(GROUPS == 0 || CONTIGUOUS, "groups use the contiguous layout");
 static_assert(GROUPS == 0 ||
                   (GROUPS * GROUP_LANES <= L && E % GROUPS == 0 && (E / GROUPS) == GROUP_LANES * V),
@@ -221,10 +232,13 @@ AMDQB_DEVICE float row_max(float v) {
 struct TopkParams {
   const void* logits;      // [T, E] in the logits dtype, rows row_stride elements apart
   const void* bias;        // [E] correction bias in AMDQB_BIAS_DTYPE (unused without)
-  float* weights;          // [T, out_k] fp32
-  void* ids;               // [T, out_k] int32 or int64 (flags bit 1)
+  float* weights;          // nullable [T, out_k] fp32
+  void* ids;               // nullable [T, out_k] int32 or int64 (flags bit 1)
   i32* token_expert_idx;   // nullable [T, K] int32: j * T + t (vLLM's fused_topk)
   const void* non_padded;  // nullable device scalar (int32, or int64 with flags bit 2)
+  void* probs;             // dense: nullable [T, E] in the logits dtype
+  void* map;               // dense: nullable, per map_kind
+  float* scores;           // dense: nullable [T, E] fp32, the ranked scores before the bias
   i64 row_stride;
   i64 tokens;
   i64 non_padded_rows;  // rows at or past it get ids -1 when non_padded is NULL (else unused)
@@ -233,12 +247,27 @@ struct TopkParams {
   float scale;          // the routed weights' factor (1 for none)
   float shared_weight;  // shared experts' weight (flags bit 3 clear)
   float shared_div;     // flags bit 3: shared weight = routed sum / shared_div
-  i32 flags;            // bit 0 renormalize, 1 int64 ids, 2 int64 non_padded, 3 shared from sum
+  i32 flags;            // bit 0 renormalize, 1 int64 ids, 2 int64 non_padded, 3 shared from sum,
+                        // 4 softmax over the k selected logits (no softmax over E)
+  i32 map_kind;         // dense: 0 none, 1 byte map [T, E], 2 bit map [T, ceil(E / 8)],
+                        // 3 / 4 / 5 int16 / int32 / int64 ids [T, K] in selection order
+  i32 pad_;
 };
+
+namespace {
+#if AMDQB_IN_DTYPE == 0
+AMDQB_DEVICE in_t out_of_f32(float x) { return x; }
+#elif AMDQB_IN_DTYPE == 1
+AMDQB_DEVICE in_t out_of_f32(float x) { return float_to_half(x); }
+#else
+AMDQB_DEVICE in_t out_of_f32(float x) { return float_to_bf16(x); }
+#endif
+}  // namespace
 
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   constexpr int WARPS = BLOCK / 32;
   AMDQB_SHARED(float, sh_row, ROW_LDS ? WARPS * ROWS * E : 1);
+  AMDQB_SHARED(u8, sh_bits, DENSE && CONTIGUOUS ? WARPS * ROWS * E : 1);
   const int lane = lane_id();
   const int w = warp_in_block();
   const int rl = lane % L;  // lane inside the token's row
@@ -248,7 +277,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   const i64 t = first + rw;
   const bool live = t < p.tokens;  // rows past T run along (warp primitives), store nothing
   float* my_row = sh_row + (w * ROWS + rw) * E;
+  u8* my_bits = sh_bits + (w * ROWS + rw) * E;
   (void)my_row;
+  (void)my_bits;
+  const bool post_softmax = SOFTMAX && (p.flags & 16);  // TE: top-k of the logits, then softmax
 
   // Logits and bias: every load in flight before any arithmetic.
   const in_t* row = static_cast<const in_t*>(p.logits) + (live ? t : 0) * p.row_stride;
@@ -269,7 +301,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   for (int i = 0; i < V; ++i) z[i] = in_f32(raw[i]);
   activate(z, s);
 
-  if (SOFTMAX) {
+  if (SOFTMAX && !post_softmax) {
     float m = bits_float(0xff800000u);  // -inf
 #pragma unroll
     for (int i = 0; i < V; ++i)
@@ -295,44 +327,46 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     for (int i = 0; i < V; ++i) s[i] = expf(s[i] - m) / sum;
   }
 
-  // Selection entries; the unbiased scores go to the row's LDS for the weights.
-  u64 srt[NSORT];
+  // Selection entries; the unbiased scores go to the row's LDS for the compact weights.
+  u64 mine[V];
 #pragma unroll
-  for (int i = 0; i < NSORT; ++i) {
-    srt[i] = 0;
-    if (i < V) {
-      const int e = expert_at(rl, i);
-      if (live && e < E) {
-        const float u = HAS_BIAS ? s[i] + b[i] : s[i];
-        srt[i] = entry(order_key(u), e);
-        if (HAS_BIAS) my_row[e] = s[i];
-      }
+  for (int i = 0; i < V; ++i) {
+    mine[i] = 0;
+    const int e = expert_at(rl, i);
+    if (live && e < E) {
+      const float u = HAS_BIAS ? s[i] + b[i] : s[i];
+      mine[i] = entry(order_key(u), e);
+      if (HAS_BIAS) my_row[e] = s[i];
     }
   }
+  u64 srt[NSORT];
+#pragma unroll
+  for (int i = 0; i < NSORT; ++i) srt[i] = i < V ? mine[i] : 0;
   sort_desc(srt);
   u64 top[KP];
 #pragma unroll
   for (int i = 0; i < KP; ++i) top[i] = i < NSORT ? srt[i] : 0;
 
+  bool kept = true;  // the lane's group is among the kept ones
   if (GROUPS > 0) {
-    // The group's best two (one without a bias) over its lanes, its score, its rank.
-    u64 g0 = srt[0], g1 = NSORT > 1 ? srt[1] : 0;
+    // The group's best GROUP_BEST over its lanes (sorted lists merged like the row's below), its
+    // score (their sum in selection order), its rank among the groups.
+    u64 best[GBP];
 #pragma unroll
-    for (int m = 1; m < GROUP_LANES; m <<= 1) {
-      const u64 o0 = shfl_xor_u64(g0, m), o1 = shfl_xor_u64(g1, m);
-      const u64 lo = g0 > o0 ? o0 : g0;
-      const u64 hi1 = g1 > o1 ? g1 : o1;
-      g0 = g0 > o0 ? g0 : o0;
-      g1 = lo > hi1 ? lo : hi1;
-    }
-    const float score = HAS_BIAS ? entry_value(g0) + entry_value(g1) : entry_value(g0);
+    for (int i = 0; i < GBP; ++i) best[i] = i < NSORT ? srt[i] : 0;
+#pragma unroll
+    for (int m = 1; m < GROUP_LANES; m <<= 1) merge_with(best, m);
+    float score = entry_value(best[0]);
+#pragma unroll
+    for (int i = 1; i < GROUP_BEST; ++i) score = score + entry_value(best[i]);
     const int group = rl / GROUP_LANES;
-    const u64 mine = group < GROUPS ? entry(order_key(score), group) : 0;
+    const u64 gentry = group < GROUPS ? entry(order_key(score), group) : 0;
     int ahead = 0;
 #pragma unroll
     for (int g = 0; g < GROUPS; ++g)
-      ahead += shfl_u64(mine, rw * L + g * GROUP_LANES) > mine ? 1 : 0;
-    if (!(group < GROUPS && ahead < TOPK_GROUP)) {
+      ahead += shfl_u64(gentry, rw * L + g * GROUP_LANES) > gentry ? 1 : 0;
+    kept = group < GROUPS && ahead < TOPK_GROUP;
+    if (!kept) {
 #pragma unroll
       for (int i = 0; i < KP; ++i) top[i] = 0;
     }
@@ -351,10 +385,68 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   if (HAS_BIAS) warp_sync();  // the row's scores are in LDS
   float wr = 0.0f;
   if (routed) wr = HAS_BIAS ? my_row[id] : entry_value(route);
-  const float sum = row_sum<KP>(wr);
-  if (p.flags & 1) wr = wr / (sum + 1e-20f);
-  wr = wr * p.scale;
+  const float zmax = entry_value(top[0]);  // post softmax: the largest selected logit
+  if (post_softmax) wr = routed ? expf(wr - zmax) : 0.0f;
+  // over the whole row: every lane gets the sum (lanes past KP add exact zeros), as the shared
+  // experts and the dense outputs of every lane need it
+  const float sum = row_sum<L>(wr);
+  const bool renorm = (p.flags & 1) || post_softmax;
+  auto weight = [&](float v) {
+    return (renorm ? v / (post_softmax ? sum : sum + 1e-20f) : v) * p.scale;
+  };
 
+  if (DENSE) {
+    // The dense outputs of this lane's experts: members are the kept entries at or ahead of the
+    // k-th (entries are distinct); weights from the lane's own scores, as the routes'.
+    const u64 kth = top[K - 1];
+    bool member[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) member[i] = kept && mine[i] != 0 && mine[i] >= kth;
+    if (p.map_kind == 2) {  // bit e % 8 of byte e / 8: one ballot per slot (strided rows)
+      if (!CONTIGUOUS) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const u32 bits =
+              (u32)(((u64)ballot32(member[i]) >> (rw * L)) & (L == 32 ? ~0u : (1u << L) - 1u));
+          const int byte = L * i / 8 + rl;
+          if (live && rl < (L + 7) / 8 && byte < (E + 7) / 8)
+            static_cast<u8*>(p.map)[t * ((E + 7) / 8) + byte] = (u8)((bits >> (8 * rl)) & 0xffu);
+        }
+      } else {  // the row's flags through LDS, packed a byte per lane step
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+          if (expert_at(rl, i) < E) my_bits[expert_at(rl, i)] = member[i] ? 1 : 0;
+        warp_sync();
+        for (int byte = rl; byte < (E + 7) / 8; byte += L) {
+          u32 v = 0;
+          for (int j = 0; j < 8 && byte * 8 + j < E; ++j) v |= (u32)my_bits[byte * 8 + j] << j;
+          if (live) static_cast<u8*>(p.map)[t * ((E + 7) / 8) + byte] = (u8)v;
+        }
+      }
+    }
+    if (!live) return;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const int e = expert_at(rl, i);
+      if (e >= E) continue;
+      const i64 at = t * E + e;
+      if (p.probs != nullptr) {
+        const float v = post_softmax ? expf(z[i] - zmax) : s[i];
+        static_cast<in_t*>(p.probs)[at] = out_of_f32(member[i] ? weight(v) : 0.0f);
+      }
+      if (p.map_kind == 1) static_cast<u8*>(p.map)[at] = member[i] ? 1 : 0;
+      if (p.scores != nullptr) p.scores[at] = s[i];
+    }
+    if (routed) {
+      const i64 o = t * K + rl;
+      if (p.map_kind == 3) static_cast<i16*>(p.map)[o] = (i16)id;
+      if (p.map_kind == 4) static_cast<i32*>(p.map)[o] = id;
+      if (p.map_kind == 5) static_cast<i64*>(p.map)[o] = (i64)id;
+    }
+    return;
+  }
+
+  wr = weight(wr);
   if (!live) return;
   const bool padded_row =
       p.non_padded != nullptr

@@ -1,14 +1,15 @@
 """The ``hip`` backend: ``hip_src`` kernels compiled at run time (hiprtc via hip-python on ROCm,
 NVRTC via cuda-python on NVIDIA), cached on disk, launched on torch's current stream.
 
-Ops: ``router_fwd`` (``router.py``), ``biased_topk`` (``topk.py``: amdqb_topk, or the router
+Ops: ``router_fwd`` (``router.py``; grouped: amdqb_topk's dense form, ``topk.py``),
+``router_bwd`` (``router_bwd.py``), ``biased_topk`` (``topk.py``: amdqb_topk, or the router
 kernels where it has no row plan), ``route_rows`` and ``align_block_size`` (``layout.py``). Capability limits, declared next to each op's launcher (``LIMITS``: the
 dispatcher passes the backend over, another runs the call; ``backend="hip"`` raises naming the
-limit): grouped Top-k in the router and in biased_topk without an amdqb_topk row plan, more
-than 4096 experts in a router or an align, Top-n above
-``hip.router.cap`` (n = k, or k + 1 under QB), QB with more than 12288 bins, deterministic routes
-with more than 12288 experts. ``router_bwd``, the QB updates and the chunk ops are left to the
-other backends. Nothing here runs another backend.
+limit): grouped Top-k without an amdqb_topk row plan (topk.py; in the TE router also under QB or
+the tie-free selection), more than 4096 experts in a router or an align, more than 1024 in the
+router's backward, Top-n above ``hip.router.cap`` (n = k, or k + 1 under QB), QB with more than
+12288 bins, deterministic routes with more than 12288 experts. The QB updates and the chunk ops
+are left to the other backends. Nothing here runs another backend.
 
 Build failures: a module is compiled and loaded at the first kernel request of an op on a device
 (nothing is compiled at import or by ``availability``). When that fails -- hiprtc rejects the
@@ -32,6 +33,7 @@ import inspect
 
 import torch
 
+from ..calls import RouterCall
 from . import layout, router, router_bwd, topk
 from ._runtime import HipBuildError
 
@@ -78,7 +80,35 @@ def _on_runtime(op):
 
 
 LIMITS = {**router.LIMITS, **router_bwd.LIMITS, **layout.LIMITS, **topk.LIMITS}
-router_fwd = _on_runtime(router.router_fwd)
+
+
+def router_fwd(
+    call: RouterCall,
+    logits,
+    expert_bias,
+    probs_out,
+    map_out,
+    qb_histogram,
+    qb_bin_bounds,
+    scores_out,
+    cutoff_out,
+):
+    """amdqb_router (router.py), or for grouped calls amdqb_topk's dense form (topk.py)."""
+    launcher = topk.router_fwd_grouped if call.grouped else router.router_fwd
+    launcher(
+        _rt(),
+        call,
+        logits,
+        expert_bias,
+        probs_out,
+        map_out,
+        qb_histogram,
+        qb_bin_bounds,
+        scores_out,
+        cutoff_out,
+    )
+
+
 biased_topk = _on_runtime(topk.biased_topk)
 align_block_size = _on_runtime(layout.align_block_size)
 

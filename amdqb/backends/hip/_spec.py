@@ -165,9 +165,10 @@ def topk_module(
     score_function: str,
     cfg,
     approximate: bool = False,
+    dense: bool = False,
 ) -> ModuleSpec:
     """topk.hip for one row plan (amdqb.backends.hip.topk.TopkPlan), logits / bias dtype and
-    score function."""
+    score function; ``dense``: the TransformerEngine router's outputs over every expert."""
     return ModuleSpec(
         "topk.hip",
         (
@@ -186,6 +187,8 @@ def topk_module(
             ("AMDQB_GROUPS", str(int(plan.groups))),
             ("AMDQB_GROUP_LANES", str(int(plan.group_lanes))),
             ("AMDQB_TOPK_GROUP", str(int(plan.topk_group))),
+            ("AMDQB_GROUP_BEST", str(int(plan.group_best))),
+            ("AMDQB_DENSE", "1" if dense else "0"),
             ("AMDQB_TOPK_BLOCK", str(int(cfg["hip.topk.block"]))),
         ),
     )

@@ -197,9 +197,10 @@ def test_measured_backend_order_is_the_fastest_in_the_results(op):
         assert mean < 1.0, f"{op}: {first} is {mean:.2f}x {other} in geometric mean"
 
 
-def test_readme_performance_tables_are_the_results_data():
-    """The README's performance section is what scripts/results_tables.py generates from
-    bench/results/h200.json (regenerate with ``--readme README.md`` after a benchmark run)."""
+def test_performance_tables_are_the_results_data():
+    """docs/performance.md's tables are what scripts/results_tables.py generates from
+    bench/results/h200.json (regenerate with ``--doc docs/performance.md`` after a benchmark
+    run)."""
     import importlib.util
 
     root = Path(__file__).resolve().parents[1]
@@ -208,6 +209,6 @@ def test_readme_performance_tables_are_the_results_data():
     )
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
-    readme = (root / "README.md").read_text()
+    doc = (root / "docs/performance.md").read_text()
     results = json.loads((root / "bench/results/h200.json").read_text())
-    assert tables.readme_with_tables(readme, tables.render(results, "sm_90")) == readme
+    assert tables.with_tables(doc, tables.render(results, "sm_90")) == doc

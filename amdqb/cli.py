@@ -53,11 +53,12 @@ def _info(argv: list[str]) -> int:
     import torch
 
     from . import __version__, dispatch
+    from .devices import as_device
 
     try:
-        device = dispatch.device_info(args.device).device
+        device = dispatch.device_info(as_device(args.device, name="--device")).device
     except ValueError as exc:
-        parser.error(f"--device: {exc}")
+        parser.error(str(exc))
     built = _build_ops(device) if args.build else None
     report = dispatch.report(args.device)
     if built is not None:

@@ -103,6 +103,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .devices import as_device
+
 DEFAULT_LOGIT_SCALE = 1.5
 COMPARE_SCALES = (1.0, 3.0, 10.0, 20.0)
 KIMI = {"experts": 896, "topk": 16, "tokens": 16384}
@@ -893,7 +895,12 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     if args.device is None:
         args.device = "cuda" if args.kimi and torch.cuda.is_available() else "cpu"
-    if args.kimi and args.device == "cpu":
+    try:
+        device = as_device(args.device, name="--device")  # the package's one device parser
+    except ValueError as exc:
+        print(f"amdqb demo: error: {exc}", file=sys.stderr)
+        return 2
+    if args.kimi and device.type == "cpu":
         print("note: --kimi on the CPU is slow; pass --device cuda on a GPU", file=sys.stderr)
     if not 0 < args.topk < args.experts:
         print(
@@ -903,7 +910,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.tokens < 1 or args.window < 1:
         print("error: --steps, --tokens and --window must be positive", file=sys.stderr)
         return 2
-    device = torch.device(args.device)
     num_hot = args.hot if args.hot is not None else max(1, args.experts // 16)
     window = min(args.window, args.steps)
     names = list(args.methods)

@@ -89,22 +89,49 @@ def _device_info_cached(device_str: str) -> DeviceInfo:
     )
 
 
-def as_device(device: torch.device | str) -> torch.device:
-    """``device`` (a ``torch.device`` or its name) as a ``torch.device``; a ``ValueError`` naming
-    it when it is neither or names an unavailable CUDA/ROCm device."""
+# Names a user may give for the GPU: ROCm's torch calls its GPUs "cuda" too.
+_GPU_ALIASES = ("cuda", "gpu", "hip")
+
+
+def as_device(device: torch.device | str | None = None, *, name: str = "device") -> torch.device:
+    """The one parser of a device argument, for every entry point (the ops' callers, the
+    balancer, ``amdqb info / demo / bench --device``): ``None`` (a CUDA/ROCm GPU if any, else the
+    CPU), ``"cpu"``, or a GPU as ``"cuda"``, ``"cuda:N"``, ``"gpu"`` / ``"hip"`` (``":N"`` too) or a
+    ``torch.device``. Anything else -- another device type (mps, meta, xpu), an unavailable GPU, an
+    index past the visible GPUs -- is one ``ValueError`` naming ``name`` and why."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    text = device if isinstance(device, str) else None
+    if text is not None:
+        kind, sep, index = text.strip().lower().partition(":")
+        if kind in _GPU_ALIASES:
+            text = f"cuda{sep}{index}"
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ValueError(f"device must be a torch device or its name, got {device!r}") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} is not available (no CUDA/ROCm device)")
+        dev = torch.device(text if text is not None else device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(
+            f"{name} must be 'cpu', 'cuda', 'cuda:N' (or 'gpu' / 'hip'), got {device!r}"
+        ) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"{name} {device!r} is not supported: amdqb runs on the CPU or a CUDA/ROCm GPU "
+            "('cpu', 'cuda', 'cuda:N')"
+        )
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{name} {device!r} is not available: this torch ({torch.__version__}) sees no "
+                "CUDA/ROCm GPU"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{name} {device!r} is not available: {torch.cuda.device_count()} GPU(s) visible"
+            )
     return dev
 
 
 def device_info(device: torch.device | str | None = None) -> DeviceInfo:
     """Cached :class:`DeviceInfo` of ``device`` (default: the current CUDA device, else the CPU)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = as_device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())

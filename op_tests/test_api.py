@@ -551,3 +551,28 @@ def test_no_backend_runs_another_inside_it():
         rows, counts = amdqb.moe_route_rows(ids, e, deterministic=True)
     want_rows, want_counts = ref.moe_route_rows(ids, e)
     assert torch.equal(rows, want_rows) and torch.equal(counts, want_counts)
+
+
+def test_one_device_parser_for_every_entry_point():
+    """``amdqb.devices.as_device``: the CPU, a GPU by any of its names, and one ValueError naming
+    the argument for anything else -- the ops' callers, the balancer and the command line share
+    it (test_cli.py checks the commands)."""
+    from amdqb.devices import as_device
+
+    assert as_device("cpu") == torch.device("cpu") == as_device(torch.device("cpu"))
+    assert as_device(None) == torch.device("cuda" if HAS_GPU else "cpu")
+    for bad in ("mps", "meta", "xpu:0", "tpu", "cuda:x", 3.5):
+        with pytest.raises(ValueError, match=r"device"):
+            as_device(bad)
+        with pytest.raises(ValueError, match="device"):
+            amdqb.QuantileBalancer(8, 2, device=bad)
+    with pytest.raises(ValueError, match="--device 'mps' is not supported"):
+        as_device("mps", name="--device")
+    for gpu in ("cuda", "gpu", "hip", "GPU:0", "hip:0"):
+        if HAS_GPU:
+            assert as_device(gpu).type == "cuda"
+        else:
+            with pytest.raises(ValueError, match="sees no CUDA/ROCm GPU"):
+                as_device(gpu)
+            with pytest.raises(ValueError, match="sees no CUDA/ROCm GPU"):
+                amdqb.QuantileBalancer(8, 2, device=gpu)

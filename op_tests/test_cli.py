@@ -117,6 +117,27 @@ def test_info_rejects_a_bad_device(capsys):
     assert rc == 2 and "--device" in err
 
 
+# Every command parses --device with the package's one parser: the same one-line error (exit 2,
+# no traceback) for a device type amdqb does not run on and for a GPU this machine lacks.
+COMMANDS_WITH_DEVICE = [
+    ["info"],
+    ["demo", "--steps", "1", "--tokens", "8", "--experts", "8", "--topk", "2"],
+    ["bench", "balance"],
+]
+NOT_A_DEVICE = ["mps", "meta", "xpu", "tpu:0", "cuda:x"]
+
+
+@pytest.mark.parametrize("command", COMMANDS_WITH_DEVICE, ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    "device", NOT_A_DEVICE + ([] if torch.cuda.is_available() else ["cuda", "gpu", "hip", "cuda:1"])
+)
+def test_every_command_rejects_a_device_it_cannot_use_in_one_line(capsys, command, device):
+    rc, out, err = run(capsys, *command, "--device", device)
+    lines = [line for line in err.splitlines() if "error" in line]  # argparse adds its usage
+    assert rc == 2 and "Traceback" not in err + out, err
+    assert len(lines) == 1 and "--device" in lines[0] and repr(device) in lines[0], err
+
+
 BENCH_BAD = [
     (["router", "--tokens", "0"], "--tokens"),
     (["router", "--tokens", "abc"], "--tokens"),

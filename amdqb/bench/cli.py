@@ -15,6 +15,7 @@ import traceback
 
 import torch
 
+from ..devices import as_device
 from . import SUITE_HELP, balance, chunks, common, compat, route, router, serving
 from .common import TimingConfig, quick_config, write_json
 
@@ -134,11 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.experts is not None and args.topk is not None and args.topk >= args.experts:
         parser.error(f"--topk must be below --experts, got {args.topk} >= {args.experts}")
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        parser.error(f"--device: not a torch device: {args.device!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA/ROCm device is available")
+        device = as_device(args.device, name="--device")
+    except ValueError as exc:
+        parser.error(str(exc))
     cfg = quick_config() if args.quick or device.type == "cpu" else TimingConfig()
     if args.samples:
         cfg.samples = args.samples

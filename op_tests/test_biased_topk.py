@@ -272,3 +272,41 @@ def test_serving_outputs(backend, e, k, groups, score):
             assert torch.equal(tei.cpu(), ref.token_expert_indices(t, k))
         else:
             assert tei is None
+
+
+@over_backends("biased_topk", waves=(32,))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_input_dtype_math(monkeypatch, backend, emu_rt, dtype):
+    """SGLang's moe_fused_gate arithmetic (scores, bias, biased scores and group sums rounded to
+    the logits' dtype): the oracle's ids and weights on every backend that offers it, and not the
+    fp32 answer (the option changes what is computed)."""
+    from amdqb.compat.sglang import moe_fused_gate
+
+    e, k, t = 256, 8, 64
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(t, e, generator=g) * 3).to(DEVICE, dtype)
+    bias = (torch.randn(e, generator=g) * 0.02).to(DEVICE, dtype)
+    expect_declined(
+        backend,
+        "biased_topk",
+        backend == "triton",
+        num_experts=e,
+        topk=k,
+        num_groups=8,
+        group_topk=4,
+        input_dtype_math=True,
+    )
+    monkeypatch.setenv("AMDQB_BACKEND", backend)  # the compat names take no backend=
+    dispatch._select.cache_clear()
+    if emu_rt is not None:
+        emu_rt.launches.clear()
+    w, ids = moe_fused_gate(x, bias, 8, 4, k, 0, 1.0, input_dtype_math=True)
+    if emu_rt is not None:
+        assert [n for n, *_ in emu_rt.launches] == ["amdqb_topk"]
+    w_ref, ids_ref = ref.serving_topk(
+        x.cpu(), k, bias.cpu(), num_groups=8, group_topk=4, input_dtype_math=True
+    )
+    assert torch.equal(ids.cpu().long(), ids_ref)
+    torch.testing.assert_close(w.cpu(), w_ref, rtol=1e-5, atol=1e-6)
+    w32, ids32 = moe_fused_gate(x, bias, 8, 4, k, 0, 1.0)
+    assert not (torch.equal(ids32, ids) and torch.equal(w32, w))

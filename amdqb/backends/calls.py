@@ -148,7 +148,9 @@ class TopkCall:
     is set (``routed_sum`` the sum of the routed weights before renormalisation, in the order of
     ``amdqb.ref.router.routes_sum``; only with ``renormalize=False`` and no scaling factor). Rows at
     or past the device scalar ``non_padded`` (when given) or ``non_padded_rows`` get ids -1
-    (SGLang's ``num_token_non_padded``).
+    (SGLang's ``num_token_non_padded``). ``input_dtype_math`` (fp16 / bf16 logits, sigmoid):
+    SGLang's ``moe_fused_gate`` arithmetic -- the sigmoid, the bias, the biased scores and the
+    group sums rounded to the logits' dtype; the weights are the rounded scores.
     """
 
     num_experts: int
@@ -163,6 +165,7 @@ class TopkCall:
     shared_weight: float = 0.0
     shared_div: Optional[float] = None
     non_padded_rows: Optional[int] = None
+    input_dtype_math: bool = False
 
     def __post_init__(self):
         if self.score_function not in SCORE_FUNCTIONS:

@@ -26,11 +26,12 @@ Semantics (SGLang's):
   multiplies the renormalized weights by ``routed_scaling_factor``.
 * ``kimi_k2_moe_fused_gate``: the same with one group and no shared experts.
 
-Differences from SGLang (README, "Serving: vLLM and SGLang"):
+Differences from SGLang (docs/serving.md):
 
 * precision: amdqb computes the sigmoid, the bias add and the weights in fp32 for every input
   dtype (its contract); SGLang's ``moe_fused_gate`` computes the sigmoid and the bias add in the
-  input dtype, so for bf16/fp16 logits its selection near ties and its weights (to ~1e-2) differ;
+  input dtype, so for bf16/fp16 logits its selection near ties and its weights (to ~1e-2) differ
+  -- ``moe_fused_gate(..., input_dtype_math=True)`` rounds them to the input dtype as SGLang does;
   ``renormalize`` divides by ``sum + 1e-20``;
 * order: ids in selection order (biased score descending, expert id ascending on ties); SGLang's
   torch paths use an unsorted top-k;
@@ -114,6 +115,7 @@ def _shared_and_routed(
     routed_scaling_factor: Optional[float],
     apply_routed_scaling_factor_on_output: bool,
     num_token_non_padded=None,
+    input_dtype_math: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SGLang's biased (grouped) gate: ``topk - n`` routed experts, then ``n`` shared slots, all
     written by one kernel."""
@@ -150,6 +152,7 @@ def _shared_and_routed(
         group_topk=group_topk,
         num_shared=num_fused_shared_experts,
         non_padded=num_token_non_padded,
+        input_dtype_math=input_dtype_math,
         names=("gating_output", "bias"),
         **shared,
     )
@@ -165,9 +168,13 @@ def moe_fused_gate(
     num_fused_shared_experts: int = 0,
     routed_scaling_factor: float = 0,
     apply_routed_scaling_factor_on_output: bool = False,
+    *,
+    input_dtype_math: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sgl_kernel.moe_fused_gate``: DeepSeek-V3 grouped gate, renormalized;
-    ``(topk_weights fp32 [T, topk], topk_ids int32 [T, topk])``."""
+    ``(topk_weights fp32 [T, topk], topk_ids int32 [T, topk])``. ``input_dtype_math`` (beyond
+    SGLang's signature): SGLang's arithmetic for fp16 / bf16 logits -- the sigmoid, the bias, the
+    biased scores and the group sums rounded to the input dtype -- instead of amdqb's fp32."""
     check_int("num_expert_group", num_expert_group, low=1)
     check_int("topk", topk, low=1)
     grouped = num_expert_group > 1
@@ -181,6 +188,7 @@ def moe_fused_gate(
         num_fused_shared_experts,
         routed_scaling_factor,
         apply_routed_scaling_factor_on_output,
+        input_dtype_math=input_dtype_math,
     )
 
 

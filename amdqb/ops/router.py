@@ -492,6 +492,7 @@ def serving_topk(
     non_padded=None,
     token_expert_indices: bool = False,
     ids_dtype: torch.dtype = torch.int32,
+    input_dtype_math: bool = False,
     backend: Optional[str] = None,
     names: tuple[str, str] = ("logits", "expert_bias"),
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -503,7 +504,9 @@ def serving_topk(
     fp32, fp16 or bf16 (read in its dtype, converted to fp32). ``num_shared`` / ``shared_weight``
     / ``shared_div``: SGLang's fused shared experts (``shared_div`` needs ``renormalize=False``
     and no scaling factor); ``non_padded``: an int or a device int32 / int64 scalar, rows at or
-    past it get ids -1. ``names``: the caller's names of the logits and the bias, for errors.
+    past it get ids -1. ``input_dtype_math`` (sigmoid, fp16 / bf16 logits): SGLang's
+    ``moe_fused_gate`` arithmetic in the logits' dtype (hip and torch backends). ``names``: the
+    caller's names of the logits and the bias, for errors.
     """
     logits_name, bias_name = names
     check_tensor(logits_name, logits, dtypes=FLOAT_DTYPES, dim=2)
@@ -533,6 +536,11 @@ def serving_topk(
             raise ValueError("shared_div needs renormalize=False and no scaling_factor")
     if ids_dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
+    input_dtype_math = check_bool("input_dtype_math", input_dtype_math)
+    if input_dtype_math and score_function != "sigmoid":
+        raise ValueError(
+            "input_dtype_math (SGLang's moe_fused_gate arithmetic) needs sigmoid scores"
+        )
     if expert_bias is not None:
         check_tensor(
             bias_name, expert_bias, dtypes=FLOAT_DTYPES, shape=(num_experts,), device=device
@@ -571,6 +579,7 @@ def serving_topk(
         float(shared_weight),
         shared_div,
         non_padded_rows,
+        input_dtype_math and logits.dtype != torch.float32,
     )
     chosen_backend = dispatch.kernel_backend("biased_topk", device, backend, call)
     out_k = call.out_k

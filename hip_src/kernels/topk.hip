@@ -13,8 +13,9 @@
 //   per group, contiguous layout), AMDQB_TOPK_GROUP, AMDQB_GROUP_BEST (the best entries a group's
 //   score sums: vLLM / SGLang 2 with a bias, 1 without; TransformerEngine k / topk_group),
 //   AMDQB_DENSE (1: the TransformerEngine router's outputs over every expert -- probs in the
-//   logits dtype, a byte / bit / index map, the ranked scores), AMDQB_TOPK_BLOCK (threads per
-//   block, at most).
+//   logits dtype, a byte / bit / index map, the ranked scores), AMDQB_IN_DTYPE_MATH (1: SGLang's
+//   moe_fused_gate arithmetic -- the sigmoid, the bias, the biased scores and the group sums
+//   rounded to the fp16 / bf16 logits dtype), AMDQB_TOPK_BLOCK (threads per block, at most).
 //
 // Precision contract (amdqb.ref.router.biased_topk): logits and bias are converted to fp32 on load;
 // activations are torch's bits (amdqb_activation.h; softmax: exp(z - max) / sum with the sum in
@@ -46,7 +47,7 @@ using namespace amdqb;
     !defined(AMDQB_SCORE) || !defined(AMDQB_TOPK) || !defined(AMDQB_ROW_LANES) ||                  \
     !defined(AMDQB_SLOTS) || !defined(AMDQB_CONTIGUOUS) || !defined(AMDQB_GROUPS) ||               \
     !defined(AMDQB_GROUP_LANES) || !defined(AMDQB_TOPK_GROUP) || !defined(AMDQB_GROUP_BEST) ||     \
-    !defined(AMDQB_DENSE) || !defined(AMDQB_TOPK_BLOCK)
+    !defined(AMDQB_DENSE) || !defined(AMDQB_IN_DTYPE_MATH) || !defined(AMDQB_TOPK_BLOCK)
 #error "topk.hip needs its -D constants (amdqb.backends.hip._spec.topk_module)"
 #endif
 
@@ -67,6 +68,7 @@ constexpr int TOPK_GROUP = AMDQB_TOPK_GROUP;
 constexpr int GROUP_BEST = AMDQB_GROUP_BEST;  // entries a group's score sums
 constexpr int GBP = AMDQB_POW2_AT_LEAST(GROUP_BEST);
 constexpr bool DENSE = AMDQB_DENSE != 0;  // the TE router's outputs (probs, maps) over every expert
+constexpr bool IN_MATH = AMDQB_IN_DTYPE_MATH != 0 && AMDQB_IN_DTYPE != 0;
 constexpr int BLOCK = AMDQB_TOPK_BLOCK;
 constexpr bool HAS_BIAS = AMDQB_BIAS_DTYPE >= 0;
 constexpr bool SOFTMAX = AMDQB_SCORE == 2;
@@ -93,13 +95,18 @@ static_assert(!(SOFTMAX && CONTIGUOUS) || L >= SOFTMAX_LANES,
 #if AMDQB_IN_DTYPE == 0
 typedef float in_t;
 AMDQB_DEVICE float in_f32(in_t x) { return x; }
+AMDQB_DEVICE in_t out_of_f32(float x) { return x; }
 #elif AMDQB_IN_DTYPE == 1
 typedef u16 in_t;
 AMDQB_DEVICE float in_f32(in_t x) { return half_to_float(x); }
+AMDQB_DEVICE in_t out_of_f32(float x) { return float_to_half(x); }
 #else
 typedef u16 in_t;
 AMDQB_DEVICE float in_f32(in_t x) { return bf16_to_float(x); }
+AMDQB_DEVICE in_t out_of_f32(float x) { return float_to_bf16(x); }
 #endif
+// fp32 -> the logits dtype -> fp32 (IN_MATH's arithmetic in the input dtype), else the identity.
+AMDQB_DEVICE float in_round(float x) { return IN_MATH ? in_f32(out_of_f32(x)) : x; }
 
 #if AMDQB_BIAS_DTYPE == 1
 typedef u16 bias_t;
@@ -254,16 +261,6 @@ struct TopkParams {
   i32 pad_;
 };
 
-namespace {
-#if AMDQB_IN_DTYPE == 0
-AMDQB_DEVICE in_t out_of_f32(float x) { return x; }
-#elif AMDQB_IN_DTYPE == 1
-AMDQB_DEVICE in_t out_of_f32(float x) { return float_to_half(x); }
-#else
-AMDQB_DEVICE in_t out_of_f32(float x) { return float_to_bf16(x); }
-#endif
-}  // namespace
-
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   constexpr int WARPS = BLOCK / 32;
   AMDQB_SHARED(float, sh_row, ROW_LDS ? WARPS * ROWS * E : 1);
@@ -326,6 +323,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
 #pragma unroll
     for (int i = 0; i < V; ++i) s[i] = expf(s[i] - m) / sum;
   }
+  if (IN_MATH) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      s[i] = in_round(s[i]);
+      b[i] = in_round(b[i]);
+    }
+  }
 
   // Selection entries; the unbiased scores go to the row's LDS for the compact weights.
   u64 mine[V];
@@ -334,7 +338,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     mine[i] = 0;
     const int e = expert_at(rl, i);
     if (live && e < E) {
-      const float u = HAS_BIAS ? s[i] + b[i] : s[i];
+      const float u = HAS_BIAS ? in_round(s[i] + b[i]) : s[i];
       mine[i] = entry(order_key(u), e);
       if (HAS_BIAS) my_row[e] = s[i];
     }
@@ -358,7 +362,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     for (int m = 1; m < GROUP_LANES; m <<= 1) merge_with(best, m);
     float score = entry_value(best[0]);
 #pragma unroll
-    for (int i = 1; i < GROUP_BEST; ++i) score = score + entry_value(best[i]);
+    for (int i = 1; i < GROUP_BEST; ++i) score = in_round(score + entry_value(best[i]));
     const int group = rl / GROUP_LANES;
     const u64 gentry = group < GROUPS ? entry(order_key(score), group) : 0;
     int ahead = 0;

@@ -166,6 +166,7 @@ def topk_module(
     cfg,
     approximate: bool = False,
     dense: bool = False,
+    input_dtype_math: bool = False,
 ) -> ModuleSpec:
     """topk.hip for one row plan (amdqb.backends.hip.topk.TopkPlan), logits / bias dtype and
     score function; ``dense``: the TransformerEngine router's outputs over every expert."""
@@ -189,6 +190,7 @@ def topk_module(
             ("AMDQB_TOPK_GROUP", str(int(plan.topk_group))),
             ("AMDQB_GROUP_BEST", str(int(plan.group_best))),
             ("AMDQB_DENSE", "1" if dense else "0"),
+            ("AMDQB_IN_DTYPE_MATH", "1" if input_dtype_math else "0"),
             ("AMDQB_TOPK_BLOCK", str(int(cfg["hip.topk.block"]))),
         ),
     )

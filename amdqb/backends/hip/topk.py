@@ -155,6 +155,7 @@ def launch(rt, call, topk_plan, logits, bias, weights_out, ids_out, tei_out, non
         call.score_function,
         config(logits),
         approximate=call.approximate,
+        input_dtype_math=call.input_dtype_math,
     )
     flags = (1 if call.renormalize else 0) | (2 if ids_out.dtype == torch.int64 else 0)
     if non_padded is not None and non_padded.dtype == torch.int64:
@@ -236,6 +237,8 @@ def biased_topk_limits(info, call: TopkCall) -> str | None:
     args = (call.num_experts, call.topk, call.score_function, call.num_groups, call.group_topk)
     if plan(*args, cfg) is not None:
         return None
+    if call.input_dtype_math:
+        return "input_dtype_math without an amdqb_topk row plan"
     if call.grouped:
         return (
             f"grouped Top-k of {call.num_groups} groups over E={call.num_experts}, k={call.topk}: "

@@ -124,6 +124,7 @@ def biased_topk(call: TopkCall, logits, expert_bias, weights_out, ids_out, tei_o
         shared_weight=call.shared_weight,
         shared_div=call.shared_div,
         non_padded=non_padded if non_padded is not None else call.non_padded_rows,
+        input_dtype_math=call.input_dtype_math,
     )
     weights_out.copy_(w)
     ids_out.copy_(ids)

@@ -488,6 +488,8 @@ def router_bwd_limits(info, call: RouterCall) -> str | None:
 
 
 def biased_topk_limits(info, call: TopkCall) -> str | None:
+    if call.input_dtype_math:
+        return "input_dtype_math (SGLang's fp16 / bf16 arithmetic) is not implemented"
     return _row_limit(call.num_experts)
 
 

@@ -14,6 +14,7 @@ AMDQB_EMU_REGISTER(amdqb_router)
 AMDQB_EMU_REGISTER(amdqb_qb_hist)
 AMDQB_EMU_REGISTER(amdqb_qb_hist_bins)
 AMDQB_EMU_REGISTER(amdqb_router_decode)
+AMDQB_EMU_REGISTER(amdqb_router_scores)
 #elif defined(AMDQB_EMU_ROUTE)
 #include "layout.hip"
 AMDQB_EMU_REGISTER(amdqb_route_atomic_i32)

@@ -2,8 +2,12 @@
 
 * ``availability(info: DeviceInfo) -> (bool, reason)``;
 * ``OPS: dict[str, callable]`` keyed by the kernel-level op names below;
-* optionally ``unsupported(op, info, features) -> reason | None`` to decline a configuration (the
-  dispatcher then tries the next backend);
+* optionally ``LIMITS: dict[str, check]``: the capability check of an op, declared next to its
+  launcher, ``check(info, call) -> reason | None`` where ``call`` is the op's call type or request
+  (``amdqb.backends.calls``: ``RouterCall`` for the router, ``BiasedTopkRequest``,
+  ``RouteRowsRequest``, ... for the others); a reason passes the backend over (the dispatcher runs
+  the call on the next backend; ``backend=`` raises naming it). A backend never runs another
+  backend itself;
 * optionally ``BuildError``: the exception a backend that builds kernels at run time raises when a
   build fails before anything of the op call has launched; the dispatcher then runs the op on the
   next backend of its order (``amdqb.dispatch``).

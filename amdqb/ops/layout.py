@@ -41,7 +41,10 @@ from ._checks import (
     check_bool,
     check_choice,
     check_int,
+    check_no_overlap,
     check_tensor,
+    kernel_input,
+    static_int,
 )
 
 ROUTE_IMPLS = ("atomic", "lds")
@@ -71,9 +74,18 @@ def route_impl(info: DeviceInfo, num_routes: int, num_experts: int) -> tuple[str
 
 
 @torch.compiler.assume_constant_result
-def _auto_route_impl(device: str, num_routes: int, num_experts: int) -> str:
-    # a constant for torch.compile: the device query behind it cannot be traced
-    return route_impl(dispatch.device_info(device), num_routes, num_experts)[0]
+def _lds_min_routes(device: str, num_experts: int) -> int:
+    """Fewest routes the capacity gate sends to ``lds`` on ``device`` (-1: never). A constant for
+    torch.compile (the device query behind it cannot be traced); the route count is compared with
+    it in the traced code, so a dynamic token count stays symbolic (one guard on the gate)."""
+    if num_experts > LDS_MAX_EXPERTS:
+        return -1
+    return lds_route_threshold(num_experts, configs.load(dispatch.device_info(device).arch_family))
+
+
+def _gate(device, num_routes, num_experts: int) -> str:
+    threshold = _lds_min_routes(str(device), num_experts)
+    return "lds" if 0 <= threshold <= num_routes else "atomic"
 
 
 @kernel_op("route_rows", mutates_args=("counters", "rows_out", "counts_out"))
@@ -151,7 +163,7 @@ def moe_route_rows(
         call that received a row.
     """
     _check_ids(topk_ids)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    num_experts = static_int(check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS))
     device = topk_ids.device
     if capacity is not None:
         capacity = check_int("capacity", capacity, low=0, high=INT32_MAX)
@@ -172,14 +184,14 @@ def moe_route_rows(
     if impl is not None:
         check_choice("impl", impl, ROUTE_IMPLS)
     check_backend(backend)
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    num_routes = ids.numel()
-    chosen = impl or _auto_route_impl(str(device), num_routes, num_experts)
+    check_no_overlap({"counters": counters}, {"topk_ids": topk_ids})
+    chosen = impl or _gate(device, topk_ids.numel(), num_experts)
     if chosen == "lds" and num_experts > LDS_MAX_EXPERTS:
         raise ValueError(f"impl='lds' supports num_experts <= {LDS_MAX_EXPERTS}, got {num_experts}")
     chosen_backend = dispatch.kernel_backend(
         "route_rows", device, backend, num_experts=num_experts, impl=chosen
     )
+    ids = kernel_input(topk_ids)
     # counts arrive zero-filled at the backend (the lds kernels accumulate into them); with the
     # op's own counters both come from one fill
     if counters is None:
@@ -208,18 +220,17 @@ def align_min_rows(numel: int, num_experts: int, block_size: int) -> int:
 
 
 def _check_align(topk_ids, block_size, num_experts, backend=None):
-    """(contiguous ids, block_size, num_experts) of an align call, every argument checked."""
+    """(block_size, num_experts) of an align call, every argument checked."""
     _check_ids(topk_ids)
     block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    num_experts = static_int(check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS))
     if num_experts * (block_size - 1) > MAX_ALIGN_PADDING:
         raise ValueError(
             f"num_experts * (block_size - 1) = {num_experts * (block_size - 1)} padding rows "
             f"exceed {MAX_ALIGN_PADDING} (block_size={block_size}, num_experts={num_experts})"
         )
     check_backend(backend)
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    return ids, block_size, num_experts
+    return block_size, num_experts
 
 
 def align_block_size_into(
@@ -237,19 +248,26 @@ def align_block_size_into(
     routes, expert 0 past the used blocks. ``sorted_token_ids`` must hold :func:`align_min_rows`
     entries (checked from the shapes: the padded total of any routing fits) and ``expert_ids`` at
     least that many rows' blocks, so no routing can make a kernel write out of bounds."""
-    ids, block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
-    device = ids.device
+    block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
+    device = topk_ids.device
     for name, buf in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids)):
         check_tensor(name, buf, dtypes=(torch.int32,), dim=1, device=device, contiguous=True)
-    check_tensor("num_tokens_post_pad", num_tokens_post_pad, dtypes=(torch.int32,), device=device)
+    check_tensor(
+        "num_tokens_post_pad",
+        num_tokens_post_pad,
+        dtypes=(torch.int32,),
+        device=device,
+        contiguous=True,
+    )
     if num_tokens_post_pad.numel() != 1:
         raise ValueError(
             f"num_tokens_post_pad must hold one element, got shape {tuple(num_tokens_post_pad.shape)}"
         )
-    rows = align_min_rows(ids.numel(), num_experts, block_size)
+    numel = topk_ids.numel()
+    rows = align_min_rows(numel, num_experts, block_size)
     if sorted_token_ids.numel() < rows:
         raise ValueError(
-            f"sorted_token_ids holds {sorted_token_ids.numel()} entries; {ids.numel()} routes over "
+            f"sorted_token_ids holds {sorted_token_ids.numel()} entries; {numel} routes over "
             f"{num_experts} experts in blocks of {block_size} can need {rows}"
         )
     if expert_ids.numel() < rows // block_size:
@@ -259,11 +277,19 @@ def align_block_size_into(
         )
     if sorted_token_ids.numel() > INT32_MAX:
         raise ValueError(f"aligned buffer of {sorted_token_ids.numel()} rows exceeds int32")
+    check_no_overlap(
+        {
+            "sorted_token_ids": sorted_token_ids,
+            "expert_ids": expert_ids,
+            "num_tokens_post_pad": num_tokens_post_pad,
+        },
+        {"topk_ids": topk_ids},
+    )
     chosen_backend = dispatch.kernel_backend(
         "align_block_size", device, backend, num_experts=num_experts
     )
     _align_block_size(
-        ids,
+        kernel_input(topk_ids),
         block_size,
         num_experts,
         sorted_token_ids,
@@ -294,9 +320,9 @@ def moe_align_block_size(
     -1 for remote experts) when given, as vLLM's ``ignore_invalid_experts=False`` path does
     (``amdqb.compat.vllm`` has the filtering path and vLLM's -1 tail).
     """
-    ids, block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
+    block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
     pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)
-    device = ids.device
+    device = topk_ids.device
     if expert_map is not None:
         check_tensor(
             "expert_map",
@@ -305,7 +331,7 @@ def moe_align_block_size(
             shape=(num_experts,),
             device=device,
         )
-    numel = ids.numel()
+    numel = topk_ids.numel()
     max_padded, max_blocks = align_buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
     if max_padded > INT32_MAX:
         raise ValueError(f"aligned buffer of {max_padded} rows does not fit int32 indices")
@@ -316,8 +342,24 @@ def moe_align_block_size(
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
     _align_block_size(
-        ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad, chosen_backend
+        kernel_input(topk_ids),
+        block_size,
+        num_experts,
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        chosen_backend,
     )
     if expert_map is not None:
-        expert_ids = expert_map.to(torch.int32)[expert_ids.long()]
+        expert_ids = int32_expert_map(expert_map)[expert_ids.long()]
     return sorted_ids, expert_ids, num_post_pad
+
+
+def int32_expert_map(expert_map: torch.Tensor) -> torch.Tensor:
+    """``expert_map`` as the int32 ids of the aligned blocks: an int64 entry outside the int32
+    range becomes -1 (no local expert), where a cast would wrap it onto another id. On the
+    device, no host read."""
+    if expert_map.dtype == torch.int32:
+        return expert_map
+    fits = (expert_map >= -(2**31)) & (expert_map <= INT32_MAX)
+    return torch.where(fits, expert_map, -1).to(torch.int32)

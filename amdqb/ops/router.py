@@ -39,7 +39,9 @@ from ._checks import (
     check_float,
     check_groups,
     check_int,
+    check_no_overlap,
     check_tensor,
+    static_int,
 )
 
 ROUTING_MAP_FORMATS = ("bytemap", "bitmap_u8")
@@ -368,12 +370,13 @@ def fused_topk_with_score_function(
         experts; ``routing_output`` as chosen by ``routing_map_format`` / ``topk_indices``.
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    num_experts = logits.shape[-1]
+    num_experts = static_int(logits.shape[-1])  # a kernel constant, also under dynamic shapes
     if num_experts < 1:
         raise ValueError("logits must have at least one expert (last dim >= 1)")
     device = logits.device
-    topk = check_int("topk", topk, low=1, high=num_experts)
+    topk = static_int(check_int("topk", topk, low=1, high=num_experts))
     use_pre_softmax = check_bool("use_pre_softmax", use_pre_softmax)
+    approximate_activation = check_bool("approximate_activation", approximate_activation)
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
     num_groups, group_topk = check_groups(num_groups, group_topk, topk, num_experts)
     if scaling_factor is not None:
@@ -447,10 +450,6 @@ def fused_topk_with_score_function(
         validate_qb_bin_bounds(qb_bin_bounds, qb_binning)
 
     lead = logits.shape[:-1]
-    logits2d = logits.reshape(-1, num_experts)
-    if not logits2d.is_contiguous():
-        logits2d = logits2d.contiguous()
-
     if topk_indices is not None:
         if map_format == "bitmap_u8":
             raise ValueError("topk_indices (dense indices) cannot be combined with bitmap_u8")
@@ -467,6 +466,13 @@ def fused_topk_with_score_function(
         map_kind = "indices"
     else:
         map_kind = "bitmap" if map_format == "bitmap_u8" else "bytemap"
+    check_no_overlap(
+        {"topk_indices": topk_indices, "qb_histogram": qb_histogram},
+        {"logits": logits, "expert_bias": expert_bias, "qb_bin_bounds": qb_bin_bounds},
+    )
+    logits2d = logits.reshape(-1, num_experts)
+    if not logits2d.is_contiguous():
+        logits2d = logits2d.contiguous()
 
     chosen_backend = dispatch.kernel_backend(
         "router_fwd",
@@ -477,7 +483,7 @@ def fused_topk_with_score_function(
         score_function=score_function,
         grouped=num_groups is not None,
         qb=use_qb,
-        num_bins=qb_histogram.shape[1] if use_qb else 0,
+        num_bins=static_int(qb_histogram.shape[1]) if use_qb else 0,
         selection=selection,
         qb_binning=qb_binning if use_qb else "uniform",
     )
@@ -563,13 +569,14 @@ def biased_topk(
         score descending, expert id ascending).
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    num_experts = logits.shape[-1]
+    num_experts = static_int(logits.shape[-1])  # a kernel constant, also under dynamic shapes
     if num_experts < 1:
         raise ValueError("logits must have at least one expert (last dim >= 1)")
     device = logits.device
-    topk = check_int("topk", topk, low=1, high=num_experts)
+    topk = static_int(check_int("topk", topk, low=1, high=num_experts))
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
     renormalize = check_bool("renormalize", renormalize)
+    approximate_activation = check_bool("approximate_activation", approximate_activation)
     num_groups, group_topk = check_groups(
         num_groups,
         group_topk,

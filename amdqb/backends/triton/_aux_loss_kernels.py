@@ -58,6 +58,7 @@ def _aux_scores_fwd_kernel(
     scores_ptr,
     map_ptr,
     T,
+    LS,  # row stride of the logits (unit-stride rows)
     E: tl.constexpr,
     K: tl.constexpr,
     W: tl.constexpr,  # next_pow2(E), >= 16
@@ -74,7 +75,8 @@ def _aux_scores_fwd_kernel(
     valid = p < E
     mask2 = row_ok[:, None] & valid[None, :]
     offs = rows64[:, None] * E + p[None, :]
-    z = tl.load(logits_ptr + offs, mask=mask2, other=0.0).to(tl.float32)
+    z = tl.load(logits_ptr + rows64[:, None] * LS + p[None, :], mask=mask2, other=0.0)
+    z = z.to(tl.float32)
     s = _row_scores(z, valid[None, :], SCORE)
     tl.store(scores_ptr + offs, s, mask=mask2)
 
@@ -100,6 +102,7 @@ def _aux_scores_bwd_kernel(
     logits_ptr,
     out_ptr,
     T,
+    LS,  # row stride of the logits (unit-stride rows)
     E: tl.constexpr,
     W: tl.constexpr,
     BT: tl.constexpr,
@@ -111,8 +114,10 @@ def _aux_scores_bwd_kernel(
     p = tl.arange(0, W)
     valid = p < E
     mask2 = row_ok[:, None] & valid[None, :]
-    offs = rows.to(tl.int64)[:, None] * E + p[None, :]
-    z = tl.load(logits_ptr + offs, mask=mask2, other=0.0).to(tl.float32)
+    rows64 = rows.to(tl.int64)
+    offs = rows64[:, None] * E + p[None, :]
+    z = tl.load(logits_ptr + rows64[:, None] * LS + p[None, :], mask=mask2, other=0.0)
+    z = z.to(tl.float32)
     g = tl.load(grad_ptr + offs, mask=mask2, other=0.0).to(tl.float32)
     if SCORE == 2:
         act = _row_scores(z, valid[None, :], 2)
@@ -153,6 +158,8 @@ def _aux_loss_partial_kernel(
     partial_ptr,
     R,
     rows_per_prog,
+    PS,  # row stride of probs (unit-stride rows)
+    TS,  # element stride of tokens_per_expert
     C: tl.constexpr,
     BC: tl.constexpr,
     BR: tl.constexpr,
@@ -168,9 +175,9 @@ def _aux_loss_partial_kernel(
         for r0 in range(r_start, r_end, BR):
             r = r0 + tl.arange(0, BR)
             m = (r < r_end)[:, None] & cok[None, :]
-            x = tl.load(probs_ptr + r.to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0)
+            x = tl.load(probs_ptr + r.to(tl.int64)[:, None] * PS + cols[None, :], mask=m, other=0.0)
             colsum += tl.sum(x.to(tl.float32), axis=0)
-        tpe = tl.load(tpe_ptr + cols, mask=cok, other=0).to(tl.float32)
+        tpe = tl.load(tpe_ptr + cols.to(tl.int64) * TS, mask=cok, other=0).to(tl.float32)
         acc += colsum * tpe
     tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
 
@@ -208,6 +215,7 @@ def _aux_loss_bwd_kernel(
     grad_ptr,
     out_ptr,
     R,
+    TS,  # element stride of tokens_per_expert
     C: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
@@ -217,7 +225,7 @@ def _aux_loss_bwd_kernel(
     cok = cols < C
     c = tl.load(coeff_ptr)
     g = tl.load(grad_ptr).to(tl.float32)
-    tpe = tl.load(tpe_ptr + cols, mask=cok, other=0).to(tl.float32)
+    tpe = tl.load(tpe_ptr + cols.to(tl.int64) * TS, mask=cok, other=0).to(tl.float32)
     v = (c * tpe) * g
     m = (r < R)[:, None] & cok[None, :]
     vals = tl.zeros([BR, BC], dtype=tl.float32) + v[None, :]

@@ -20,6 +20,11 @@ Two implementations:
 * ``lds``    -- per-workgroup LDS histogram, one global interval reservation per non-empty
   (workgroup, expert), LDS-atomic ranks inside the interval (the "new" path); up to 4096 experts.
 
+Memory (docs/memory_safety.md): ``topk_ids`` is read through its strides (a contiguous copy when
+it is not contiguous) and compared in 64 bits (an int64 id of ``2^32 + 3`` drops); ``counters``
+and the align buffers are written in place, so they must be contiguous and share no byte with
+``topk_ids`` or each other (a ``ValueError`` naming both).
+
 :func:`route_impl` is the capacity gate that picks one (aiter's gfx1250 rule, docs/targets.md; no model-name or shape branch).
 """
 
@@ -153,7 +158,8 @@ def moe_route_rows(
         capacity: rows per expert in the masked layout ``row = e * capacity + slot``.
         counters: optional int32 ``[E]`` caller-initialised slot offsets, updated in place by the
             number of valid routes of each expert (int32, wrapping); slots outside
-            ``[0, 2^31 - 1]`` get no row (see the module notes).
+            ``[0, 2^31 - 1]`` get no row (see the module notes). Contiguous, sharing no memory
+            with ``topk_ids``.
         deterministic: ascending flat route index inside each expert, bitwise reproducible.
         impl: force ``"atomic"`` or ``"lds"`` (default: the capacity gate).
         backend: force a backend.
@@ -231,6 +237,26 @@ def _check_align(topk_ids, block_size, num_experts, backend=None):
         )
     check_backend(backend)
     return block_size, num_experts
+
+
+def check_align_sizes(
+    topk_ids: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    pad_sorted_ids: bool = False,
+    *,
+    backend: Optional[str] = None,
+) -> tuple[int, int, int, int]:
+    """``(block_size, num_experts, rows, blocks)`` of an align call with vLLM's buffer sizes
+    (:func:`amdqb.ref.layout.align_buffer_sizes`), every argument checked before anything is
+    allocated: what a caller that allocates the buffers itself (``amdqb.compat``) runs first, so
+    that an absurd ``block_size`` or ``num_experts`` fails here, not in the allocator."""
+    block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
+    pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)
+    rows, blocks = align_buffer_sizes(topk_ids.numel(), num_experts, block_size, pad_sorted_ids)
+    if rows > INT32_MAX:
+        raise ValueError(f"aligned buffer of {rows} rows does not fit int32 indices")
+    return block_size, num_experts, rows, blocks
 
 
 def align_block_size_into(
@@ -318,10 +344,12 @@ def moe_align_block_size(
     order inside an expert is ascending (deterministic). Ids outside ``[0, E)`` are dropped. Unused
     tail blocks have expert 0; every block is then mapped through ``expert_map`` (global -> local,
     -1 for remote experts) when given, as vLLM's ``ignore_invalid_experts=False`` path does
-    (``amdqb.compat.vllm`` has the filtering path and vLLM's -1 tail).
+    (``amdqb.compat.vllm`` has the filtering path and vLLM's -1 tail); an int64 ``expert_map``
+    entry outside the int32 range maps to -1 (:func:`int32_expert_map`).
     """
-    block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
-    pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)
+    block_size, num_experts, max_padded, max_blocks = check_align_sizes(
+        topk_ids, block_size, num_experts, pad_sorted_ids, backend=backend
+    )
     device = topk_ids.device
     if expert_map is not None:
         check_tensor(
@@ -331,10 +359,6 @@ def moe_align_block_size(
             shape=(num_experts,),
             device=device,
         )
-    numel = topk_ids.numel()
-    max_padded, max_blocks = align_buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
-    if max_padded > INT32_MAX:
-        raise ValueError(f"aligned buffer of {max_padded} rows does not fit int32 indices")
     chosen_backend = dispatch.kernel_backend(
         "align_block_size", device, backend, num_experts=num_experts
     )

@@ -346,7 +346,8 @@ def fused_topk_with_score_function(
         routing_map_format: ``"bytemap"`` (bool ``[..., E]``) or ``"bitmap_u8"`` (uint8
             ``[..., ceil(E/8)]``, bit ``e % 8`` of byte ``e // 8``).
         topk_indices: caller-owned ``[..., topk]`` int16/int32/int64 buffer; when given it is
-            filled in place (selection order) and returned instead of a routing map.
+            filled in place (selection order) and returned instead of a routing map. Contiguous,
+            sharing no memory with the other tensor arguments.
         qb_histogram: int32 ``[E, B]``, accumulated in place (QB).
         qb_bin_bounds: fp32 ``[2]`` device tensor ``[L, U]`` (QB).
         qb_histogram_mode: ``"two_kernel"``, ``"fused_atomic"`` or ``"auto"`` (QB); TE's

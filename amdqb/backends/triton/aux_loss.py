@@ -92,6 +92,7 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
             SCORE=_SCORES[score_function],
             EXTRACT=topk <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
+            DENSE=logits.is_contiguous(),
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -116,6 +117,7 @@ def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
             W=W,
             BT=BT,
             SCORE=_SCORES[score_function],
+            DENSE=logits.is_contiguous(),
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -168,6 +170,7 @@ def aux_loss_fwd(
             C=C,
             BC=BC,
             BR=BR,
+            DENSE=probs.is_contiguous(),
             num_warps=cfg["loss_warps"],
             **opts,
         )
@@ -249,13 +252,14 @@ def codegen_specs(family: str = "gfx942") -> list:
             SCORE=score,
             EXTRACT=k <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
+            DENSE=True,
         )
         sig = {"logits_ptr": "*fp32", "scores_ptr": "*fp32", "map_ptr": "*u8", "T": "i32"}
         sig["LS"] = "i32"
         sig.update({n: "constexpr" for n in const})
         specs.append(KernelSpec(name, K._aux_scores_fwd_kernel, sig, const, num_warps=warps))
     W, BT, warps = _tile(896, cfg)
-    bwd_const = dict(E=896, W=W, BT=BT, SCORE=1)
+    bwd_const = dict(E=896, W=W, BT=BT, SCORE=1, DENSE=True)
     bwd_sig = {"grad_ptr": "*fp32", "logits_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32"}
     bwd_sig["LS"] = "i32"
     bwd_sig.update({n: "constexpr" for n in bwd_const})
@@ -265,7 +269,7 @@ def codegen_specs(family: str = "gfx942") -> list:
         )
     )
     BC, BR = _loss_tile(1024, cfg)
-    part_const = dict(C=1024, BC=BC, BR=BR)
+    part_const = dict(C=1024, BC=BC, BR=BR, DENSE=True)
     part_sig = {"probs_ptr": "*bf16", "tpe_ptr": "*i32", "partial_ptr": "*fp32", "R": "i32"}
     part_sig.update({"rows_per_prog": "i32", "PS": "i32", "TS": "i32"})
     part_sig.update({n: "constexpr" for n in part_const})

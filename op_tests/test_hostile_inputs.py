@@ -453,6 +453,9 @@ for _op_name, _policies in _checks.STRIDES.items():
     indirect=["backend"],
 )
 def test_strided_view(case, backend):
+    """A view of one argument: rejected naming it (``contiguous``), or the answer of the
+    contiguous call (bitwise the oracle's for exact results), the view's buffer untouched (an
+    input) or written only inside the view (an output), the other inputs unchanged."""
     op_name, arg, policy, variant = case
     op = OPS[op_name]
     args = op.make(T0)
@@ -640,6 +643,8 @@ def _alias_id(c):
     "case,backend", _params(ALIAS_CASES, lambda c: c[0], _alias_id), indirect=["backend"]
 )
 def test_alias(case, backend):
+    """An output over an input or another output: a ValueError naming both, every byte of the
+    allocation unchanged; adjacent views of one allocation: the separate buffers' answer."""
     op, out, other, variant = case
     args = op.make(T0)
     raw, o, i = _alias(args[out], args[other], variant)
@@ -688,11 +693,13 @@ def _bad_input_cases():
 
 
 BAD_CASES = _bad_input_cases()
+# every backend there is here (every one implements router_fwd); the rejections come first
+EVERY_BACKEND = Op("every backend", None, None, "router_fwd")
 
 
 @pytest.mark.parametrize(
     "case,backend",
-    _params(BAD_CASES, lambda c: Op("all", None, None, "router_fwd"), lambda c: c.name),
+    _params(BAD_CASES, lambda c: EVERY_BACKEND, lambda c: c.name),
     indirect=["backend"],
 )
 def test_bad_input_on_every_backend(case, backend):
@@ -744,6 +751,8 @@ HOSTILE = _hostile_rejections()
     "case,backend", _params(HOSTILE, lambda c: c[0], lambda c: f"{c[0].name}-{c[1]}"), indirect=["backend"]
 )  # fmt: skip
 def test_hostile_rejection(case, backend):
+    """Meta and sparse tensors for every tensor argument, flags that are not bools: rejected
+    naming the argument, every tensor unchanged."""
     op, _, overrides, exc, fragment = case
     args = dict(op.make(T0), **overrides)
     before = _snapshot(args)
@@ -855,6 +864,7 @@ SETTINGS = [
     indirect=["backend"],
 )
 def test_setting_bounds(case, backend):
+    """A setting at its bound: the oracle's answer; past it: rejected, every tensor unchanged."""
     op = OPS[case.op]
     args = dict(op.make(T0), **case.overrides)
     if case.error is not None:
@@ -879,6 +889,8 @@ def _aux(backend, **kw):
 
 @pytest.mark.parametrize("backend", _on_backends(OPS[A]), indirect=True)
 def test_aux_loss_device_values(backend):
+    """Device token counts and loads the host never reads: T = 0 gives an infinite loss (NaN
+    with coeff 0), -T the loss of T, negated counts the negated loss, a NaN count NaN."""
     t = lambda v: _dev(torch.tensor(v, dtype=torch.int64))  # noqa: E731
     assert torch.isinf(_aux(backend, total_num_tokens=t(0)))  # C = prefix / 0 / 0
     assert torch.isnan(_aux(backend, total_num_tokens=t(0), coeff=0.0))
@@ -914,6 +926,8 @@ BIG = 2**32  # an int64 id of BIG + e must not alias expert e
 
 @pytest.mark.parametrize("backend", _on_backends(OPS[RR]), indirect=True)
 def test_int64_ids_past_int32(backend):
+    """int64 ids past int32 drop (compared in 64 bits), never alias the expert of their low
+    32 bits: the answer of the same ids set to -1."""
     ids = _ids(T0, dtype=torch.int64)
     far = ids.clone()
     far[::2, 0] = BIG + 3
@@ -942,6 +956,7 @@ def test_int64_expert_map_past_int32():
 
 @pytest.mark.parametrize("backend", _on_backends(OPS[SC]), indirect=True)
 def test_int64_chunk_metadata_past_int32(backend):
+    """An int64 sorted index past int32 names no chunk; an int64 size past int32 is clamped."""
     args = _chunks_args(T0)
     args["split_sizes"] = args["split_sizes"].long()
     args["sorted_indices"] = _dev(torch.tensor([2, BIG + 1, 0], dtype=torch.int64))
@@ -1050,6 +1065,7 @@ def _chain(exc) -> str:
 @pytest.mark.skipif(not HAS_GPU, reason="inductor's CPU code generation is slow to compile; the GPU run covers it")  # fmt: skip
 @pytest.mark.parametrize("op_name", [RR, AI, R])
 def test_compiled_inductor_rejects_overlap(op_name):
+    """Under inductor (dynamic shapes) the overlap check still runs before the op's kernels."""
     op = OPS[op_name]
     torch._dynamo.reset()
     compiled = torch.compile(lambda a: _call(op, a, None), fullgraph=True, dynamic=True)

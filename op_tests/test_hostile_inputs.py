@@ -1079,3 +1079,16 @@ def test_compiled_inductor_rejects_overlap(op_name):
     with pytest.raises(ValueError, match="overlap"):
         compiled(args)
     _assert_unchanged(before)
+
+
+@pytest.mark.parametrize("num_experts", [8, 896, 4096, 4097])
+def test_route_gate_is_route_impl(num_experts):
+    """The gate traced code evaluates (a constant threshold against the route count, symbolic
+    under dynamic shapes) picks what ``route_impl`` reports, on both sides of the threshold."""
+    from amdqb import configs, dispatch
+
+    info = dispatch.device_info(DEVICE)
+    threshold = layout_ops.lds_route_threshold(num_experts, configs.load(info.arch_family))
+    for routes in {0, 1, max(threshold - 1, 0), threshold, threshold + 1, 10**6}:
+        want = layout_ops.route_impl(info, routes, num_experts)[0]
+        assert layout_ops._gate(DEVICE, routes, num_experts) == want, (routes, threshold)

@@ -16,8 +16,11 @@ The ``torch`` backend is the oracle: exact, but not written for speed and not gr
 (some oracles size outputs from device values). The kernel backends never synchronise.
 
 Kernel-level ops are destination-passing (outputs are preallocated by ``amdqb.ops``), take
-contiguous tensors that ``amdqb.ops`` has already validated, never synchronise with the host and
-never allocate output buffers the caller sees. Signatures:
+tensors that ``amdqb.ops`` has already validated, never synchronise with the host and never
+allocate output buffers the caller sees. Tensors arrive contiguous, except the inputs read through
+their strides (docs/memory_safety.md): ``chunk_copy``'s ``src`` and the aux-loss ``logits`` /
+``probs`` are 2-D with unit-stride rows (any row stride), ``tokens_per_expert`` is any 1-D view.
+No output overlaps an input or another output. Signatures:
 
 ``router_fwd(call: RouterCall, logits [T,E], expert_bias fp32 [E]|None, probs_out [T,E],
     map_out, qb_histogram int32 [E,B]|None, qb_bin_bounds fp32 [2]|None, scores_out fp32

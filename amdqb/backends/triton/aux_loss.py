@@ -28,7 +28,7 @@ from ...devices import device_info
 from ...ref.router import pack_bitmap
 from ..calls import SCORE_CODES, AuxScoresRequest
 from . import _aux_loss_kernels as K
-from ._common import compile_options, floor_pow2, on_device, pow2
+from ._common import compile_options, floor_pow2, on_device, pow2, row_stride
 from .codegen import KernelSpec
 
 MAX_ROW_EXPERTS = 8192
@@ -74,6 +74,7 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
             scores_out,
             byte_map,
             T,
+            row_stride(logits),
             E=E,
             K=topk,
             W=W,
@@ -81,6 +82,7 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
             SCORE=SCORE_CODES[score_function],
             EXTRACT=topk <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
+            DENSE=logits.is_contiguous(),
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -100,10 +102,12 @@ def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
             logits,
             grad_logits_out,
             T,
+            row_stride(logits),
             E=E,
             W=W,
             BT=BT,
             SCORE=SCORE_CODES[score_function],
+            DENSE=logits.is_contiguous(),
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -151,9 +155,12 @@ def aux_loss_fwd(
             partial,
             R,
             rows_per,
+            row_stride(probs),
+            tokens_per_expert.stride(0),
             C=C,
             BC=BC,
             BR=BR,
+            DENSE=probs.is_contiguous(),
             num_warps=cfg["loss_warps"],
             **opts,
         )
@@ -186,6 +193,7 @@ def aux_loss_bwd(coeff_buf, tokens_per_expert, grad_loss, grad_probs_out):
             grad_loss,
             grad_probs_out,
             R,
+            tokens_per_expert.stride(0),
             C=C,
             BR=BR,
             BC=BC,
@@ -236,13 +244,16 @@ def codegen_specs(family: str = "gfx942") -> list:
             SCORE=score,
             EXTRACT=k <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
+            DENSE=True,
         )
         sig = {"logits_ptr": "*fp32", "scores_ptr": "*fp32", "map_ptr": "*u8", "T": "i32"}
+        sig["LS"] = "i32"
         sig.update({n: "constexpr" for n in const})
         specs.append(KernelSpec(name, K._aux_scores_fwd_kernel, sig, const, num_warps=warps))
     W, BT, warps = _tile(896, cfg)
-    bwd_const = dict(E=896, W=W, BT=BT, SCORE=1)
+    bwd_const = dict(E=896, W=W, BT=BT, SCORE=1, DENSE=True)
     bwd_sig = {"grad_ptr": "*fp32", "logits_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32"}
+    bwd_sig["LS"] = "i32"
     bwd_sig.update({n: "constexpr" for n in bwd_const})
     specs.append(
         KernelSpec(
@@ -250,9 +261,10 @@ def codegen_specs(family: str = "gfx942") -> list:
         )
     )
     BC, BR = _loss_tile(1024, cfg)
-    part_const = dict(C=1024, BC=BC, BR=BR)
+    part_const = dict(C=1024, BC=BC, BR=BR, DENSE=True)
     part_sig = {"probs_ptr": "*bf16", "tpe_ptr": "*i32", "partial_ptr": "*fp32", "R": "i32"}
-    part_sig.update({"rows_per_prog": "i32", **{n: "constexpr" for n in part_const}})
+    part_sig.update({"rows_per_prog": "i32", "PS": "i32", "TS": "i32"})
+    part_sig.update({n: "constexpr" for n in part_const})
     specs.append(
         KernelSpec(
             "aux_loss_partial",
@@ -269,7 +281,7 @@ def codegen_specs(family: str = "gfx942") -> list:
     specs.append(KernelSpec("aux_loss_final", K._aux_loss_final_kernel, fin_sig, fin_const, 1))
     bl_const = dict(C=1024, BR=BR, BC=BC)
     bl_sig = {"coeff_ptr": "*fp32", "tpe_ptr": "*i64", "grad_ptr": "*bf16", "out_ptr": "*bf16"}
-    bl_sig.update({"R": "i32", **{n: "constexpr" for n in bl_const}})
+    bl_sig.update({"R": "i32", "TS": "i32", **{n: "constexpr" for n in bl_const}})
     specs.append(
         KernelSpec("aux_loss_bwd", K._aux_loss_bwd_kernel, bl_sig, bl_const, cfg["loss_warps"])
     )

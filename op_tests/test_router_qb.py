@@ -380,7 +380,8 @@ def test_log_margin_histogram_on_own_scores(backend, warp_router, mode, e, t):
     vector loads for E = 20 and 896, scalar loads for E = 22, a partial last expert group)."""
     logits = make_logits(t, e, "normal", e + t) * 4
     bias = torch.randn(e, generator=torch.Generator().manual_seed(e)) * 1e-3
-    scale = ref.qb.margin_scale(bias)
+    # per-expert axes from 2^0 to 2^29: zero, fine and coarse bins on both sides
+    scale = torch.ldexp(torch.ones(e), torch.arange(e) * 30 // e)
     hist = torch.zeros(e, 64, dtype=torch.int32)
     kw = dict(expert_bias=bias, qb_histogram=hist, qb_bin_bounds=scale, qb_binning="log_margin")
     amdqb.fused_topk_with_score_function(logits, 8, qb_histogram_mode=mode, backend=backend, **kw)

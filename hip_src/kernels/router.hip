@@ -29,9 +29,10 @@
 // the fused mode adds 1 to hist[j * B + bin] with a device atomic in the epilogue (bins through
 // qb_bin_of_logit, bit for bit the exact formula), the two-kernel mode writes alpha and
 // amdqb_qb_hist recomputes the bins from the logits. log_margin binning: the router bins the
-// margin d = alpha - value_j of every expert from its key (margin_bin); the fused mode adds them
-// up with atomics, the two-kernel mode stores them as bytes [T, E] for amdqb_qb_hist_bins. Both
-// modes give identical histograms. (QB is sigmoid-only at the op level.)
+// margin d = alpha - value_j of every expert from its key on the expert's own axis (margin_bin;
+// bounds holds the inverse scales [E]); the fused mode adds them up with atomics, the two-kernel
+// mode stores them as bytes [T, E] for amdqb_qb_hist_bins. Both modes give identical histograms.
+// (QB is sigmoid-only at the op level.)
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
 #include "amdqb_qb_bins.h"
@@ -269,17 +270,17 @@ AMDQB_DEVICE void add_fused_bins(const in_t (&raw)[V], Base base, Valid valid, i
 }
 
 // log_margin QB: the margin bin of every expert e = base(j) + lane of token t from its key (the
-// selection value); fused: one device atomic per (token, expert) into hist, two-kernel: the bin
-// as a byte of bins_out [T, E].
+// selection value), on the expert's axis inv[e]; fused: one device atomic per (token, expert) into
+// hist, two-kernel: the bin as a byte of bins_out [T, E].
 template <int V, typename Base, typename Valid>
 AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, int lane, i64 t,
-                                  float alpha, float inv, int num_bins, int mbits, int qb_mode,
-                                  int* hist, u8* bins_out) {
+                                  float alpha, const float* inv, int num_bins, int fine,
+                                  int qb_mode, int* hist, u8* bins_out) {
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     if (valid(j)) {
       const int e = base(j) + lane;
-      const int bin = margin_bin(alpha - key_value(key[j]), inv, num_bins >> 1, mbits);
+      const int bin = margin_bin(alpha - key_value(key[j]), inv[e], num_bins >> 1, fine);
       if (qb_mode == kQbFused)
         atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
       else
@@ -299,7 +300,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     amdqb_router(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
                  int normalize, int softmax_pre, float scale, in_t* probs, void* map, int map_kind,
                  int qb_mode, int* hist, const float* bounds, int num_bins, float* alpha_out,
-                 float* w_out, int* id_out, int qb_binning, int margin_bits, u8* bins_out) {
+                 float* w_out, int* id_out, int qb_binning, int margin_fine, u8* bins_out) {
   AMDQB_SHARED(i32, sh_ckey, WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, WARPS * CAP);
   AMDQB_SHARED(i32, sh_skey, WARPS * CAP);
@@ -319,7 +320,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     qb_lower = bounds[0];
     qb_scale = (float)num_bins / (bounds[1] - qb_lower);
   }
-  const float margin_inv = qb_mode != kQbNone && qb_binning == kLogMargin ? bounds[1] : 0.0f;
 
   // The warp's first token is prefetched before the bias is staged in LDS, so that at decode
   // sizes (one token per warp) the two fetches overlap instead of costing two round trips; the
@@ -408,8 +408,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     if (qb_mode != kQbNone) {
       const float alpha = key_value(b.skey[topk]);  // the (k+1)-th selection value
       if (qb_binning == kLogMargin) {
-        margin_bins_out(key, base, valid, lane, t, alpha, margin_inv, num_bins, margin_bits,
-                        qb_mode, hist, bins_out);
+        margin_bins_out(key, base, valid, lane, t, alpha, bounds, num_bins, margin_fine, qb_mode,
+                        hist, bins_out);
       } else if (qb_mode == kQbAlpha) {
         if (lane == 0) alpha_out[t] = alpha;
       } else {
@@ -476,7 +476,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
                         int normalize, int softmax_pre, float scale, in_t* probs, void* map,
                         int map_kind, int qb_mode, int* hist, const float* bounds, int num_bins,
                         float* alpha_out, float* w_out, int* id_out, int qb_binning,
-                        int margin_bits, u8* bins_out) {
+                        int margin_fine, u8* bins_out) {
   (void)softmax_pre;  // amdqb_router's signature; the op sends softmax scores to amdqb_router
   AMDQB_SHARED(i32, sh_ckey, DEC_WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, DEC_WARPS * CAP);
@@ -634,7 +634,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   if (qb_mode != kQbNone) {
     const float alpha = sh_biased[sh_top[topk]];  // the (k+1)-th: the cutoff alpha
     if (qb_binning == kLogMargin) {
-      margin_bins_out(key, base, valid, lane, t, alpha, bounds[1], num_bins, margin_bits, qb_mode,
+      margin_bins_out(key, base, valid, lane, t, alpha, bounds, num_bins, margin_fine, qb_mode,
                       hist, bins_out);
     } else if (qb_mode == kQbAlpha) {
       if (tid == 0) alpha_out[t] = alpha;

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ...ref.router import margin_octave_bits
+from ...ref.router import margin_fine_keys
 from . import _spec
 from ._common import cdiv, config, dev, ptr
 from ._spec import arg_f32, arg_i32
@@ -169,7 +169,7 @@ def _launch_router(
         ptr(w_out),
         ptr(id_out),
         arg_i32(1 if margin else 0),
-        arg_i32(margin_octave_bits(num_bins) if margin else 0),
+        arg_i32(margin_fine_keys(num_bins) if margin else 0),
         ptr(bins_out),
     ]
     if score_function != "softmax" and tokens <= decode_max_tokens:
@@ -237,8 +237,6 @@ def router_fwd(
         raise ValueError(f"hip router: QB supports sigmoid only, got {score_function!r}")
     if qb and qb_mode == "auto":
         qb_mode = auto_qb_mode(tokens, num_experts, cfg)
-    if qb and not qb_bin_bounds.is_contiguous():  # the kernels read bounds[0], bounds[1]
-        qb_bin_bounds = qb_bin_bounds.contiguous()
     kind = _INDEX_KINDS[map_out.dtype] if map_kind == "indices" else _MAP_KINDS[map_kind]
     softmax = score_function == "softmax"
     num_bins = qb_histogram.shape[1] if qb else 0

@@ -49,7 +49,7 @@ import torch
 import triton
 
 from ... import configs
-from ...ref.router import margin_octave_bits
+from ...ref.router import margin_fine_keys
 from . import _router_kernels as K
 from ._common import compile_options, interpreting, on_device
 from .codegen import KernelSpec
@@ -197,7 +197,10 @@ def plan_histogram(E: int, B: int, T: int, family: str, lds_ok: bool) -> HistPla
     per = -(-T // slices)
     per = -(-per // bt) * bt
     slices = max(1, -(-T // per))
-    return HistPlan(epp, bt, _next_pow2(epp * B), lds, per, slices, cfg["hist_warps"])
+    # NB sizes the private histogram only: the global-atomic form keeps none (a [NB] block of an
+    # [epp, B] slice would pass Triton's 2^20-element limit from B = 2^17 on)
+    nb = _next_pow2(epp * B) if lds else 1
+    return HistPlan(epp, bt, nb, lds, per, slices, cfg["hist_warps"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,7 +302,7 @@ def _launch_router(
         APPROX=bool(approx),
         TIE_FREE=bool(tie_free),
         MARGIN=bool(margin),
-        MBITS=margin_octave_bits(nbins),
+        FINE=margin_fine_keys(nbins) if margin else 0,
         num_warps=plan.num_warps,
         **compile_options(logits.device),
     )
@@ -576,7 +579,7 @@ def _fwd_spec(name, plan, *, types, score, pre, renorm, qb, nbins, map_code, den
         APPROX=False,
         TIE_FREE=False,
         MARGIN=False,
-        MBITS=0,
+        FINE=0,
     )
     for key in constexprs:
         sig[key] = "constexpr"

@@ -9,6 +9,9 @@ logits every step.
   biased margin on its own log axis (B = 64);
 * ``qb_exact``   -- QB with the exact, bin-free quantile of the fp32 router, ``amdqb.qb_exact_bias``
   (TE's ``s + b`` selection, fp32: it ties once the sigmoid saturates);
+* ``qb_exact_tie_free`` (an ablation, not in the default list) -- the default balancer's fp32
+  tie-free selection and minimum pinning with the exact quantile of its fp32 margins instead of
+  the histogram: what the fp32 router allows without any binning;
 * ``exact64``    -- the yardstick, exact tie-free QB in float64 (:mod:`.reference`), the one row
   that routes outside the amdqb router.
 
@@ -31,6 +34,7 @@ SHORT = {
     "qb_uniform": "K3",
     "qb_default": "default",
     "qb_exact": "exact32",
+    "qb_exact_tie_free": "exact32tf",
     "exact64": "exact64",
 }
 
@@ -106,6 +110,38 @@ class QBExact(Method):
         self.bias.copy_(self.amdqb.qb_exact_bias(logits, self.topk, self.bias))
 
 
+class QBExactTieFree(Method):
+    """Tie-free fp32 routing (the amdqb router) and the exact quantile of the fp32 margins
+    ``d = alpha - v`` as the bias change, the minimum pinned at 0: the default balancer without
+    its histogram."""
+
+    name = "qb_exact_tie_free"
+    label = "QB exact quantile (fp32, tie-free)"
+    selection = "tie_free"
+
+    def route(self, logits):
+        _, routing_map = self.amdqb.fused_topk_with_score_function(
+            logits, self.topk, score_function="sigmoid", expert_bias=self.bias,
+            selection="tie_free", backend=self.backend,
+        )  # fmt: skip
+        return routing_map
+
+    def update(self, logits, tokens_per_expert):
+        from ..ref import qb as ref_qb
+        from ..ref.router import qb_cutoff_and_routes, sigmoid_complement
+
+        s = torch.sigmoid(logits.float())
+        _, alpha, values = qb_cutoff_and_routes(
+            s, self.bias, self.topk, "tie_free", sigmoid_complement(logits)
+        )
+        margin = (alpha[:, None] - values).double()
+        tokens, experts = margin.shape
+        n = -(-tokens * self.topk // experts)
+        smallest = torch.topk(margin, min(n + 1, tokens), dim=0, largest=False).values
+        delta = (smallest[n - 1] + smallest[min(n, tokens - 1)]) / 2
+        self.bias.copy_(ref_qb.pin_minimum((self.bias.double() + delta).float()))
+
+
 class Reference(Method):
     """Exact tie-free QB in float64 (:class:`.reference.ExactQB64`), outside the amdqb router."""
 
@@ -131,7 +167,8 @@ class Reference(Method):
 def build_methods(
     names, experts, topk, device, *, uniform_bins=1000, margin_bins=64, aux_rate=1e-3
 ):
-    """The methods ``names`` (a subset of ``METHOD_NAMES`` plus ``REFERENCE``), in that order."""
+    """The methods ``names`` (of ``METHOD_NAMES``, ``REFERENCE`` and ``qb_exact_tie_free``), in
+    that order."""
     make = {
         "none": lambda: Method(experts, topk, device),
         "aux_free": lambda: AuxFree(experts, topk, device, rate=aux_rate),
@@ -153,6 +190,7 @@ def build_methods(
             num_bins=margin_bins,
         ),
         "qb_exact": lambda: QBExact(experts, topk, device),
+        "qb_exact_tie_free": lambda: QBExactTieFree(experts, topk, device),
         REFERENCE: lambda: Reference(experts, topk, device),
     }
     unknown = [n for n in names if n not in make]

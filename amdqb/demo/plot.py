@@ -11,6 +11,7 @@ STYLES = {
     "qb_uniform": {"color": "#1f77b4", "ls": "-"},
     "qb_default": {"color": "#d62728", "ls": "-"},
     "qb_exact": {"color": "#2ca02c", "ls": "--"},  # dashed: the QB curves often lie on each other
+    "qb_exact_tie_free": {"color": "#9467bd", "ls": "-."},
     REFERENCE: {"color": "black", "ls": ":"},
 }
 ZOOM_STEPS = 12  # the first panel: the first steps, one by one

@@ -69,6 +69,16 @@ def _qb_step(
     backend: str,
 ) -> None:
     _validate_bounds_at_run_time(bin_bounds, binning)
+    # here, not in qb_step_: a traced graph has no data pointers; the body runs before any write
+    check_no_overlap(
+        {
+            "bias": bias,
+            "histogram": histogram,
+            "bin_bounds": bin_bounds,
+            "rejected": rejected,
+            "committed": committed,
+        }
+    )
     impl("qb_step", backend)(bias, histogram, bin_bounds, topk, ema, binning, rejected, committed)
 
 
@@ -227,15 +237,6 @@ def qb_step_(
     for name, t in (("bin_bounds", bin_bounds), ("rejected", rejected), ("committed", committed)):
         if t is not None and t.requires_grad:
             raise ValueError(f"{name} must not require grad: qb_step_ writes it in place")
-    check_no_overlap(
-        {
-            "bias": bias,
-            "histogram": histogram,
-            "bin_bounds": bin_bounds,
-            "rejected": rejected,
-            "committed": committed,
-        }
-    )
     check_backend(backend)
     chosen_backend = dispatch.kernel_backend(
         "qb_step", histogram.device, backend, num_bins=histogram.shape[1]

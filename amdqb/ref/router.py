@@ -202,17 +202,19 @@ def qb_margin_bin_index(
 
     ``margin_scale`` is fp32 ``[E]``: ``inv_j``, the reciprocal of expert j's axis scale.
     ``y = 1 + |d| * inv_j`` in fp32 (two roundings, no contraction);
-    ``L = (bits(y) >> 22) - 254`` is ``2 log2(y)`` rounded down on the float format's
-    piecewise-linear log2 (half-octaves, ``L >= 0``) -- integer operations on the bits, the same
-    on every device, no transcendental. The key is ``L`` on the F fine keys
-    (:func:`margin_fine_keys`) and ``F + ((L - F) >> 3)`` beyond (coarse keys of 4 octaves).
-    With ``h = B/2``: ``d > 0`` counts in bin ``h + 1 + min(key, h - 2)``, ``d < 0`` in
+    ``L = ((bits(y) & 0x7fffffff) >> 22) - 254`` is ``2 log2(y)`` rounded down on the float
+    format's piecewise-linear log2 (half-octaves, ``L >= 0``) -- integer operations on the bits,
+    the same on every device, no transcendental. The key is ``L`` on the F fine keys
+    (:func:`margin_fine_keys`) and ``F + ((L - F) >> 3)`` beyond (coarse keys of 4 octaves),
+    at least 0. With ``h = B/2``: ``d > 0`` counts in bin ``h + 1 + min(key, h - 2)``, ``d < 0`` in
     ``h - 1 - min(key, h - 1)`` and ``d == 0`` (the token's own cutoff expert) in bin ``h``, a bin
     of width 0. Bins ascend with d."""
     inv = margin_scale.float()
     d = margin.float()
     y = 1.0 + d.abs() * inv
-    level = (y.view(torch.int32).to(torch.int64) >> 22) - 254
+    # |y|'s bits (a NaN y from unchecked bounds: the same bin whatever its sign bit), and a key
+    # clamped at 0 (y >= 1 for every valid scale)
+    level = ((y.view(torch.int32).to(torch.int64) & 0x7FFFFFFF) >> 22) - 254
     fine = margin_fine_keys(num_bins)
     key = torch.where(level < fine, level, fine + ((level - fine) >> MARGIN_COARSE_SHIFT))
     half = num_bins // 2
@@ -240,10 +242,12 @@ def qb_histogram_counts(
     else:
         bins = qb_margin_bin_index(alpha[:, None] - values, bin_bounds, num_bins)
     flat = bins + torch.arange(e, device=scores.device)[None, :] * num_bins
-    # an index_add, not torch.bincount: bincount sizes its output from the data (a host sync on
-    # a GPU), which breaks graph capture
+    # a scatter_add, not torch.bincount: bincount sizes its output from the data (a host sync on
+    # a GPU, which breaks graph capture); on the CPU scatter_add is also the faster (46 vs 64 ms
+    # for E=896, T=4096, B=1000 on one thread)
     counts = torch.zeros(e * num_bins, dtype=torch.int32, device=scores.device)
-    counts.index_add_(0, flat.reshape(-1), torch.ones_like(flat, dtype=torch.int32).reshape(-1))
+    flat = flat.reshape(-1)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     return counts.reshape(e, num_bins)
 
 

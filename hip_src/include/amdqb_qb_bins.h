@@ -3,8 +3,8 @@
 //     bin = clamp(floor((r - L) * scale), 0, B - 1); a NaN r counts in bin 0;
 //   log_margin (amdqb.ref.router.qb_margin_bin_index): the biased margin d = alpha - u_j on expert
 //     j's own axis (inv_j, the reciprocal of its scale): the half-octave level
-//     L = (bits(1 + |d| * inv_j) >> 22) - 254, the key L on the F fine keys and F + ((L - F) >> 3)
-//     beyond (4-octave coarse keys); d > 0 counts in bin B/2 + 1 + min(key, B/2 - 2), d < 0 in
+//     L = ((bits(1 + |d| * inv_j) & 0x7fffffff) >> 22) - 254, the key L on the F fine keys and
+//     F + ((L - F) >> 3) beyond (4-octave coarse keys, at least 0); d > 0 counts in bin B/2 + 1 + min(key, B/2 - 2), d < 0 in
 //     B/2 - 1 - min(key, B/2 - 1), d == 0 in bin B/2; a NaN d counts in bin 0.
 #pragma once
 
@@ -81,8 +81,10 @@ AMDQB_DEVICE int margin_bin(float d, float inv, int half, int fine) {
   if (d != d) return 0;
   if (d == 0.0f) return half;  // the token's own cutoff expert: a bin of width 0
   const float y = 1.0f + fabsf(d) * inv;
-  const int level = (int)(float_bits(y) >> 22) - 254;
-  const int key = level < fine ? level : fine + ((level - fine) >> 3);
+  // |y|'s bits: a NaN y (unchecked bounds) is the same bin on every device whatever its sign bit
+  const int level = (int)((float_bits(y) & 0x7fffffffu) >> 22) - 254;
+  int key = level < fine ? level : fine + ((level - fine) >> 3);
+  key = key < 0 ? 0 : key;  // y >= 1 for every valid scale; unchecked bounds stay in the row
   if (d > 0.0f) return half + 1 + (key < half - 2 ? key : half - 2);
   return half - 1 - (key < half - 1 ? key : half - 1);
 }

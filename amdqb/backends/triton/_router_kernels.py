@@ -176,13 +176,15 @@ def _qb_bins(r, lower, scale, NBINS: tl.constexpr):
 @triton.jit
 def _margin_bins(d, inv, NBINS: tl.constexpr, FINE: tl.constexpr):
     """log_margin bin of the biased margin d (``amdqb.ref.router.qb_margin_bin_index``), ``inv``
-    the experts' inverse scales: the half-octave level ``L = (bits(1 + |d| * inv) >> 22) - 254``,
-    the key ``L`` below FINE and ``FINE + ((L - FINE) >> 3)`` beyond; ``d > 0`` in bin
+    the experts' inverse scales: the half-octave level
+    ``L = ((bits(1 + |d| * inv) & 0x7fffffff) >> 22) - 254``, the key ``L`` below FINE and ``FINE + ((L - FINE) >> 3)`` beyond; ``d > 0`` in bin
     ``B/2 + 1 + min(key, B/2 - 2)``, ``d < 0`` in ``B/2 - 1 - min(key, B/2 - 1)``, ``d == 0`` in
     bin ``B/2``; NaN -> 0. Integer arithmetic on the float bits, the same on every device."""
     y = 1.0 + tl.abs(d) * inv
-    level = (y.to(tl.int32, bitcast=True) >> 22) - 254
-    key = tl.where(level < FINE, level, FINE + ((level - FINE) >> 3))
+    # |y|'s bits: a NaN y (unchecked bounds) is the same bin on every device whatever its sign
+    level = ((y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >> 22) - 254
+    # y >= 1 for every valid scale; the clamp keeps unchecked bounds inside the row
+    key = tl.maximum(tl.where(level < FINE, level, FINE + ((level - FINE) >> 3)), 0)
     up = NBINS // 2 + 1 + tl.minimum(key, NBINS // 2 - 2)
     down = NBINS // 2 - 1 - tl.minimum(key, NBINS // 2 - 1)
     bins = tl.where(d > 0.0, up, tl.where(d < 0.0, down, NBINS // 2))

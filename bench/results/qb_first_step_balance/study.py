@@ -83,6 +83,21 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def ablation_table(results: dict) -> str:
+    """Markdown: the default balancer against the fp32 tie-free router with the exact quantile
+    (no histogram), both against the reference."""
+    head = "| cell | ref late | ref first | default late x | default first | exact32 tie-free late x | exact32 tie-free first |"
+    lines = [head, "|" + "---|" * 7]
+    for key, cell in results.get("ablation", {}).items():
+        m = cell["metrics"]
+        ref, d, x = m["exact64"], m["qb_default"], m["qb_exact_tie_free"]
+        lines.append(
+            f"| {key} | {ref['late']:.3f} | {_hit(ref['first_hit'])} | {d['late_ratio']:.3f} | "
+            f"{_hit(d['first_hit'])} | {x['late_ratio']:.3f} | {_hit(x['first_hit'])} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", default=",".join("x".join(map(str, s)) for s in SUITE_SHAPES))
@@ -94,11 +109,20 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default=None, help="amdqb backend (default: torch on the CPU)")
     p.add_argument("--out", default=str(HERE / "results.json"))
     p.add_argument("--table", action="store_true", help="print the table of --out and exit")
+    p.add_argument(
+        "--ablation",
+        action="store_true",
+        help="also run qb_exact_tie_free (the fp32 tie-free router with the exact quantile) and "
+        "store the cells under ablation/ (not in the table)",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {"cells": {}}
     if args.table:
         print(table(results))
+        if results.get("ablation"):
+            print()
+            print(ablation_table(results))
         return 0
     device = torch.device(args.device)
     backend = args.backend or ("torch" if device.type == "cpu" else None)
@@ -122,12 +146,14 @@ def main(argv=None) -> int:
         for kind in args.kinds.split(","):
             for std in (float(s) for s in args.stds.split(",")):
                 start = time.perf_counter()
+                names = (*METHODS, "qb_exact_tie_free") if args.ablation else METHODS
                 cell = suite_case(
-                    kind, e, k, t, std, steps, seed=args.seed, names=METHODS, device=device,
+                    kind, e, k, t, std, steps, seed=args.seed, names=names, device=device,
                     backend=backend,
                 )  # fmt: skip
                 cell.update(machine=machine(device), backend=backend or "dispatcher")
-                results["cells"][cell_key(shape, kind, std, args.seed)] = cell
+                where = results.setdefault("ablation", {}) if args.ablation else results["cells"]
+                where[cell_key(shape, kind, std, args.seed)] = cell
                 out.write_text(json.dumps(results, indent=1) + "\n")
                 m = cell["metrics"]
                 print(
@@ -137,7 +163,7 @@ def main(argv=None) -> int:
                     f" ({time.perf_counter() - start:.0f} s)",
                     flush=True,
                 )
-    print(table(results))
+    print(ablation_table(results) if args.ablation else table(results))
     return 0
 
 

@@ -141,7 +141,10 @@ def plot_scales(path: str, methods, per_scale: dict, config: dict, window: int) 
     late.set_ylabel(f"MaxVio, mean of the last {window} steps (log scale)")
     late.set_title("Balance as the sigmoid saturates", fontsize=10)
     late.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
-    hits.set_yscale("symlog", linthresh=4)
+    from matplotlib.ticker import MaxNLocator
+
+    hits.set_ylim(-0.3, cap + 0.8)
+    hits.yaxis.set_major_locator(MaxNLocator(integer=True))
     hits.axhline(cap, color="#999999", lw=0.6)
     hits.text(scales[0], cap, " never", va="bottom", fontsize=8, color="#666666")
     hits.set_ylabel(f"first step within {HIT_FACTOR:g}x of the reference's late MaxVio")

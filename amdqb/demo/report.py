@@ -119,7 +119,7 @@ def report_scales(methods, per_scale: dict, window: int, out=None) -> None:
     within 1.5x of the reference, the cutoff tie share."""
     out = out or sys.stdout
     scales = list(per_scale)
-    head = "".join(f"{'std ' + format(s, 'g'):>14s}" for s in scales)
+    head = "".join(f"{'std ' + format(s, 'g'):>16s}" for s in scales)
     print(file=out)
     print(f"MaxVio, mean of the last {window} steps (x the reference's) by logit std", file=out)
     print(f"{'method':<42s}{head}", file=out)
@@ -131,18 +131,18 @@ def report_scales(methods, per_scale: dict, window: int, out=None) -> None:
             text = f"{row['late_maxvio']:.3f}"
             if ratio is not None and m.name != REFERENCE:
                 text += f" ({ratio:.2f}x)"
-            cells += f"{text:>14s}"
+            cells += f"{text:>16s}"
         print(f"{m.label:<42s}{cells}", file=out)
     print(file=out)
     print(f"First step within {HIT_FACTOR:g}x of the reference's late MaxVio", file=out)
     print(f"{'method':<42s}{head}", file=out)
     for m in methods:
-        cells = "".join(_hit(per_scale[s][m.name].get("first_hit"), 14) for s in scales)
+        cells = "".join(_hit(per_scale[s][m.name].get("first_hit"), 16) for s in scales)
         print(f"{m.label:<42s}{cells}", file=out)
     print(file=out)
     print("tie at the cutoff (share of tokens, same window)", file=out)
     print(f"{'method':<42s}{head}", file=out)
     for m in methods:
-        cells = "".join(_pct(per_scale[s][m.name]["late_tie_at_cutoff"], 14) for s in scales)
+        cells = "".join(_pct(per_scale[s][m.name]["late_tie_at_cutoff"], 16) for s in scales)
         print(f"{m.label:<42s}{cells}", file=out)
     print(LEGEND, file=out)

@@ -429,3 +429,28 @@ def test_route_and_step_have_no_host_sync_and_replay(backend):
     torch.cuda.synchronize()
     assert torch.equal(graphed.bias, eager.bias)
     assert torch.equal(graphed.bin_bounds, eager.bin_bounds)
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="graph capture needs a CUDA/ROCm device")
+def test_capture_counts_tokens_against_the_int32_bound():
+    """The per-capture bound: route() inside a capture counts its tokens on the host like an
+    eager call, so a captured sequence that would pass 2^31 - 1 tokens before its step is
+    refused at capture; a captured step resets the count."""
+    e, k, t = 64, 4, 256
+    bal = amdqb.QuantileBalancer(e, k, device="cuda")
+    x = torch.randn(t, e, device="cuda")
+    bal.route(x, accumulate=True)  # warm-up (kernel builds) outside the capture
+    bal.step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bal.route(x, accumulate=True)
+        assert bal._pending_tokens == t
+        bal.step()
+        assert bal._pending_tokens == 0
+    bal._pending_tokens = INT32_MAX - t // 2
+    before = _state_of(bal)
+    with pytest.raises(ValueError, match="call step"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            bal.route(x, accumulate=True)
+    assert _same_state(before, _state_of(bal))

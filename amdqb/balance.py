@@ -48,11 +48,13 @@ from . import dispatch
 from .ops._checks import (
     INT32_MAX,
     LOAD_DTYPES,
+    MAX_ALLOCATED_EXPERTS,
     check_backend,
     check_bool,
     check_choice,
     check_float,
     check_int,
+    check_no_overlap,
     check_tensor,
 )
 from .ops.qb import qb_step_
@@ -66,7 +68,6 @@ from .ref.router import BINNINGS, MAX_MARGIN_BINS, MIN_MARGIN_BINS, SELECTIONS
 
 DEFAULT_BINS = {"log_margin": 64, "uniform": 1000}
 DEFAULT_SELECTION = {"log_margin": "tie_free", "uniform": "te"}
-MAX_EXPERTS = 1 << 16
 MAX_UNIFORM_BINS = 1 << 16
 MAX_HISTOGRAM = 1 << 27  # E * B counts of the int32 histogram (512 MiB)
 
@@ -103,7 +104,7 @@ class QuantileBalancer:
         process_group=None,
         device: Optional[torch.device | str] = None,
     ):
-        num_experts = check_int("num_experts", num_experts, low=2, high=MAX_EXPERTS)
+        num_experts = check_int("num_experts", num_experts, low=2, high=MAX_ALLOCATED_EXPERTS)
         topk = check_int("topk", topk, low=1, high=num_experts - 1)
         check_choice("binning", binning, BINNINGS)
         if selection is None:
@@ -387,13 +388,14 @@ def aux_free_bias_update_(
         device=bias.device,
     )
     rate = check_float("rate", rate, finite=True)
+    check_no_overlap({"bias": bias}, {"tokens_per_expert": tokens_per_expert})
     bias.copy_(_ref_qb.aux_free_bias_update(bias, tokens_per_expert, rate))
     return bias
 
 
 def maxvio(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """MaxVio = ``max(load) / mean(load) - 1`` (0-dim fp32 tensor, no host sync; 0 for an empty
-    load or one with no tokens)."""
+    load or one with no tokens; NaN when a load is NaN or infinite)."""
     check_tensor("tokens_per_expert", tokens_per_expert, dtypes=LOAD_DTYPES, dim=1)
     return _ref_qb.maxvio(tokens_per_expert)
 

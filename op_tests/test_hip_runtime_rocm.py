@@ -35,7 +35,8 @@ import pytest
 import torch
 
 import amdqb
-from amdqb import configs, dispatch, ref
+from amdqb import configs, devices, dispatch, ref
+from amdqb.backends.calls import RouterCall
 from amdqb.backends.hip import _runtime, _spec
 from amdqb.backends.hip import layout as hip_layout
 from amdqb.backends.hip import router as hip_router
@@ -48,7 +49,7 @@ from amdqb.backends.hip._runtime import (
 )
 from amdqb.backends.hip._spec import arg_i32, arg_i64, arg_ptr
 
-from conftest import HAS_GPU
+from conftest import HAS_GPU, forget_build_failures
 
 ARCH = "gfx942:sramecc+:xnack-"
 HIP_VERSION = 60342000
@@ -306,10 +307,10 @@ def amd_dispatch(rocm, monkeypatch):
     triton through the interpreter); its caches and failure records start and end empty."""
     if HAS_GPU:
         pytest.skip("fakes a gfx942 on CPU tensors, whose Triton fallback needs the interpreter")
-    monkeypatch.setattr(dispatch, "_device_info_cached", lambda device_str: AMD_INFO)
-    dispatch._forget_failures()
+    monkeypatch.setattr(devices, "_device_info_cached", lambda device_str: AMD_INFO)
+    forget_build_failures()
     yield
-    dispatch._forget_failures()  # also drops the choices cached for the fake device
+    forget_build_failures()  # also drops the choices cached for the fake device
 
 
 # ------------------------------------------------------------------------------------------------
@@ -532,17 +533,12 @@ def _router_calls():
         probs = torch.empty(tokens, e)
         yield f"router_fwd T={tokens}", lambda rt, lg=logits, p=probs: hip_router.router_fwd(
             rt,
+            RouterCall(e, k),
             lg,
-            k,
-            "sigmoid",
-            False,
-            None,
-            None,
-            None,
             None,
             p,
             torch.empty(lg.shape, dtype=torch.bool),
-            "bytemap",
+            None,
             None,
             None,
             None,
@@ -554,25 +550,19 @@ def _router_calls():
         ):
             hist = torch.zeros(e, 16, dtype=torch.int32)
             bounds = torch.tensor([-1.0, 1.0])
+            call = RouterCall(e, k, qb_mode=mode, qb_binning=binning, num_bins=16)
             yield f"router_fwd T={tokens} qb {mode} {binning}", (
-                lambda rt, lg=logits, p=probs, h=hist, b=bounds, m=mode, bn=binning: hip_router.router_fwd(
+                lambda rt, lg=logits, p=probs, h=hist, b=bounds, c=call: hip_router.router_fwd(
                     rt,
+                    c,
                     lg,
-                    k,
-                    "sigmoid",
-                    False,
-                    None,
-                    None,
-                    None,
                     torch.zeros(e),
                     p,
                     torch.empty(lg.shape, dtype=torch.bool),
-                    "bytemap",
                     h,
                     b,
-                    m,
-                    "te",
-                    bn,
+                    None,
+                    None,
                 )
             )
         yield f"biased_topk T={tokens}", lambda rt, lg=logits: hip_router.biased_topk(
@@ -686,7 +676,7 @@ def test_hip_build_failure_falls_back_once_and_is_remembered(amd_dispatch, monke
     assert len(fake.compiles) == 1 and len(requests) == 1
 
     # remembered: later calls select triton directly -- no kernel request, no compile, no warning
-    assert dispatch.backend_name("route_rows", "cpu", **features) == "triton"
+    assert dispatch.select("route_rows", "cpu", **features).backend == "triton"
     assert dispatch.kernel_backend("route_rows", "cpu", **features) == "triton"
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -746,7 +736,7 @@ def test_strict_backend_raises_the_build_error(amd_dispatch, monkeypatch):
     assert not _hip_build_warnings(record)  # raised, not fallen back
     assert dispatch.failures("cpu")[0]["op"] == "route_rows"
     # the dispatcher's own choice then skips hip for the op
-    assert dispatch.backend_name("route_rows", "cpu", num_experts=E, impl="atomic") == "triton"
+    assert dispatch.select("route_rows", "cpu", num_experts=E, impl="atomic").backend == "triton"
     _assert_routes_match_oracle(ids, *amdqb.moe_route_rows(ids, E, impl="atomic"))
     assert len(fake.compiles) == 1
 
@@ -783,7 +773,9 @@ def test_preference_follows_or_falls_back_per_op(amd_dispatch, monkeypatch):
     assert choice.backend == "triton"
     assert "AMDQB_BACKEND=hip cannot run it" in choice.reason
     assert dict(choice.rejected)["hip"] == "does not implement 'qb_recover'"
-    grouped = dispatch.select("router_fwd", "cpu", num_experts=E, topk=2, grouped=True)
+    grouped = dispatch.select(
+        "router_fwd", "cpu", num_experts=E, topk=2, num_groups=2, group_topk=1
+    )
     assert grouped.backend == "triton" and "grouped" in dict(grouped.rejected)["hip"]
     with pytest.raises(RuntimeError, match="hip: does not implement 'qb_recover'"):
         dispatch.select("qb_recover", "cpu", "hip", num_bins=16)  # backend= stays strict

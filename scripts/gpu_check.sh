@@ -12,10 +12,10 @@
 #   sanitize  compute-sanitizer memcheck and racecheck over the memory-safety tests and one
 #             small case per kernel family (SANITIZE_K overrides the selection)
 #   bench     `amdqb bench SUITE --json $OUT/<device>.json` (SUITE defaults to all)
-#   tune      bench/tune.py sweeps (TUNE_PARTS), winners printed, not written
+#   tune      amdqb/bench/tune.py sweeps (TUNE_PARTS), winners printed, not written
 #   example   examples/serving_moe.py, small and Kimi configs
 #   nccl      the 2-process NCCL pooling tests (two GPUs)
-#   profile   ncu over the hot kernels at the seed shapes (bench/profile_kernels.py)
+#   profile   ncu over the hot kernels at the seed shapes (amdqb/bench/profile_kernels.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -77,7 +77,7 @@ run_bench() {  # SUITE (default all) -> $OUT/<device>.json, $OUT/bench.md
 }
 
 run_tune() {  # -> $OUT/tune.md, $OUT/tune.json
-  timeout "${TUNE_TIMEOUT:-300}" python -m bench.tune --json "$OUT/tune.json" \
+  timeout "${TUNE_TIMEOUT:-300}" python -m amdqb.bench.tune --json "$OUT/tune.json" \
     --parts "${TUNE_PARTS:-route,gate,align,decode,qbhist,router}" > "$OUT/tune.md" 2>&1
   local rc=$?
   tail -n 60 "$OUT/tune.md"
@@ -97,7 +97,7 @@ run_profile() {  # -> $OUT/ncu.txt
   timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off \
     --cache-control "${NCU_CACHE:-all}" --section SpeedOfLight --section LaunchStats \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-    python -m bench.profile_kernels > "$OUT/ncu.txt" 2>&1
+    python -m amdqb.bench.profile_kernels > "$OUT/ncu.txt" 2>&1
   local rc=$?
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu.txt" \
     | head -n 80
@@ -119,7 +119,7 @@ while [ $# -gt 0 ]; do
     profile) run_profile || status=1 ;;
     bench)
       suite=all
-      case "${1:-}" in route|router|chunks|balance|serving) suite=$1; shift ;; esac
+      case "${1:-}" in route|router|chunks|balance|serving|compat) suite=$1; shift ;; esac
       run_bench "$suite" || status=1 ;;
     full) AMDQB_RESUME_FROM=$RESUME_FROM run_tests || status=1
           run_sanitize || status=1; run_bench || status=1 ;;

@@ -61,7 +61,7 @@ def _method_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import float_range, int_range  # argparse types with ranges: errors name the option
+    from .._cli_types import float_range, int_range  # ranged argparse types: errors name the option
 
     pos = int_range(1)
     parser = argparse.ArgumentParser(
@@ -195,21 +195,20 @@ def _device_description(device: torch.device) -> str:
 def router_backend(method, device: torch.device, experts: int, topk: int) -> str:
     """The backend the amdqb router picks for ``method`` (``fp64 ref`` for the reference)."""
     from .. import dispatch
+    from ..backends.calls import RouterCall
 
     if method.selection == "fp64":
         return "fp64 ref"
     balancer = getattr(method, "balancer", None)
-    features = {
-        "num_experts": experts,
-        "topk": topk,
-        "score_function": "sigmoid",
-        "grouped": False,
-        "qb": balancer is not None,
-        "num_bins": balancer.num_bins if balancer is not None else 0,
-        "selection": method.selection,
-        "qb_binning": balancer.binning if balancer is not None else "uniform",
-    }
-    return dispatch.select("router_fwd", device, None, **features).backend
+    call = RouterCall(
+        experts,
+        topk,
+        selection=method.selection,
+        qb_mode="auto" if balancer is not None else None,
+        qb_binning=balancer.binning if balancer is not None else "uniform",
+        num_bins=balancer.num_bins if balancer is not None else 0,
+    )
+    return dispatch.select("router_fwd", device, None, call).backend
 
 
 def make_stream(args, device: torch.device, logit_scale: float) -> Stream:
@@ -250,7 +249,7 @@ def _simulate(args, device, logit_scale, names, quiet=False, label=""):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .. import dispatch
+    from ..devices import as_device
 
     args = build_parser().parse_args(argv)
     preset = KIMI if args.kimi else DEFAULTS
@@ -260,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device is None:
         args.device = "cuda" if args.kimi and torch.cuda.is_available() else "cpu"
     try:
-        device = dispatch.as_device(args.device)
-    except ValueError as err:
-        print(f"amdqb demo: error: --device: {err}", file=sys.stderr)
+        device = as_device(args.device, name="--device")  # the package's one device parser
+    except ValueError as exc:
+        print(f"amdqb demo: error: {exc}", file=sys.stderr)
         return 2
     if args.kimi and device.type == "cpu":
         print("note: --kimi on the CPU is slow; pass --device cuda on a GPU", file=sys.stderr)

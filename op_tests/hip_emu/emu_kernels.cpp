@@ -14,7 +14,13 @@ AMDQB_EMU_REGISTER(amdqb_router)
 AMDQB_EMU_REGISTER(amdqb_qb_hist)
 AMDQB_EMU_REGISTER(amdqb_qb_hist_bins)
 AMDQB_EMU_REGISTER(amdqb_router_decode)
-AMDQB_EMU_REGISTER(amdqb_scores)
+AMDQB_EMU_REGISTER(amdqb_router_scores)
+#elif defined(AMDQB_EMU_ROUTER_BWD)
+#include "router_bwd.hip"
+AMDQB_EMU_REGISTER(amdqb_router_bwd)
+#elif defined(AMDQB_EMU_TOPK)
+#include "topk.hip"
+AMDQB_EMU_REGISTER(amdqb_topk)
 #elif defined(AMDQB_EMU_ROUTE)
 #include "layout.hip"
 AMDQB_EMU_REGISTER(amdqb_route_atomic_i32)
@@ -29,8 +35,8 @@ AMDQB_EMU_REGISTER(amdqb_route_compact_i32)
 AMDQB_EMU_REGISTER(amdqb_route_compact_i64)
 AMDQB_EMU_REGISTER(amdqb_route_det_scan)
 AMDQB_EMU_REGISTER(amdqb_route_finalize)
-AMDQB_EMU_REGISTER(amdqb_align_rank_i32)
-AMDQB_EMU_REGISTER(amdqb_align_rank_i64)
+AMDQB_EMU_REGISTER(amdqb_align_hist)
+AMDQB_EMU_REGISTER(amdqb_align)
 #elif defined(AMDQB_EMU_CONVERT)
 // The prelude's scalar helpers, called directly from Python.
 #include "amdqb_prelude.h"
@@ -50,7 +56,8 @@ extern "C" void amdqb_emu_order_key(const float* x, int* y, long long n) {
   for (long long i = 0; i < n; ++i) y[i] = amdqb::order_key(x[i]);
 }
 #else
-#error "define AMDQB_EMU_ROUTER, AMDQB_EMU_ROUTE or AMDQB_EMU_CONVERT"
+#error                                                                                             \
+    "define AMDQB_EMU_ROUTER, AMDQB_EMU_ROUTER_BWD, AMDQB_EMU_TOPK, AMDQB_EMU_ROUTE or AMDQB_EMU_CONVERT"
 #endif
 
 AMDQB_EMU_RUNTIME_DEFINITIONS

@@ -65,6 +65,7 @@ from pathlib import Path
 from . import _spec
 
 OFFLINE_FORMAT = 1  # bump when the cache layout, the generated bitcode or the parsing changes
+INSPECT_FORMAT = 2  # bump when the reading of a code object changes (2: long branches are no calls)
 
 # Targets and the clang major versions that know them.
 AMD_ARCHS = ("gfx942", "gfx950", "gfx1100", "gfx1201", "gfx1250")
@@ -79,17 +80,25 @@ ROUTE_KERNELS = frozenset(
         for t in ("i32", "i64")
     }
     | {"amdqb_route_det_scan", "amdqb_route_finalize"}
-    | {f"amdqb_align_rank_{t}" for t in ("i32", "i64")}
+    | {"amdqb_align_hist", "amdqb_align"}
 )
+TOPK_KERNELS = frozenset({"amdqb_topk"})
+ROUTER_BWD_KERNELS = frozenset({"amdqb_router_bwd"})
 ROUTER_KERNELS = frozenset(
-    {"amdqb_router", "amdqb_qb_hist", "amdqb_qb_hist_bins", "amdqb_scores", "amdqb_router_decode"}
+    {
+        "amdqb_router",
+        "amdqb_qb_hist",
+        "amdqb_qb_hist_bins",
+        "amdqb_router_decode",
+        "amdqb_router_scores",
+    }
 )
 
 
 def arch_config(arch: str):
     """The runtime's config of ``arch`` (``amdqb/configs``, by its architecture family)."""
     from ... import configs
-    from ...dispatch import amd_arch_family
+    from ...devices import amd_arch_family
 
     return configs.load(amd_arch_family(arch.split(":")[0]))
 
@@ -110,13 +119,42 @@ def _variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
         (2048, "bfloat16", "sigmoid", {}),
     ]
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    return [("layout", _spec.layout_module(cfg))] + [
-        (
-            " ".join([f"router E={n} {short[dt]} {sf}", *opts]),
-            _spec.router_module(n, dt, sf, cfg, **opts),
-        )
-        for n, dt, sf, opts in routers
+    # the serving top-k at the peers' shapes: Mixtral, Qwen3-MoE, DeepSeek-V3 (grouped, bias),
+    # Kimi-K2 (bias)
+    from .topk import plan as topk_plan
+
+    topks = [
+        (8, 2, "float32", "softmax", None, None, None),
+        (128, 8, "bfloat16", "softmax", None, None, None),
+        (256, 8, "float32", "sigmoid", "float32", 8, 4),
+        (384, 8, "float32", "sigmoid", "bfloat16", None, None),
     ]
+    return (
+        [("layout", _spec.layout_module(cfg))]
+        + [
+            (
+                " ".join([f"router E={n} {short[dt]} {sf}", *opts]),
+                _spec.router_module(n, dt, sf, cfg, **opts),
+            )
+            for n, dt, sf, opts in routers
+        ]
+        + [
+            (
+                f"topk E={n} k={k} {short[dt]} {sf}"
+                + (f" bias {short[bdt]}" if bdt else "")
+                + (f" groups {g}/{tg}" if g else ""),
+                _spec.topk_module(topk_plan(n, k, sf, g, tg, cfg), dt, bdt, sf, cfg),
+            )
+            for n, k, dt, sf, bdt, g, tg in topks
+        ]
+        + [
+            (
+                f"router_bwd E={n} {short[dt]} {sf}",
+                _spec.router_bwd_module(n, dt, dt, sf),
+            )
+            for n, dt, sf in ((e, "float32", "sigmoid"), (256, "bfloat16", "softmax"))
+        ]
+    )
 
 
 def module_variants(arch: str = "gfx942") -> list[_spec.ModuleSpec]:
@@ -129,7 +167,11 @@ def module_variants(arch: str = "gfx942") -> list[_spec.ModuleSpec]:
 
 
 def expected_kernels(spec: _spec.ModuleSpec) -> frozenset:
-    return ROUTE_KERNELS if spec.kernel_file == "layout.hip" else ROUTER_KERNELS
+    return {
+        "layout.hip": ROUTE_KERNELS,
+        "topk.hip": TOPK_KERNELS,
+        "router_bwd.hip": ROUTER_BWD_KERNELS,
+    }.get(spec.kernel_file, ROUTER_KERNELS)
 
 
 def wave_size(arch: str) -> int:
@@ -751,13 +793,27 @@ def _read(path: Path, asm: Path | None) -> CodeObject:
         name = entry.get("name")
         if name:
             kernels[name] = Kernel(name, entry, info.get(name, {}), functions.get(name, []))
-    calls = [
-        (fn, text)
-        for fn, code in functions.items()
-        for _, text, _ in code
-        if re.match(r"s_(swappc|setpc|call)_b64\b", text)
-    ]
-    return CodeObject(path, target, flags, kernels, undefined, functions, calls)
+    return CodeObject(path, target, flags, kernels, undefined, functions, _calls(functions))
+
+
+def _calls(functions: dict) -> list:
+    """[(function, instruction)] of every call: s_swappc / s_call, and an s_setpc other than the
+    assembler's long branch -- ``s_getpc_b64 s[n:n+1]``, adds of a label's offset, ``s_setpc_b64
+    s[n:n+1]`` -- which relaxes a branch beyond s_branch's 16-bit offset (a large kernel's own
+    code, not a call)."""
+    out = []
+    for fn, code in functions.items():
+        for i, (_, text, _) in enumerate(code):
+            m = re.match(r"s_(swappc|setpc|call)_b64\s+(\S+)", text)
+            if m is None:
+                continue
+            if m.group(1) == "setpc":
+                pair = m.group(2)
+                before = [t for _, t, _ in code[max(0, i - 8) : i]]
+                if any(re.match(rf"s_getpc_b64\s+{re.escape(pair)}$", t) for t in before):
+                    continue
+            out.append((fn, text))
+    return out
 
 
 def _digest(path: Path) -> str:
@@ -767,6 +823,7 @@ def _digest(path: Path) -> str:
 def _save_inspection(co: CodeObject, dest: Path, asm: Path | None) -> None:
     data = {
         "format": OFFLINE_FORMAT,
+        "inspect": INSPECT_FORMAT,
         "hsaco": _digest(co.path),
         "asm": _digest(asm) if asm else None,
         "target": co.target,
@@ -785,6 +842,8 @@ def _load_inspection(path: Path, asm: Path | None, src: Path) -> CodeObject | No
     except (OSError, ValueError):
         return None
     if data.get("format") != OFFLINE_FORMAT or data.get("hsaco") != _digest(path):
+        return None
+    if data.get("inspect") != INSPECT_FORMAT:
         return None
     if data.get("asm") != (_digest(asm) if asm else None):
         return None

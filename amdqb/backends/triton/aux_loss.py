@@ -24,22 +24,14 @@ import torch
 import triton
 
 from ... import configs
+from ...devices import device_info
 from ...ref.router import pack_bitmap
+from ..calls import SCORE_CODES, AuxScoresRequest
 from . import _aux_loss_kernels as K
-from ._common import compile_options, on_device
+from ._common import compile_options, floor_pow2, on_device, pow2, row_stride
 from .codegen import KernelSpec
 
-MAX_EXPERTS = 8192
-
-_SCORES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def _floor_pow2(x: int) -> int:
-    return 1 << (max(1, int(x)).bit_length() - 1)
+MAX_ROW_EXPERTS = 8192
 
 
 def _config_of(family: str) -> dict:
@@ -50,14 +42,12 @@ def _config_of(family: str) -> dict:
 
 
 def _config(device: torch.device) -> dict:
-    from ... import dispatch
-
-    return _config_of(dispatch.device_info(device).arch_family)
+    return _config_of(device_info(device).arch_family)
 
 
 def _tile(E: int, cfg: dict) -> tuple[int, int, int]:
-    W = max(16, _next_pow2(E))
-    BT = _floor_pow2(max(1, cfg["row_elems"] // W))
+    W = max(16, pow2(E))
+    BT = floor_pow2(max(1, cfg["row_elems"] // W))
     warps = max(1, min(cfg["max_warps"], BT * W // cfg["elems_per_warp"]))
     return W, BT, warps
 
@@ -84,13 +74,15 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
             scores_out,
             byte_map,
             T,
+            row_stride(logits),
             E=E,
             K=topk,
             W=W,
             BT=BT,
-            SCORE=_SCORES[score_function],
+            SCORE=SCORE_CODES[score_function],
             EXTRACT=topk <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
+            DENSE=logits.is_contiguous(),
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -110,10 +102,12 @@ def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
             logits,
             grad_logits_out,
             T,
+            row_stride(logits),
             E=E,
             W=W,
             BT=BT,
-            SCORE=_SCORES[score_function],
+            SCORE=SCORE_CODES[score_function],
+            DENSE=logits.is_contiguous(),
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -129,7 +123,7 @@ def activation_values(logits: torch.Tensor, score_function: str) -> torch.Tensor
     block = 1024
     with on_device(x):
         K._activation_kernel[(triton.cdiv(n, block),)](
-            x, out, n, BLOCK=block, SCORE=_SCORES[score_function], **compile_options(x.device)
+            x, out, n, BLOCK=block, SCORE=SCORE_CODES[score_function], **compile_options(x.device)
         )
     return out
 
@@ -138,8 +132,8 @@ def activation_values(logits: torch.Tensor, score_function: str) -> torch.Tensor
 # Aux loss.
 # --------------------------------------------------------------------------------------------
 def _loss_tile(C: int, cfg: dict) -> tuple[int, int]:
-    BC = min(_next_pow2(C), 1024)
-    BR = _floor_pow2(max(1, cfg["loss_tile_elems"] // BC))
+    BC = min(pow2(C), 1024)
+    BR = floor_pow2(max(1, cfg["loss_tile_elems"] // BC))
     return BC, BR
 
 
@@ -161,9 +155,12 @@ def aux_loss_fwd(
             partial,
             R,
             rows_per,
+            row_stride(probs),
+            tokens_per_expert.stride(0),
             C=C,
             BC=BC,
             BR=BR,
+            DENSE=probs.is_contiguous(),
             num_warps=cfg["loss_warps"],
             **opts,
         )
@@ -176,7 +173,7 @@ def aux_loss_fwd(
             progs,
             float(coeff_host),
             float(coeff_prefix),
-            PB=max(16, _next_pow2(progs)),
+            PB=max(16, pow2(progs)),
             HAS_T=has_t,
             num_warps=1,
             **opts,
@@ -196,6 +193,7 @@ def aux_loss_bwd(coeff_buf, tokens_per_expert, grad_loss, grad_probs_out):
             grad_loss,
             grad_probs_out,
             R,
+            tokens_per_expert.stride(0),
             C=C,
             BR=BR,
             BC=BC,
@@ -205,12 +203,14 @@ def aux_loss_bwd(coeff_buf, tokens_per_expert, grad_loss, grad_probs_out):
 
 
 # --------------------------------------------------------------------------------------------
-# Dispatcher hooks.
+# Capability checks (the dispatcher's: a reason passes this backend over, the next one runs).
 # --------------------------------------------------------------------------------------------
-def _scores_unsupported(info, features):
-    e = features.get("num_experts", 0)
-    if e > MAX_EXPERTS:
-        return f"E > {MAX_EXPERTS} (num_experts={e}): a whole row is kept in registers"
+def aux_scores_limits(info, request: AuxScoresRequest) -> str | None:
+    if request.num_experts > MAX_ROW_EXPERTS:
+        return (
+            f"E > {MAX_ROW_EXPERTS} (num_experts={request.num_experts}): a whole row is kept in "
+            "registers"
+        )
     return None
 
 
@@ -220,7 +220,7 @@ OPS = {
     "aux_loss_fwd": aux_loss_fwd,
     "aux_loss_bwd": aux_loss_bwd,
 }
-UNSUPPORTED = {"aux_scores_fwd": _scores_unsupported, "aux_scores_bwd": _scores_unsupported}
+LIMITS = {"aux_scores_fwd": aux_scores_limits, "aux_scores_bwd": aux_scores_limits}
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,13 +244,16 @@ def codegen_specs(family: str = "gfx942") -> list:
             SCORE=score,
             EXTRACT=k <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
+            DENSE=True,
         )
         sig = {"logits_ptr": "*fp32", "scores_ptr": "*fp32", "map_ptr": "*u8", "T": "i32"}
+        sig["LS"] = "i32"
         sig.update({n: "constexpr" for n in const})
         specs.append(KernelSpec(name, K._aux_scores_fwd_kernel, sig, const, num_warps=warps))
     W, BT, warps = _tile(896, cfg)
-    bwd_const = dict(E=896, W=W, BT=BT, SCORE=1)
+    bwd_const = dict(E=896, W=W, BT=BT, SCORE=1, DENSE=True)
     bwd_sig = {"grad_ptr": "*fp32", "logits_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32"}
+    bwd_sig["LS"] = "i32"
     bwd_sig.update({n: "constexpr" for n in bwd_const})
     specs.append(
         KernelSpec(
@@ -258,9 +261,10 @@ def codegen_specs(family: str = "gfx942") -> list:
         )
     )
     BC, BR = _loss_tile(1024, cfg)
-    part_const = dict(C=1024, BC=BC, BR=BR)
+    part_const = dict(C=1024, BC=BC, BR=BR, DENSE=True)
     part_sig = {"probs_ptr": "*bf16", "tpe_ptr": "*i32", "partial_ptr": "*fp32", "R": "i32"}
-    part_sig.update({"rows_per_prog": "i32", **{n: "constexpr" for n in part_const}})
+    part_sig.update({"rows_per_prog": "i32", "PS": "i32", "TS": "i32"})
+    part_sig.update({n: "constexpr" for n in part_const})
     specs.append(
         KernelSpec(
             "aux_loss_partial",
@@ -277,7 +281,7 @@ def codegen_specs(family: str = "gfx942") -> list:
     specs.append(KernelSpec("aux_loss_final", K._aux_loss_final_kernel, fin_sig, fin_const, 1))
     bl_const = dict(C=1024, BR=BR, BC=BC)
     bl_sig = {"coeff_ptr": "*fp32", "tpe_ptr": "*i64", "grad_ptr": "*bf16", "out_ptr": "*bf16"}
-    bl_sig.update({"R": "i32", **{n: "constexpr" for n in bl_const}})
+    bl_sig.update({"R": "i32", "TS": "i32", **{n: "constexpr" for n in bl_const}})
     specs.append(
         KernelSpec("aux_loss_bwd", K._aux_loss_bwd_kernel, bl_sig, bl_const, cfg["loss_warps"])
     )

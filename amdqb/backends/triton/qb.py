@@ -68,7 +68,6 @@ def qb_step(
 
 
 OPS = {"qb_recover": qb_recover, "qb_step": qb_step}
-UNSUPPORTED: dict = {}
 
 
 _SCALE = dict(

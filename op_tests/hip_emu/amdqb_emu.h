@@ -295,4 +295,6 @@ struct Pool {
     done_cv.notify_all();                                                                          \
     watchdog.join();                                                                               \
   }                                                                                                \
-  }
+  }                                                                                                \
+  /* the runtime trims the pools of the libraries it has not launched lately */                    \
+  extern "C" void amdqb_emu_trim(int keep) { amdqb_emu::g_pool->shrink(keep); }

@@ -9,6 +9,7 @@ CPU tensors; ``data_ptr()`` is a host address.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import os
@@ -27,6 +28,11 @@ _BUILD_LOCK = threading.Lock()
 
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
+
+
+# libraries (by id) whose idle block threads are kept, least recently launched first
+_RECENT_POOLS: collections.OrderedDict[int, ctypes.CDLL] = collections.OrderedDict()
+_LIVE_POOLS = 8
 
 
 class EmuKernel:
@@ -98,10 +104,25 @@ class EmuRuntime:
         return self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_CONVERT")
 
     def kernel(self, device_index, spec, name):
-        fn = getattr(self._library(spec), f"amdqb_emu_launch_{name}")
+        lib = self._library(spec)
+        fn = getattr(lib, f"amdqb_emu_launch_{name}")
         fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong, ctypes.c_void_p]
         fn.restype = ctypes.c_int
-        return EmuKernel(fn, name)
+        kernel = EmuKernel(fn, name)
+        kernel.library = lib
+        return kernel
+
+    def _trim_idle_pools(self, lib) -> None:
+        """Every emulator library keeps a pool of idle block threads; hundreds of libraries (one
+        per kernel variant) in one test process exhausted the system's threads (the thread
+        creation failed: std::terminate). Only the most recently launched
+        ``_LIVE_POOLS`` libraries keep theirs."""
+        live = _RECENT_POOLS
+        live.pop(id(lib), None)
+        live[id(lib)] = lib
+        while len(live) > _LIVE_POOLS:
+            _, old = live.popitem(last=False)
+            old.amdqb_emu_trim(0)
 
     def launch(self, kernel, grid, block, smem, args):
         grid = _spec.grid3(grid)
@@ -112,6 +133,8 @@ class EmuRuntime:
         params = _spec.KernelParams(args)
         self.launches.append((kernel.name, tuple(grid), block, smem))
         kernel.fn(grid[0], grid[1], grid[2], block, smem, params.address)
+        if getattr(kernel, "library", None) is not None:
+            self._trim_idle_pools(kernel.library)
 
     def launch_dependent(self, kernel, grid, block, smem, args):
         """No overlap to model: the emulator runs grids one after another."""

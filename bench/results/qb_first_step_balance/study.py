@@ -70,9 +70,9 @@ def table(results: dict) -> str:
         m = cell["metrics"]
         ref, d, u = m["exact64"], m["qb_default"], m["qb_uniform"]
 
-        def first(row):
+        def first(row, shifted=cell["shift_at"] is not None):
             text = _hit(row["first_hit"])
-            if cell["shift_at"] is not None:
+            if shifted:
                 text += f" / {_hit(row['first_hit_after_shift'])} (peak {row['recovery_peak']:.2f})"
             return text
 

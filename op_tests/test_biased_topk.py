@@ -67,6 +67,28 @@ def test_biased_topk(backend, score, bias, grouped, renormalize):
 
 
 @over_backends("biased_topk")
+@pytest.mark.parametrize("score,bias", [("softmax", False), ("sigmoid", True)])
+@pytest.mark.parametrize("e,k", [(8, 2), (40, 12), (64, 6)])
+def test_biased_topk_rows_of_few_lanes(monkeypatch, backend, score, bias, e, k):
+    """hip's rows of few lanes (from hip.topk.wide_min_tokens tokens on; E=8: a thread per row,
+    E=40: k=12 routes over 8 lanes) give the oracle's ids and the same bits as its decode rows
+    (the softmax sum and the weights' sum keep their order)."""
+    z = tie_free_logits(9, e, seed=e + k)
+    eb = torch.linspace(0.2, -0.2, e, device=DEVICE) if bias else None
+    kw = dict(score_function=score, renormalize=True, scaling_factor=2.5)
+    decode = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
+    set_config(monkeypatch, {"hip.topk.wide_min_tokens": 1})
+    if backend == "hip":
+        wide = topk_plan(e, k, score, None, None, device_config(), tokens=9)
+        assert wide.lanes < topk_plan(e, k, score, None, None, device_config()).lanes
+    w, ids = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
+    w_ref, ids_ref = ref.biased_topk(z, k, eb, **kw)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, **tol(e))
+    assert torch.equal(ids, decode[1]) and torch.equal(w, decode[0])
+
+
+@over_backends("biased_topk")
 def test_biased_topk_shapes_and_ties(backend):
     e = E_MAIN
     z = adversarial_rows(e)

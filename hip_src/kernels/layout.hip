@@ -602,8 +602,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   AMDQB_DYN_SHARED(lds);
   AMDQB_SHARED(u32, warp_sums, 32);
-  constexpr int MAX_PER_THREAD = 16;  // the op keeps E <= 16 * blockDim.x
-  constexpr int CACHED = 16;  // chunks of 32 buckets a lane keeps from the count to the walk
+  // chunks of 32 buckets a lane keeps from the count to the walk. The kernel runs as one block
+  // for small M, where its straight-line code is fetched cold: loops stay rolled (no unrolled
+  // per-expert or per-chunk copies of the walk; an unrolled build was 254 KiB of SASS on sm_90).
+  constexpr int CACHED = 4;
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int lane = lane_id();
@@ -648,10 +650,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
 
   // 3. Each warp's first slot in each bucket relative to the bucket's padded start (earlier tiles
   // + earlier warps of the tile), and the bucket's padded size.
-#pragma unroll
-  for (int u = 0; u < MAX_PER_THREAD; ++u) {
-    const int e = tid + u * nt;
-    if (e < E) {
+#pragma unroll 1
+  for (int e = tid; e < E; e += nt) {
+    {
       int before = 0, total = 0;
       if (p.tiles > 1) {
         // the column in batches of COLS independent loads (one at a time, each add would wait
@@ -670,6 +671,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
         }
       }
       int r = before;
+#pragma unroll 1
       for (int v = 0; v < warps; ++v) {
         const int c = next[v * E + e];
         next[v * E + e] = r;
@@ -715,25 +717,19 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
     if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;
   }
 
-  // 5. Ranks in flat order, 32 routes at a time: the lowest peer advances the bucket's slot.
-  // Past the cached chunks the next chunk's bucket is loaded before this chunk is ranked (the
-  // walk is sequential).
+  // 5. Ranks in flat order, 32 routes at a time: the lowest peer advances the bucket's slot. The
+  // cached buckets shift down one chunk per step (register moves, no indexing); past them the
+  // next chunk's bucket is loaded one step ahead (the walk is sequential).
   i64 i = r0 + lane;
+  int b_next = i + (i64)CACHED * 32 < r1 ? bucket_of(p, i + (i64)CACHED * 32) : -1;
+#pragma unroll 1
+  for (i64 c0 = r0; c0 < r1; c0 += 32, i += 32) {  // uniform across the warp
+    const int b = cached[0];
 #pragma unroll
-  for (int c = 0; c < CACHED; ++c, i += 32) {
-    if (r0 + (i64)c * 32 >= r1) break;  // uniform across the warp
-    const int b = cached[c];
-    const int slot = warp_claim_slot(mine, b, lane, bits);
-    if (b >= 0) {
-      const i64 at = (i64)start[b] + slot;
-      if (at < p.sorted_len) p.sorted_ids[at] = (int)i;
-    }
-    warp_sync();  // mine[] updates visible to the next chunk's leaders
-  }
-  int b_next = i < r1 ? bucket_of(p, i) : -1;
-  for (i64 c0 = r0 + (i64)CACHED * 32; c0 < r1; c0 += 32, i += 32) {  // uniform across the warp
-    const int b = b_next;
-    b_next = i + 32 < r1 ? bucket_of(p, i + 32) : -1;
+    for (int c = 0; c + 1 < CACHED; ++c) cached[c] = cached[c + 1];
+    cached[CACHED - 1] = b_next;
+    const i64 ahead = i + (i64)(CACHED + 1) * 32;
+    b_next = ahead < r1 ? bucket_of(p, ahead) : -1;
     const int slot = warp_claim_slot(mine, b, lane, bits);
     if (b >= 0) {
       const i64 at = (i64)start[b] + slot;

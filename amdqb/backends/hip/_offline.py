@@ -123,11 +123,15 @@ def _variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
     # Kimi-K2 (bias)
     from .topk import plan as topk_plan
 
+    # (and the rows of few lanes amdqb_topk takes from hip.topk.wide_min_tokens tokens on)
+    wide = 1 << 20
     topks = [
-        (8, 2, "float32", "softmax", None, None, None),
-        (128, 8, "bfloat16", "softmax", None, None, None),
-        (256, 8, "float32", "sigmoid", "float32", 8, 4),
-        (384, 8, "float32", "sigmoid", "bfloat16", None, None),
+        (8, 2, "float32", "softmax", None, None, None, None),
+        (8, 2, "float32", "softmax", None, None, None, wide),
+        (128, 8, "bfloat16", "softmax", None, None, None, None),
+        (128, 8, "bfloat16", "softmax", None, None, None, wide),
+        (256, 8, "float32", "sigmoid", "float32", 8, 4, None),
+        (384, 8, "float32", "sigmoid", "bfloat16", None, None, None),
     ]
     return (
         [("layout", _spec.layout_module(cfg))]
@@ -142,10 +146,11 @@ def _variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
             (
                 f"topk E={n} k={k} {short[dt]} {sf}"
                 + (f" bias {short[bdt]}" if bdt else "")
-                + (f" groups {g}/{tg}" if g else ""),
-                _spec.topk_module(topk_plan(n, k, sf, g, tg, cfg), dt, bdt, sf, cfg),
+                + (f" groups {g}/{tg}" if g else "")
+                + (" wide rows" if t else ""),
+                _spec.topk_module(topk_plan(n, k, sf, g, tg, cfg, tokens=t), dt, bdt, sf, cfg),
             )
-            for n, k, dt, sf, bdt, g, tg in topks
+            for n, k, dt, sf, bdt, g, tg, t in topks
         ]
         + [
             (

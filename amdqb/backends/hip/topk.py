@@ -7,8 +7,10 @@ order of ``routes_sum``).
 
 Row plan (:func:`plan`): a token row is ``lanes`` lanes of a logical warp holding ``slots`` experts
 each. Without groups lane ``l`` holds experts ``l + lanes * i``, the fewest lanes (a power of two
-<= 32) that keep ``hip.topk.lane_slots`` experts or fewer per lane -- one thread per row for small
-E, several rows per warp: in-register work is cheaper than the cross-lane merges. Each lane stands
+<= 32) that keep ``hip.topk.decode_lane_slots`` experts or fewer per lane -- below
+``hip.topk.wide_min_tokens`` tokens, where a call's latency is its row's dependent chain -- or
+``hip.topk.lane_slots`` from there on (one thread per row for small E, several rows per warp:
+in-register work costs less than the cross-lane merges when the GPU is full). Each lane stands
 for whole lanes of torch's warp-softmax layout (``min(32, next_pow2(E))`` lanes), so the softmax
 sum runs in torch's order. With
 groups a lane holds ``slots`` consecutive experts and each group spans ``group_lanes`` whole lanes
@@ -64,6 +66,7 @@ def plan(
     cfg,
     group_best: int = 1,
     dense: bool = False,
+    tokens: int | None = None,
 ) -> TopkPlan | None:
     """The row plan of amdqb_topk for this configuration, or None (declined). ``group_best``: the
     best entries a group's score sums (vLLM / SGLang: 2 with a bias, 1 without; TE: k /
@@ -75,7 +78,9 @@ def plan(
         if dense:  # the strided bit map packs a byte per 8 lanes: torch's lanes
             lanes = min(32, _pow2_at_least(num_experts))
         else:
-            lanes = min(32, _pow2_at_least(cdiv(num_experts, int(cfg["hip.topk.lane_slots"]))))
+            wide = tokens is not None and tokens >= int(cfg["hip.topk.wide_min_tokens"])
+            per_lane = int(cfg["hip.topk.lane_slots" if wide else "hip.topk.decode_lane_slots"])
+            lanes = min(32, _pow2_at_least(cdiv(num_experts, per_lane)))
         slots = cdiv(num_experts, lanes)
         if slots > max_slots:
             return None
@@ -210,6 +215,7 @@ def biased_topk(rt, call: TopkCall, logits, expert_bias, weights_out, ids_out, t
         call.group_topk,
         cfg,
         2 if expert_bias is not None else 1,  # vLLM / SGLang: a group's best two with a bias
+        tokens=tokens,
     )
     if row_plan is not None:
         launch(rt, call, row_plan, logits, expert_bias, weights_out, ids_out, tei_out, non_padded)

@@ -187,7 +187,8 @@ def test_entry_points_launch_one_kernel_on_the_gpu(monkeypatch, tokens):
     dispatch._select.cache_clear()
     for name, fn in _entry_points(tokens).items():
         kernels = _profiled_kernels(fn)
-        assert kernels == ["amdqb_topk"], (name, tokens, kernels)
+        # amdqb_topk, or amdqb_router where the config sends a row shape there (hip.topk.max_slots)
+        assert len(kernels) == 1 and kernels[0].startswith("amdqb_"), (name, tokens, kernels)
 
 
 @pytest.mark.skipif(not HAS_GPU, reason="profiles the kernels one call launches on a GPU")

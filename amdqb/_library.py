@@ -83,9 +83,17 @@ def _schema_annotation(hint):
     return hint
 
 
-def call_op(name: str, call_type: type, tensors: tuple[str, ...], mutates_args: tuple[str, ...]):
+def call_op(
+    name: str,
+    call_type: type,
+    tensors: tuple[str, ...],
+    mutates_args: tuple[str, ...],
+    compiled_check: Callable | None = None,
+):
     """Register ``amdqb::name`` for a call type and its tensors (every tensor Optional: the call
-    says which are used); returns the :class:`CallOp`."""
+    says which are used); returns the :class:`CallOp`. ``compiled_check(call, *tensors)`` runs
+    before the backend when a compiled graph executes the op: the checks of values that tracing
+    cannot read (eager calls run them in the op itself)."""
     hints = typing.get_type_hints(call_type)
     names = [f.name for f in fields(call_type)]
     params = [
@@ -108,6 +116,8 @@ def call_op(name: str, call_type: type, tensors: tuple[str, ...], mutates_args: 
     def body(*args, **kwargs):
         bound = signature.bind(*args, **kwargs).args
         call = call_type(**dict(zip(names, bound[nt:-1])))
+        if compiled_check is not None:
+            compiled_check(call, *bound[:nt])
         impl(name, bound[-1])(call, *bound[:nt])
 
     signature = inspect.Signature(params, return_annotation=None)

@@ -1,29 +1,45 @@
 """Quantile Balancing (Kimi K3 §2.3.3) as a persistent, graph-safe balancer, plus the
 aux-loss-free baseline and the load metrics.
 
-``QuantileBalancer`` owns buffers whose addresses never change:
+``QuantileBalancer(num_experts, topk)`` balances from its first step, at any logit scale: it
+routes by the tie-free selection ``b - sigmoid(-z)`` (no fp32 ties once the sigmoid saturates)
+and recovers each expert's bias change from a 64-bin histogram of its biased margin on the
+expert's own log axis (``binning="log_margin"``, ``docs/qb_binning.md``). K3's uniform histogram
+with TransformerEngine's selection is the explicit TE-exact option:
+``QuantileBalancer(num_experts, topk, binning="uniform")``.
+
+It owns buffers whose addresses never change:
 
 * ``bias``       fp32 ``[E]``    selection bias, initialised to 0;
-* ``bin_bounds`` fp32 ``[2]``    the histogram's axis: ``[L, U]`` for the uniform binning
-  (initialised to ``[-1, 1]``), ``[eps, 1/eps]`` for log_margin (``eps = rho * spread(bias)``);
+* ``bin_bounds`` fp32            the histogram's axis: ``[L, U]`` for the uniform binning
+  (initialised to ``[-1, 1]``), the per-expert inverse scales ``[E]`` for log_margin
+  (initialised to ``2^68``: the first step sees any correction from ``2^-68`` to 1);
 * ``histogram``  int32 ``[E, B]`` counts accumulated by every routed (micro)batch since the last step;
-* ``rejected_steps`` int32 ``[1]`` steps whose candidate state was not finite (kept out).
+* ``rejected_steps`` int32 ``[1]`` steps whose candidate state was not committed.
 
 ``step()`` sums the histogram over ``process_group`` (one integer all-reduce, so the recovered
 quantile is the pooled global-batch quantile, not a mean of per-rank quantiles), recovers the
 App. D bias (uniform) or bias change (log_margin), mixes it with the old bias (``ema``), centres
-it, sets the new axis, marks the bounds validated and zeroes the histogram -- all in place, with
-no host synchronisation, so it can be captured in a CUDA/HIP graph with the training step. A step
-whose result is not finite commits nothing and counts in ``rejected_steps``; a bias or bounds
-overwritten with non-finite values from outside are restored from the last committed state
-before the update.
+it (uniform: the mean; log_margin: the minimum at 0, where fp32 spacing is finest, with the spread
+capped at 4), sets the new axis, marks the bounds validated and zeroes the histogram -- all in
+place, with no host synchronisation, so it can be captured in a CUDA/HIP graph with the training
+step. A step whose result is not finite, or whose histogram holds a negative (wrapped) count,
+commits nothing and counts in ``rejected_steps``; a bias or bounds overwritten with non-finite
+values from outside are restored from the last committed state before the update.
 
-Capacity: the int32 histogram holds at most ``2**31 - 1`` tokens per step summed over the ranks of
-the process group; ``route`` refuses a batch that would pass it (a host count, no device read).
+Capacity: the int32 histogram holds at most ``2**31 - 1`` tokens per bin and step, summed over the
+ranks of the process group. ``route`` refuses a batch that would pass ``2**31 - 1`` tokens since
+the last ``step`` (a host count, no device read). The count also runs while a graph is captured,
+so a captured sequence is checked once, at capture; its replays are not seen by the host. A
+graph that routes and steps starts every replay from a zeroed histogram; one replayed without a
+step in between accumulates, and the device-side check takes over: a bin past ``2**31 - 1`` wraps
+negative and the step rejects that histogram (exact while fewer than ``2**32`` tokens are routed
+between two steps).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -43,15 +59,15 @@ from .ops._checks import (
 )
 from .ops.qb import qb_step_
 from .ops.router import (
-    MAX_MARGIN_BINS,
     check_qb_bounds_values,
     fused_topk_with_score_function,
     mark_qb_bin_bounds_validated,
 )
 from .ref import qb as _ref_qb
-from .ref.router import BINNINGS, SELECTIONS
+from .ref.router import BINNINGS, MAX_MARGIN_BINS, MIN_MARGIN_BINS, SELECTIONS
 
 DEFAULT_BINS = {"log_margin": 64, "uniform": 1000}
+DEFAULT_SELECTION = {"log_margin": "tie_free", "uniform": "te"}
 MAX_UNIFORM_BINS = 1 << 16
 MAX_HISTOGRAM = 1 << 27  # E * B counts of the int32 histogram (512 MiB)
 
@@ -62,16 +78,18 @@ class QuantileBalancer:
     Args:
         num_experts: E (2 ... 65536).
         topk: experts per token (``0 < topk < E``).
-        binning: ``"log_margin"`` (default: the biased margin on a log axis scaled to the bias
-            spread, resolution relative to the correction; 64 bins) or ``"uniform"`` (K3 and TE's
-            histogram of ``alpha - s`` over ``[min b - 1, max b + 1]``; 1000 bins).
-        num_bins: B (default 64 for log_margin, 1000 for uniform).
-        selection: ``"te"`` (TE's ``s + b``) or ``"tie_free"`` (``b - sigmoid(-z)``: no fp32 ties
-            once the sigmoid saturates; log_margin only).
+        binning: ``"log_margin"`` (default: each expert's biased margin on its own log axis, the
+            resolution relative to that expert's correction; 64 bins) or ``"uniform"`` (K3 and
+            TE's histogram of ``alpha - s`` over ``[min b - 1, max b + 1]``; 1000 bins).
+        num_bins: B (default 64 for log_margin, even, 64 ... 256; 1000 for uniform, 2 ... 65536).
+        selection: ``"tie_free"`` (``b - sigmoid(-z)``: no fp32 ties once the sigmoid saturates;
+            the default with log_margin) or ``"te"`` (TE's ``s + b``: the default, and the only
+            choice, with uniform).
         ema: weight of the previous bias in ``new = ema*old + (1-ema)*recovered`` (0 = K3).
-        process_group: group to all-reduce the histogram over; ``None`` uses the default group
-            when torch.distributed is initialised, else no collective.
-        device: where the buffers live.
+        process_group: a ``torch.distributed`` process group to all-reduce the histogram over;
+            ``None`` uses the default group when torch.distributed is initialised, else no
+            collective.
+        device: where the buffers live (the CPU or a CUDA/ROCm device).
     """
 
     def __init__(
@@ -81,7 +99,7 @@ class QuantileBalancer:
         *,
         binning: str = "log_margin",
         num_bins: Optional[int] = None,
-        selection: str = "te",
+        selection: Optional[str] = None,
         ema: float = 0.0,
         process_group=None,
         device: Optional[torch.device | str] = None,
@@ -89,17 +107,20 @@ class QuantileBalancer:
         num_experts = check_int("num_experts", num_experts, low=2, high=MAX_ALLOCATED_EXPERTS)
         topk = check_int("topk", topk, low=1, high=num_experts - 1)
         check_choice("binning", binning, BINNINGS)
+        if selection is None:
+            selection = DEFAULT_SELECTION[binning]
         check_choice("selection", selection, SELECTIONS)
         if selection == "tie_free" and binning != "log_margin":
             raise ValueError("selection='tie_free' needs binning='log_margin'")
         if num_bins is None:
             num_bins = DEFAULT_BINS[binning]
-        high = MAX_MARGIN_BINS if binning == "log_margin" else MAX_UNIFORM_BINS
-        num_bins = check_int(
-            "num_bins", num_bins, low=4 if binning == "log_margin" else 2, high=high
-        )
-        if binning == "log_margin" and num_bins % 2:
-            raise ValueError(f"num_bins must be even for binning='log_margin', got {num_bins}")
+        if binning == "log_margin":
+            # below 64 bins the axis has no room for its fine keys (docs/qb_binning.md)
+            num_bins = check_int("num_bins", num_bins, low=MIN_MARGIN_BINS, high=MAX_MARGIN_BINS)
+            if num_bins % 2:
+                raise ValueError(f"num_bins must be even for binning='log_margin', got {num_bins}")
+        else:
+            num_bins = check_int("num_bins", num_bins, low=2, high=MAX_UNIFORM_BINS)
         if num_experts * num_bins > MAX_HISTOGRAM:
             raise ValueError(
                 f"num_experts * num_bins = {num_experts * num_bins} histogram counts exceed "
@@ -108,6 +129,7 @@ class QuantileBalancer:
         ema = check_float("ema", ema)
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
+        _check_process_group(process_group)
         device = _check_device(device)
         self.num_experts = num_experts
         self.topk = topk
@@ -117,7 +139,7 @@ class QuantileBalancer:
         self.ema = ema
         self.process_group = process_group
         self.bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
-        self.bin_bounds = self._initial_bounds(self.bias)
+        self.bin_bounds = self._initial_bounds(device)
         self.histogram = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
         self.rejected_steps = torch.zeros(1, dtype=torch.int32, device=device)
         # the last committed state: restores a bias or bounds overwritten from outside
@@ -125,10 +147,10 @@ class QuantileBalancer:
         self._pending_tokens = 0
         mark_qb_bin_bounds_validated(self.bin_bounds)
 
-    def _initial_bounds(self, bias: torch.Tensor) -> torch.Tensor:
+    def _initial_bounds(self, device) -> torch.Tensor:
         if self.binning == "uniform":
-            return torch.tensor([-1.0, 1.0], dtype=torch.float32, device=bias.device)
-        return _ref_qb.margin_scale(bias)
+            return torch.tensor([-1.0, 1.0], dtype=torch.float32, device=device)
+        return _ref_qb.initial_margin_scale(self.num_experts, device)
 
     @property
     def device(self) -> torch.device:
@@ -165,6 +187,7 @@ class QuantileBalancer:
         if accumulate is None:
             accumulate = torch.is_grad_enabled()
         accumulate = check_bool("accumulate", accumulate)
+        approximate_activation = check_bool("approximate_activation", approximate_activation)
         if accumulate:
             tokens = logits.numel() // max(1, logits.shape[-1]) if logits.dim() else 0
             if (self._pending_tokens + tokens) * self._world_size() > INT32_MAX:
@@ -225,8 +248,9 @@ class QuantileBalancer:
         """All-reduce, recover, EMA, centre, new bounds, mark validated, zero the histogram.
 
         A bias or bounds entry made non-finite (or bounds made invalid) from outside is first
-        restored from the last committed state; a candidate state that is not finite is not
-        committed and counts in ``rejected_steps``. Device ops only: no host sync."""
+        restored from the last committed state; a candidate state that is not finite, or a
+        histogram with a negative (wrapped) count, is not committed and counts in
+        ``rejected_steps``. Device ops only: no host sync."""
         check_backend(backend)
         self.all_reduce_histogram()
         # the bounds are trusted here: the update reads them through the committed state
@@ -259,7 +283,11 @@ class QuantileBalancer:
     def load_state_dict(self, state: dict) -> None:
         """Copy a saved state into the existing buffers (addresses unchanged), after checking all
         of it: the settings must match this balancer's, ``ema`` lie in ``[0, 1)``, the bias be
-        finite and the bounds valid for the binning. Nothing is changed when a check fails."""
+        finite (uniform: with ``max - min + 2`` finite in fp32, the span of its bounds) and the
+        bounds valid for the binning. Tensors are copied by value (one that requires grad loses
+        nothing; a meta tensor is refused). A log_margin state saved with the earlier global
+        ``[eps, 1/eps]`` axis keeps its bias and restarts the axis wide. Nothing is changed when
+        a check fails."""
         if not isinstance(state, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state).__name__}")
         for key in ("bias", "bin_bounds", "num_bins", "topk", "ema"):
@@ -282,25 +310,68 @@ class QuantileBalancer:
             "state_dict['bias']", state["bias"], dtypes=(torch.float32,), shape=(self.num_experts,)
         )
         bounds = check_tensor(
-            "state_dict['bin_bounds']", state["bin_bounds"], dtypes=(torch.float32,), shape=(2,)
+            "state_dict['bin_bounds']", state["bin_bounds"], dtypes=(torch.float32,), dim=1
         )
+        for name, t in (("state_dict['bias']", bias), ("state_dict['bin_bounds']", bounds)):
+            if t.device.type == "meta":
+                raise ValueError(f"{name} is on the meta device: it holds no values to load")
         # a load is a host-side event: reading the values here is allowed
-        if not bool(torch.isfinite(bias).all()):
+        bias_values = bias.detach().cpu()
+        if not bool(torch.isfinite(bias_values).all()):
             raise ValueError("state_dict['bias'] must be finite")
-        lower, upper = (float(v) for v in bounds.detach().cpu().tolist())
-        check_qb_bounds_values(lower, upper, self.binning, "state_dict['bin_bounds']")
-        self.bias.copy_(bias)
-        self.bin_bounds.copy_(bounds)
-        torch.cat([self.bias, self.bin_bounds], out=self._committed)
+        bound_values = bounds.detach().cpu()
+        if self.binning == "uniform":
+            if bound_values.shape != (2,):
+                raise ValueError(
+                    f"state_dict['bin_bounds'] must have shape (2,) for binning='uniform', got "
+                    f"{tuple(bound_values.shape)}"
+                )
+            span = float(bias_values.max()) - float(bias_values.min()) + 2.0
+            if not math.isfinite(torch.tensor(span, dtype=torch.float32).item()):
+                raise ValueError(
+                    f"state_dict['bias'] spans {span:.3g}: its uniform bounds [min - 1, max + 1] "
+                    "would not be finite in fp32, so no step could balance from it"
+                )
+        elif bound_values.shape == (2,) and self.num_experts != 2:
+            bound_values = _ref_qb.initial_margin_scale(self.num_experts)  # the global axis
+        elif bound_values.shape != (self.num_experts,):
+            raise ValueError(
+                f"state_dict['bin_bounds'] must have shape ({self.num_experts},) for "
+                f"binning='log_margin' (the per-expert inverse scales), got "
+                f"{tuple(bound_values.shape)}"
+            )
+        check_qb_bounds_values(bound_values.tolist(), self.binning, "state_dict['bin_bounds']")
+        # every check passed: the writes below cannot fail on the values
+        with torch.no_grad():
+            self.bias.copy_(bias_values)
+            self.bin_bounds.copy_(bound_values)
+            torch.cat([self.bias, self.bin_bounds], out=self._committed)
+            self.histogram.zero_()
         mark_qb_bin_bounds_validated(self.bin_bounds)
         self.ema = ema
-        self.histogram.zero_()
         self._pending_tokens = 0
 
 
+def _check_process_group(group) -> None:
+    """``process_group=``: None or a ``torch.distributed`` process group (not a name)."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    process_group = getattr(dist, "ProcessGroup", None)
+    if process_group is None or not isinstance(group, process_group):
+        raise TypeError(
+            f"process_group must be a torch.distributed ProcessGroup or None, got {group!r}"
+        )
+
+
 def _check_device(device) -> torch.device:
-    """``device=``: None (the CPU), a ``torch.device`` or its string; an available one."""
-    return torch.device("cpu") if device is None else dispatch.as_device(device)
+    """``device=``: None (the CPU), a ``torch.device`` or its string; the CPU or an available
+    CUDA/ROCm device."""
+    dev = torch.device("cpu") if device is None else dispatch.as_device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be the CPU or a CUDA/ROCm device, got {device!r}")
+    return dev
 
 
 @torch.no_grad()

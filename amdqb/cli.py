@@ -23,9 +23,11 @@ COMMAND_HELP = {
     ),
     "demo": (
         "QB balancing at a glance",
-        "six balancers (none / aux-loss-free sign rule / QB uniform / QB log_margin / QB exact / "
-        "QB tie-free) on one drifting, skewed token stream: MaxVio per step, cutoff diagnostics, "
-        "summary.json and a plot; --compare-scales over logit stds",
+        "balancers (none / aux-loss-free sign rule / QB K3 uniform / the default QuantileBalancer "
+        "/ QB exact fp32) against exact tie-free QB in float64 on one drifting, skewed token "
+        "stream: MaxVio of the first steps and per step, the first step within 1.5x of the "
+        "reference, summary.json and a plot; --compare-scales over logit stds, --stream for the "
+        "suite's streams",
     ),
     "bench": (
         "microbenchmarks (suites below)",

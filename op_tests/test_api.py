@@ -80,7 +80,7 @@ def test_public_signatures_match_spec():
         "device",
     ]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(balancer.values())[2:])
-    assert balancer["binning"].default == "log_margin" and balancer["selection"].default == "te"
+    assert balancer["binning"].default == "log_margin" and balancer["selection"].default is None
 
 
 ROUTER_BACKENDS = pytest.mark.parametrize(

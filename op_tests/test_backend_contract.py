@@ -97,7 +97,9 @@ def _inputs(kind):
 
 
 def _bounds(call):
-    return torch.tensor([-1.5, 1.5] if call.qb_binning == "uniform" else [1e-3, 1e3], device=DEVICE)
+    if call.qb_binning == "uniform":
+        return torch.tensor([-1.5, 1.5], device=DEVICE)
+    return torch.logspace(2, 4, call.num_experts, device=DEVICE)  # per-expert inverse scales
 
 
 def _run(fn, call, z, bias):

@@ -434,7 +434,14 @@ UNIFORM_BOUNDS = {
     "huge": [-3e38, 3e38],
     "tiny": [0.0, 1e-38],
 }
-MARGIN_BOUNDS = {"nan": [NAN, NAN], "zero": [0.0, 0.0], "negative": [-1.0, -5.0], "inf": [INF, INF]}
+# log_margin bounds are per-expert inverse scales: a value for every expert, cycled over E
+MARGIN_BOUNDS = {
+    "nan": [NAN],
+    "zero": [0.0],
+    "negative": [-1.0, -5.0],
+    "inf": [INF],
+    "mixed": [NAN, 0.0, 2.0**120, 1.0, -INF, 3e38],
+}
 
 
 @pytest.mark.parametrize("impl", impls("router_fwd"))
@@ -446,7 +453,8 @@ MARGIN_BOUNDS = {"nan": [NAN, NAN], "zero": [0.0, 0.0], "negative": [-1.0, -5.0]
 def test_memsafe_router_qb_histogram(impl, mode, binning, bounds):
     """Bounds a trusted producer marked validated without checking (any values), a bias and logits
     with NaN / inf: every histogram row gains exactly T counts, inside its buffer."""
-    t, e, k, nb = 6, 16, 3, 8
+    t, e, k = 6, 16, 3
+    nb = 8 if binning == "uniform" else 64
     g = torch.Generator().manual_seed(len(bounds))
     logits = torch.randn(t, e, generator=g)
     logits[0, :3] = torch.tensor([NAN, INF, -INF])
@@ -456,7 +464,10 @@ def test_memsafe_router_qb_histogram(impl, mode, binning, bounds):
     table = UNIFORM_BOUNDS if binning == "uniform" else MARGIN_BOUNDS
     logits_b = Banded((t, e), torch.float32, logits, band_value=0.0)
     bias_b = Banded((e,), torch.float32, bias, band_value=0.0)
-    bounds_b = Banded((2,), torch.float32, torch.tensor(table[bounds]))
+    values = torch.tensor(table[bounds])
+    if binning == "log_margin":
+        values = values.repeat(e)[:e]
+    bounds_b = Banded(tuple(values.shape), torch.float32, values)
     hist_b = Banded((e, nb), torch.int32, torch.full((e, nb), 2, dtype=torch.int32))
     probs_b = Banded((t, e), torch.float32)
     idx_b = Banded((t, k), torch.int32)
@@ -494,12 +505,12 @@ def _histogram(kind, e, b, dtype, g):
 def test_memsafe_qb_recover(impl, kind, binning):
     """Counts are values, never addresses: any histogram keeps every access inside the buffers;
     the estimate follows the oracle's arithmetic on the given counts."""
-    e, b = 6, 10
+    e, b = 6, (10 if binning == "uniform" else 64)
     g = torch.Generator().manual_seed(len(kind))
     hist = _histogram(kind, e, b, torch.int32, g)
-    bounds = [-1.0, 1.0] if binning == "uniform" else [0.01, 100.0]
+    bounds = [-1.0, 1.0] if binning == "uniform" else [100.0, 1.0, 2.0**40, 8.0, 0.5, 2.0**120]
     hist_b = Banded((e, b), torch.int32, hist, band_value=1)
-    bounds_b = Banded((2,), torch.float32, torch.tensor(bounds))
+    bounds_b = Banded((len(bounds),), torch.float32, torch.tensor(bounds))
     bias_b = Banded((e,), torch.float32, torch.linspace(-0.1, 0.1, e))
     out_b = Banded((e,), torch.float32)
     bias = bias_b.t if binning == "log_margin" else None
@@ -513,14 +524,16 @@ def test_memsafe_qb_recover(impl, kind, binning):
 
 @pytest.mark.parametrize("impl", impls("qb_step"))
 @pytest.mark.parametrize("kind", HIST_CASES)
-def test_memsafe_qb_step(impl, kind):
-    e, b = 6, 10
+@pytest.mark.parametrize("binning", ["uniform", "log_margin"])
+def test_memsafe_qb_step(impl, kind, binning):
+    e, b = 6, (10 if binning == "uniform" else 64)
     g = torch.Generator().manual_seed(len(kind) + 1)
     hist_b = Banded((e, b), torch.int32, _histogram(kind, e, b, torch.int32, g), band_value=1)
     bias_b = Banded((e,), torch.float32, torch.linspace(-0.1, 0.1, e))
-    bounds_b = Banded((2,), torch.float32, torch.tensor([-1.5, 1.5]))
+    bounds = [-1.5, 1.5] if binning == "uniform" else [2.0**k for k in (0, 3, 20, 60, 100, 120)]
+    bounds_b = Banded((len(bounds),), torch.float32, torch.tensor(bounds))
     rejected_b = Banded((1,), torch.int32, torch.zeros(1, dtype=torch.int32))
-    impl(bias_b.t, hist_b.t, bounds_b.t, 2, 0.0, "uniform", 0.25, rejected_b.t)
+    impl(bias_b.t, hist_b.t, bounds_b.t, 2, 0.0, binning, rejected_b.t)
     assert torch.isfinite(bias_b.t).all() and torch.isfinite(bounds_b.t).all()
     assert int(rejected_b.t) in (0, 1)
     assert all(x.bands_intact() for x in (hist_b, bias_b, bounds_b, rejected_b))

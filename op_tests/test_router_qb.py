@@ -373,13 +373,19 @@ def test_qb_two_kernel_histogram_launch_shapes(
 @over_backends("router_fwd", emulator=True)
 @pytest.mark.parametrize("mode", ["two_kernel", "fused_atomic"])
 @pytest.mark.parametrize("e,t", [(20, 300), (22, 130), (896, 37)])
-def test_log_margin_histogram_on_own_scores(backend, warp_router, mode, e, t):
+@pytest.mark.parametrize("scales", ["valid", "unchecked"])
+def test_log_margin_histogram_on_own_scores(backend, warp_router, mode, e, t, scales):
     """The log_margin histogram of both modes equals the oracle's on the kernel's own scores: the
     fused epilogue's atomics and the two-kernel bin bytes counted by amdqb_qb_hist_bins (4-expert
     vector loads for E = 20 and 896, scalar loads for E = 22, a partial last expert group)."""
     logits = make_logits(t, e, "normal", e + t) * 4
     bias = torch.randn(e, generator=torch.Generator().manual_seed(e)) * 1e-3
-    scale = ref.qb.margin_scale(bias)
+    # per-expert axes from 2^0 to 2^29: zero, fine and coarse bins on both sides
+    scale = torch.ldexp(torch.ones(e), torch.arange(e) * 30 // e)
+    if scales == "unchecked":  # a trusted producer's garbage: the same bins on every backend
+        garbage = torch.tensor([float("nan"), 0.0, -1.0, float("inf"), -float("inf"), 3e38])
+        scale[::3] = garbage.repeat(e)[: len(scale[::3])]
+        amdqb.mark_qb_bin_bounds_validated(scale)
     hist = torch.zeros(e, 64, dtype=torch.int32)
     kw = dict(expert_bias=bias, qb_histogram=hist, qb_bin_bounds=scale, qb_binning="log_margin")
     amdqb.fused_topk_with_score_function(logits, 8, qb_histogram_mode=mode, backend=backend, **kw)

@@ -38,16 +38,17 @@ No output overlaps an input or another output. Signatures:
     [T,k]|None, non_padded int32/int64 scalar|None) -> None``: every output of the peers' fused
     gates (``calls.TOPK_TENSORS``; :class:`amdqb.backends.calls.TopkCall` says what each field
     means: fused shared experts, padded rows, vLLM's ``token_expert_indices``)
-``qb_recover(histogram [E,B] int32, bin_bounds fp32 [2], topk, out fp32 [E], binning,
-    expert_bias fp32 [E]|None) -> None`` (centred; ``expert_bias``: the log_margin binning's
-    current bias, which its recovery is relative to)
-``qb_step(bias fp32 [E], histogram int32 [E,B], bin_bounds fp32 [2], topk, ema, binning, rho,
-    rejected int32 [1]|None, committed fp32 [E+2]|None) -> None``
+``qb_recover(histogram [E,B] int32, bin_bounds fp32, topk, out fp32 [E], binning,
+    expert_bias fp32 [E]|None) -> None`` (``bin_bounds``: uniform ``[L, U]``, log_margin the
+    per-expert inverse scales [E]; ``expert_bias``: the log_margin binning's current bias, which
+    its recovery is relative to; uniform centred, log_margin pinned at a minimum of 0)
+``qb_step(bias fp32 [E], histogram int32 [E,B], bin_bounds fp32 [2]|[E], topk, ema, binning,
+    rejected int32 [1]|None, committed fp32 [E+2]|[2E]|None) -> None``
     (in place: bias, bounds; the histogram is left for the caller to zero). ``binning``
-    ``"uniform"`` or ``"log_margin"`` (``rho``: its margin scale, eps = rho * bias spread). A
-    candidate that is not finite (or has invalid bounds) is not committed, on the device: bias
-    and bounds keep their values and ``rejected`` gains one. ``committed`` (the last committed
-    bias then bounds): non-finite entries of bias / bounds are first restored from it, and it
+    ``"uniform"`` or ``"log_margin"``. A candidate that is not finite (or has invalid bounds), or
+    a histogram with a negative (wrapped) count, is not committed, on the device: bias and bounds
+    keep their values and ``rejected`` gains one. ``committed`` (the last committed bias then
+    bounds): non-finite entries of bias / invalid bounds are first restored from it, and it
     receives the new state.
 ``route_rows(topk_ids [M,k] int32, num_experts, capacity|None, counters int32 [E] (zeroed by the
     op when the caller passed none), rows_out int32 [M,k], counts_out int32 [E] (zero-filled by

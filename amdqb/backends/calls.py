@@ -121,7 +121,7 @@ ROUTER_FWD_TENSORS = (
     "probs_out",  # [T, E] in the logits dtype
     "map_out",  # per call.map_kind
     "qb_histogram",  # int32 [E, B] (accumulated) or None
-    "qb_bin_bounds",  # fp32 [2] or None
+    "qb_bin_bounds",  # fp32 [2] (uniform) or [E] (log_margin inverse scales), or None
     "scores_out",  # fp32 [T, E] when call.write_scores, else None
     "cutoff_out",  # fp32 [T] when call.write_cutoff, else None
 )

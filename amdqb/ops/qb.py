@@ -6,13 +6,19 @@ arithmetic; the interpolation runs in float64 with the fp32 bounds promoted; the
 centred bias are fp32. ``m`` is each histogram row's own sum, read on the device (no host sync).
 
 Binnings (``amdqb.ref.qb``): ``"uniform"`` recovers the bias from a histogram of
-``r = alpha - s`` over the bounds ``[L, U]``; ``"log_margin"`` recovers the bias change from a
-histogram of the biased margin over the scale ``[eps, 1/eps]`` and adds it to the bias the margins
-were measured against.
+``r = alpha - s`` over the bounds ``[L, U]`` (mean-centred); ``"log_margin"`` recovers the bias
+change from a histogram of the biased margin on each expert's axis (the bounds: the per-expert
+inverse scales ``[E]``), adds it to the bias the margins were measured against and pins the
+minimum at 0.
 
 The counts are values, never addresses: any histogram (negative counts, counts near the int32
-limit, an empty row) is memory-safe and gives the formula's result on the counts as given (the
-bin position is clamped to ``[0, B]``); only the shapes and the bounds are checked.
+limit, an empty row) is memory-safe. The recovery gives the formula's result on the counts as
+given (the bin position is clamped to ``[0, B]``); the step commits nothing from a histogram with
+a negative count (an int32 bin that wrapped) and counts it in ``rejected``.
+
+Every tensor argument is required contiguous (read and written through its data pointer on every
+backend); outputs may not share memory with each other or with the histogram; every check runs
+before the first write, so a call that raises has changed nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +29,7 @@ import torch
 
 from .. import dispatch, ref
 from .._library import impl, kernel_op
-from ..ref.qb import LOG_MARGIN_RHO
-from ..ref.router import BINNINGS
+from ..ref.router import BINNINGS, MAX_MARGIN_BINS, MIN_MARGIN_BINS
 from ._checks import (
     FLOAT_DTYPES,
     check_backend,
@@ -47,6 +52,7 @@ def _qb_recover(
     expert_bias: Optional[torch.Tensor],
     backend: str,
 ) -> None:
+    _validate_bounds_at_run_time(bin_bounds, binning)
     impl("qb_recover", backend)(histogram, bin_bounds, topk, out, binning, expert_bias)
 
 
@@ -58,32 +64,73 @@ def _qb_step(
     topk: int,
     ema: float,
     binning: str,
-    rho: float,
     rejected: Optional[torch.Tensor],
     committed: Optional[torch.Tensor],
     backend: str,
 ) -> None:
-    impl("qb_step", backend)(
-        bias, histogram, bin_bounds, topk, ema, binning, rho, rejected, committed
+    _validate_bounds_at_run_time(bin_bounds, binning)
+    # here, not in qb_step_: a traced graph has no data pointers; the body runs before any write
+    check_no_overlap(
+        {
+            "bias": bias,
+            "histogram": histogram,
+            "bin_bounds": bin_bounds,
+            "rejected": rejected,
+            "committed": committed,
+        }
     )
+    impl("qb_step", backend)(bias, histogram, bin_bounds, topk, ema, binning, rejected, committed)
+
+
+def _validate_bounds_at_run_time(bin_bounds, binning) -> None:
+    """The bounds check of a compiled graph: tracing cannot read the bounds, so the kernel-level
+    op checks them when it runs (cached per tensor version; eager calls checked them already)."""
+    from .router import validate_qb_bin_bounds
+
+    validate_qb_bin_bounds(bin_bounds, binning, name="bin_bounds")
+
+
+def _check_not_meta(name, t):
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: it holds no values to balance with")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int, int]:
+    """(storage, first byte, end byte) of a contiguous tensor's memory."""
+    start = t.data_ptr()
+    return t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size()
+
+
+def check_no_overlap(named: dict) -> None:
+    """Raise a ValueError naming both tensors when two of ``named`` share memory."""
+    items = [(n, t) for n, t in named.items() if t is not None and t.numel() > 0]
+    spans = [(n, _span(t)) for n, t in items]
+    for i, (a, (sa, a0, a1)) in enumerate(spans):
+        for b, (sb, b0, b1) in spans[i + 1 :]:
+            if sa == sb and a0 < b1 and b0 < a1:
+                raise ValueError(f"{a} and {b} share memory; pass separate tensors")
 
 
 def check_histogram(histogram, bin_bounds, topk, binning="uniform") -> int:
     """The histogram, its bounds (validated like the router's: once per tensor version, a host
     read outside graph capture) and ``topk``."""
-    from .router import validate_qb_bin_bounds
+    from .router import check_qb_bounds_shape, validate_qb_bin_bounds
 
     check_tensor("histogram", histogram, dtypes=(torch.int32, torch.int64), dim=2, contiguous=True)
+    _check_not_meta("histogram", histogram)
     num_experts, num_bins = histogram.shape
     if num_experts < 2 or not 2 <= num_bins <= MAX_BINS:
         raise ValueError(
             f"histogram must be [E >= 2, 2 <= B <= {MAX_BINS}], got {tuple(histogram.shape)}"
         )
-    if binning == "log_margin" and num_bins % 2:
-        raise ValueError(f"the log_margin histogram needs an even bin count, got B={num_bins}")
-    check_tensor(
-        "bin_bounds", bin_bounds, dtypes=(torch.float32,), shape=(2,), device=histogram.device
-    )
+    if binning == "log_margin" and not (
+        MIN_MARGIN_BINS <= num_bins <= MAX_MARGIN_BINS and num_bins % 2 == 0
+    ):
+        raise ValueError(
+            f"the log_margin histogram needs an even bin count in [{MIN_MARGIN_BINS}, "
+            f"{MAX_MARGIN_BINS}], got B={num_bins}"
+        )
+    check_qb_bounds_shape(bin_bounds, binning, num_experts, histogram.device, "bin_bounds")
     topk = check_int("topk", topk, low=1, high=num_experts - 1)
     validate_qb_bin_bounds(bin_bounds, binning, name="bin_bounds")
     return topk
@@ -114,9 +161,11 @@ def qb_recover_bias(
     For each expert row: ``m`` = the row's sum, ``q = m*k/E``, ``beta`` = first bin whose cumulative
     count reaches ``ceil(q)``, ``c`` = the count before it, ``h`` = its count; the quantile sits at
     ``beta + clip((q-c)/h, 0, 1)`` bins. ``"uniform"``: ``bhat = L + position * (U-L)/B`` (a row
-    with no counts recovers ``(L+U)/2``). ``"log_margin"``: ``bhat = expert_bias + delta`` with the
-    position mapped back to a margin (``expert_bias`` required: the bias the histogram was routed
-    with). Then the mean is subtracted.
+    with no counts recovers ``(L+U)/2``), then the mean is subtracted. ``"log_margin"``:
+    ``bhat = expert_bias + delta`` with the position mapped back to a margin on the expert's axis
+    (``bin_bounds``: the inverse scales ``[E]``; ``expert_bias`` required: the bias the histogram
+    was routed with), then the minimum is subtracted and the spread capped
+    (``amdqb.ref.qb.pin_minimum``).
     """
     check_choice("binning", binning, BINNINGS)
     topk = check_histogram(histogram, bin_bounds, topk, binning)
@@ -142,31 +191,31 @@ def qb_step_(
     ema: float = 0.0,
     *,
     binning: str = "uniform",
-    rho: float = LOG_MARGIN_RHO,
     rejected: Optional[torch.Tensor] = None,
     committed: Optional[torch.Tensor] = None,
     backend: Optional[str] = None,
 ) -> None:
     """In-place balancer update after the all-reduce (no host sync, graph-capturable).
 
-    ``bias <- centre(ema*bias + (1-ema)*recover(histogram))`` (unchanged when the histogram is
-    empty); uniform bounds ``<- [min(bias) - 1, max(bias) + 1]``, log_margin's ``<- [eps, 1/eps]``
-    with ``eps = rho * (max(bias) - min(bias))``. The update commits only a finite bias and finite
-    bounds; otherwise both keep their values and ``rejected`` (int32 ``[1]``, optional) gains one.
-    ``committed`` (fp32 ``[E + 2]``, optional): the last committed bias and bounds; a bias entry
-    that is not finite, or bounds invalid for the binning, are read from it instead (so an outside
-    write cannot poison the update), and the state the update leaves is written back to it.
-    The histogram is not zeroed here.
+    Uniform: ``bias <- centre(ema*bias + (1-ema)*recover(histogram))``, bounds
+    ``<- [min(bias) - 1, max(bias) + 1]``. log_margin: ``bias <- pin_minimum(ema*bias +
+    (1-ema)*(bias + delta))`` and each expert's inverse scale moves to its own correction
+    (``amdqb.ref.qb.margin_scale_update``). An empty histogram changes nothing. The update
+    commits only a finite bias, valid bounds and a histogram without a negative count;
+    otherwise both keep their values and ``rejected`` (int32 ``[1]``, optional) gains one.
+    ``committed`` (fp32 ``[E + len(bin_bounds)]``, optional): the last committed bias and bounds;
+    a bias entry that is not finite, or bounds invalid for the binning, are read from it instead
+    (so an outside write cannot poison the update), and the state the update leaves is written
+    back to it. The histogram is not zeroed here.
     """
     check_choice("binning", binning, BINNINGS)
     topk = check_histogram(histogram, bin_bounds, topk, binning)
     _check_bias("bias", bias, histogram)
+    if bias.requires_grad:
+        raise ValueError("bias must not require grad: qb_step_ writes it in place")
     ema = check_float("ema", ema)
     if not 0.0 <= ema < 1.0:
         raise ValueError(f"ema must be in [0, 1), got {ema}")
-    rho = check_float("rho", rho)
-    if not 0.0 < rho <= 1.0:
-        raise ValueError(f"rho must be in (0, 1], got {rho}")
     if rejected is not None:
         check_tensor(
             "rejected",
@@ -181,17 +230,18 @@ def qb_step_(
             "committed",
             committed,
             dtypes=(torch.float32,),
-            shape=(histogram.shape[0] + 2,),
+            shape=(histogram.shape[0] + bin_bounds.numel(),),
             device=histogram.device,
             contiguous=True,
         )
+    for name, t in (("bin_bounds", bin_bounds), ("rejected", rejected), ("committed", committed)):
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{name} must not require grad: qb_step_ writes it in place")
     check_backend(backend)
     chosen_backend = dispatch.kernel_backend(
         "qb_step", histogram.device, backend, num_bins=histogram.shape[1]
     )
-    _qb_step(
-        bias, histogram, bin_bounds, topk, ema, binning, rho, rejected, committed, chosen_backend
-    )
+    _qb_step(bias, histogram, bin_bounds, topk, ema, binning, rejected, committed, chosen_backend)
 
 
 def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) -> torch.Tensor:
@@ -199,9 +249,11 @@ def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) ->
 
     The estimate is the midpoint between the ``ceil(m*k/E)``-th and the next smallest required
     bias of the expert: every bias strictly between them routes exactly that many tokens. Runs as
-    PyTorch ops on the logits' device (a column sort; an analysis and demo tool, not a hot path).
+    PyTorch ops on the logits' device (a column sort and a host read that rejects NaN logits: an
+    analysis and demo tool, not a hot path).
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
+    _check_not_meta("logits", logits)
     num_experts = logits.shape[-1]
     if num_experts < 2:
         raise ValueError(f"logits must have at least 2 experts (last dim), got {num_experts}")
@@ -213,4 +265,8 @@ def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) ->
         shape=(num_experts,),
         device=logits.device,
     )
+    if bool(torch.isnan(logits).any()):
+        raise ValueError("qb_exact_bias needs logits without NaN (a NaN has no quantile)")
+    if not bool(torch.isfinite(expert_bias).all()):
+        raise ValueError("qb_exact_bias needs a finite expert_bias")
     return ref.qb_exact_bias(logits.reshape(-1, num_experts), topk, expert_bias)

@@ -10,13 +10,19 @@ below every number; every token gets exactly k distinct experts. Under QB the cu
 (k+1)-th expert of that order, so on a tie at the cutoff the largest id is the one dropped.
 
 The QB histogram ``qb_histogram[j, bin] += 1`` uses ``r = alpha - s_j``, ``scale = fp32(B) / (U-L)``
-and ``bin = clamp(floor((r - L) * scale), 0, B - 1)`` (NaN ``r`` -> bin 0): every row gains exactly
-T counts per call, and both histogram modes give bitwise-identical counts.
+and ``bin = clamp(floor((r - L) * scale), 0, B - 1)`` (NaN ``r`` -> bin 0) for the uniform binning,
+the biased margin on expert j's own log axis for log_margin (``amdqb.ref.router``): every row gains
+exactly T counts per call, and both histogram modes give bitwise-identical counts. The counts are
+int32 and are not read back: a caller's histogram within T of ``2**31 - 1`` wraps (the
+``QuantileBalancer`` refuses such batches, and its step rejects a histogram with a wrapped,
+negative count).
 
-Bounds a trusted producer marked validated (:func:`mark_qb_bin_bounds_validated`) are used unread:
-any values are memory-safe -- the bins are clamped in fp32 before the integer conversion, and a
-NaN position (NaN or infinite bounds, bias or logits) counts in bin 0 -- so every histogram row
-still gains exactly T counts inside its ``[E, B]`` buffer.
+Bounds are validated on every path -- eager and ``torch.compile`` alike -- once per tensor
+version (a host read outside graph capture); bounds a trusted producer marked validated
+(:func:`mark_qb_bin_bounds_validated`) are used unread: any values are memory-safe -- the bins
+are clamped before the integer conversion, and a NaN position (NaN or infinite bounds, bias or
+logits) counts in bin 0 -- so every histogram row still gains exactly T counts inside its
+``[E, B]`` buffer.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from ..backends.calls import (
     RouterCall,
     TopkCall,
 )
-from ..ref.router import unpack_bitmap
+from ..ref.router import MAX_MARGIN_BINS, MIN_MARGIN_BINS, unpack_bitmap
 from ._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -56,7 +62,6 @@ from ._checks import (
 )
 
 ROUTING_MAP_FORMATS = ("bytemap", "bitmap_u8")
-MAX_MARGIN_BINS = 256  # log_margin bins fit a byte (the two-kernel mode stores them per element)
 _VALIDATED_ATTR = "_amdqb_qb_bounds_validated_version"
 
 
@@ -64,13 +69,14 @@ _VALIDATED_ATTR = "_amdqb_qb_bounds_validated_version"
 # QB bin bounds: eager validation cached per tensor version, and the trusted-producer marker.
 # --------------------------------------------------------------------------------------------
 def mark_qb_bin_bounds_validated(bin_bounds: torch.Tensor) -> torch.Tensor:
-    """Record that ``bin_bounds`` at its current version holds finite ``lower < upper``.
+    """Record that ``bin_bounds`` at its current version holds valid bounds (uniform: finite
+    ``lower < upper``; log_margin: finite positive inverse scales).
 
     For a trusted in-place producer (``QuantileBalancer.step``): it reads nothing and never syncs,
     so it may run during CUDA/HIP graph capture right after the producer's update is dispatched on
     the same stream. Graph replays then trust the bounds behind the captured pointer.
     """
-    check_tensor("bin_bounds", bin_bounds, dtypes=(torch.float32,), shape=(2,))
+    check_tensor("bin_bounds", bin_bounds, dtypes=(torch.float32,), dim=1)
     setattr(bin_bounds, _VALIDATED_ATTR, bin_bounds._version)
     return bin_bounds
 
@@ -83,10 +89,12 @@ def validate_qb_bin_bounds(
     bin_bounds: torch.Tensor, binning: str = "uniform", name: str = "qb_bin_bounds"
 ) -> None:
     """Check the bounds once per tensor version (a host read, allowed only outside capture):
-    uniform ``[L, U]`` finite with ``L < U``; log_margin ``[eps, 1/eps]`` finite and positive."""
+    uniform ``[L, U]`` finite with ``L < U``; log_margin ``[E]`` finite and positive.
+
+    While tracing for ``torch.compile`` nothing can be read; the kernel-level op runs this check
+    again when the compiled graph executes it (:func:`_router_fwd`), so both paths reject the
+    same bounds."""
     if torch.compiler.is_compiling():
-        # A traced graph cannot read the device: compiled callers validate eagerly first (or mark
-        # a trusted producer), exactly as for graph capture.
         return
     if getattr(bin_bounds, _VALIDATED_ATTR, None) == bin_bounds._version:
         return
@@ -96,32 +104,54 @@ def validate_qb_bin_bounds(
             "amdqb.mark_qb_bin_bounds_validated after a trusted in-place update) before CUDA/HIP "
             "graph capture; its current version was never validated"
         )
-    lower, upper = (float(v) for v in bin_bounds.detach().cpu().tolist())
-    check_qb_bounds_values(lower, upper, binning, name)
+    check_qb_bounds_values(bin_bounds.detach().cpu().tolist(), binning, name)
     setattr(bin_bounds, _VALIDATED_ATTR, bin_bounds._version)
 
 
-def check_qb_bounds_values(lower: float, upper: float, binning: str, name="qb_bin_bounds"):
-    """The value rule of QB bounds (host floats): the router's and the recovery ops' check."""
-    finite = math.isfinite(lower) and math.isfinite(upper)
+def check_qb_bounds_values(values, binning: str, name="qb_bin_bounds"):
+    """The value rule of QB bounds (host floats): the router's and the recovery ops' check.
+    Uniform ``[lower, upper]``: finite, ``lower < upper``; log_margin: every inverse scale
+    finite and ``> 0``."""
     if binning == "uniform":
-        if not (finite and lower < upper):
+        lower, upper = values
+        if not (math.isfinite(lower) and math.isfinite(upper) and lower < upper):
             raise ValueError(f"{name} must be finite with lower < upper, got [{lower}, {upper}]")
-    elif not (finite and lower > 0 and upper > 0):
+        return
+    bad = [(i, v) for i, v in enumerate(values) if not (math.isfinite(v) and v > 0)]
+    if bad:
+        i, v = bad[0]
         raise ValueError(
-            f"{name} of the log_margin binning must be [eps, 1/eps], finite and > 0, got "
-            f"[{lower}, {upper}]"
+            f"{name} of the log_margin binning holds per-expert inverse scales, each finite and "
+            f"> 0; entry {i} is {v} ({len(bad)} invalid)"
         )
+
+
+def check_qb_bounds_shape(bin_bounds, binning: str, num_experts: int, device, name: str):
+    """fp32, contiguous, on ``device``: ``[2]`` (uniform ``[L, U]``) or ``[E]`` (log_margin's
+    per-expert inverse scales)."""
+    shape = (2,) if binning == "uniform" else (num_experts,)
+    check_tensor(
+        name, bin_bounds, dtypes=(torch.float32,), shape=shape, device=device, contiguous=True
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Kernel-level ops (custom ops under torch.compile, direct calls in eager mode).
 # --------------------------------------------------------------------------------------------
+def _check_compiled_router(call: RouterCall, *tensors) -> None:
+    """Runs when a compiled graph executes the op, where the tracing-time check could not read
+    the bounds."""
+    bounds = tensors[ROUTER_FWD_TENSORS.index("qb_bin_bounds")]
+    if bounds is not None:
+        validate_qb_bin_bounds(bounds, call.qb_binning)
+
+
 _router_fwd = call_op(
     "router_fwd",
     RouterCall,
     ROUTER_FWD_TENSORS,
     mutates_args=("probs_out", "map_out", "qb_histogram", "scores_out", "cutoff_out"),
+    compiled_check=_check_compiled_router,
 )
 _router_bwd = call_op(
     "router_bwd", RouterCall, ROUTER_BWD_TENSORS, mutates_args=("grad_logits_out",)
@@ -230,7 +260,8 @@ def fused_topk_with_score_function(
             filled in place (selection order) and returned instead of a routing map. Contiguous,
             sharing no memory with the other tensor arguments.
         qb_histogram: int32 ``[E, B]``, accumulated in place (QB).
-        qb_bin_bounds: fp32 ``[2]`` device tensor ``[L, U]`` (QB).
+        qb_bin_bounds: fp32 device tensor (QB), contiguous: ``[L, U]`` (uniform) or the
+            per-expert inverse scales ``[E]`` (log_margin).
         qb_histogram_mode: ``"two_kernel"``, ``"fused_atomic"`` or ``"auto"`` (QB); TE's
             ``QBHistogramMode`` or its int (0 / 1) also work.
         selection: ``"te"`` ranks by ``s + b`` (TE's routes); ``"tie_free"`` (sigmoid with a bias)
@@ -238,9 +269,9 @@ def fused_topk_with_score_function(
             roundings of fp32 ``s + b`` once the sigmoid saturates (routes may then differ from
             TE's). Beyond TE's signature.
         qb_binning: ``"uniform"`` (K3, TE's: ``r = alpha - s`` on B bins of ``[L, U]``) or
-            ``"log_margin"`` (the biased margin ``d = alpha - u`` on a symmetric log axis; the
-            bounds tensor holds ``[eps, 1/eps]``, ``4 <= B <= 256`` bins, even). Beyond TE's
-            signature; ``amdqb.QuantileBalancer`` owns the matching update.
+            ``"log_margin"`` (the biased margin ``d = alpha - u`` on each expert's own log axis;
+            the bounds tensor holds the inverse scales ``[E]``, ``64 <= B <= 256`` bins, even).
+            Beyond TE's signature; ``amdqb.QuantileBalancer`` owns the matching update.
         approximate_activation: opt-in speed over exactness for the kernel backends: e^-z through
             the hardware 2^x (a few 2^-22 from the true sigmoid) instead of the library exp, so
             scores, routes and histograms are no longer torch's / TE's bits (the oracles stay
@@ -327,17 +358,15 @@ def fused_topk_with_score_function(
         if num_bins < 2:
             raise ValueError(f"qb_histogram needs B >= 2 bins, got B={num_bins}")
         if qb_binning == "log_margin" and not (
-            4 <= num_bins <= MAX_MARGIN_BINS and num_bins % 2 == 0
+            MIN_MARGIN_BINS <= num_bins <= MAX_MARGIN_BINS and num_bins % 2 == 0
         ):
             raise ValueError(
-                f"qb_binning='log_margin' needs an even B in [4, {MAX_MARGIN_BINS}] "
-                f"(qb_histogram [E, B]), got B={num_bins}"
+                f"qb_binning='log_margin' needs an even B in [{MIN_MARGIN_BINS}, "
+                f"{MAX_MARGIN_BINS}] (qb_histogram [E, B]), got B={num_bins}"
             )
         if selection == "tie_free" and qb_binning != "log_margin":
             raise ValueError("selection='tie_free' under QB needs qb_binning='log_margin'")
-        check_tensor(
-            "qb_bin_bounds", qb_bin_bounds, dtypes=(torch.float32,), shape=(2,), device=device
-        )
+        check_qb_bounds_shape(qb_bin_bounds, qb_binning, num_experts, device, "qb_bin_bounds")
         validate_qb_bin_bounds(qb_bin_bounds, qb_binning)
 
     lead = logits.shape[:-1]

@@ -11,12 +11,10 @@ from .qb import (
     cv2,
     maxvio,
     qb_exact_bias,
-    qb_exact_bias_fp64,
     qb_recover_bias,
     qb_step_update,
     recover_uncentred,
     required_bias,
-    route_fp64,
 )
 from .router import (
     activation,

@@ -3,12 +3,14 @@
 Two binnings of the per-expert histogram (``amdqb.ref.router``):
 
 * ``"uniform"`` (K3): ``r = alpha - s`` on B uniform bins of ``[L, U]``; the recovery is the
-  ``k/E`` quantile of r, the new bias itself.
-* ``"log_margin"``: the biased margin ``d = alpha - u`` (u the selection value) on a symmetric
-  log axis around 0 scaled by ``eps = rho * (max b - min b)``; its ``k/E`` quantile is the bias
-  change ``delta`` (``b_hat = b + delta``), which shrinks towards 0 at equilibrium, so the
-  resolution follows the correction instead of the bias range. The bounds tensor holds
-  ``[eps, 1/eps]`` (fp32).
+  ``k/E`` quantile of r, the new bias itself; biases are centred on their mean.
+* ``"log_margin"``: the biased margin ``d = alpha - u`` (u the selection value) on a log axis
+  around 0 of each expert's own scale; its ``k/E`` quantile is the bias change ``delta``
+  (``b_hat = b + delta``). The bounds tensor holds the per-expert inverse scales ``inv`` (fp32
+  ``[E]``, powers of two), and the step moves each expert's scale to its own last correction
+  (:func:`margin_scale_update`), so the resolution follows the correction of that expert, not the
+  bias range. Biases are pinned at a minimum of 0 (fp32 keeps its finest spacing where the
+  saturated experts sit) and their spread is capped at :data:`BIAS_SPREAD_MAX`.
 
 Precision contract:
 
@@ -16,11 +18,12 @@ Precision contract:
   arithmetic, ``q = m*k/E`` and the within-bin interpolation in float64, with ``L, U`` the fp32 bounds
   promoted to float64 and ``w = (U - L) / B``; the result is cast to fp32 once.
 * ``m`` is each row's own sum (every row of a router histogram sums to the same token count).
-  A row with ``m == 0`` carries no information and recovers the bounds' midpoint.
-* centring subtracts the float64 mean of the fp32 values, then casts to fp32.
-* the fp64 exact reference (:func:`route_fp64`, :func:`qb_exact_bias_fp64`) is the exception:
-  scores, biased scores, cutoff, required biases, quantile and centring are all float64, and so
-  is the bias it returns. Ties there (equal float64 ``u``) break by expert id, smaller first.
+  A row with ``m == 0`` carries no information: uniform recovers the bounds' midpoint, log_margin
+  a change of 0.
+* uniform centring subtracts the float64 mean of the fp32 values, then casts to fp32; log_margin
+  adds ``delta`` to the bias in float64 (one rounding to fp32), then subtracts the minimum in
+  float64 and caps the spread (one rounding).
+* a step whose histogram holds a negative count (an int32 bin that wrapped) commits nothing.
 """
 
 from __future__ import annotations
@@ -28,10 +31,18 @@ from __future__ import annotations
 import torch
 
 from .ordering import ranked_indices
-from .router import activation
+from .router import MARGIN_COARSE_SHIFT, activation, margin_fine_keys
 
-LOG_MARGIN_RHO = 1e-4  # eps = rho * bias spread; with B = 64 the axis reaches |d| = 6.55 spreads
-LOG_MARGIN_EPS0 = 1e-30  # eps while every bias is equal (spread 0)
+BIAS_SPREAD_MAX = 4.0  # log_margin: max - min bias; scores lie in [0, 1], so a gap of 1 decides
+MARGIN_INV_COLD_EXP = 68  # inv = 2^68 before any step: the axis spans 2^-68 .. 2^0 (|d| < 1)
+MARGIN_INV_MIN_EXP = 0  # the coarsest axis: eps = 1 (corrections of the spread cap)
+MARGIN_INV_MAX_EXP = 120  # the finest axis: eps = 2^-120
+# eps = 2^(floor(log2 s) - 4) for the correction scale s, which shrinks by at most 2^3 a step
+# (it grows at once). Chosen over (2, 2), (2, 4), (3, 2) on the suite's shift / favoured /
+# mean-drift / drift streams at std 10-20, E=64, seeds 0-1: the only one with every late MaxVio
+# within 1.06x of the reference (the others reach 1.08-1.12x) and steps after a shift 3-4.
+MARGIN_ZOOM_EXP = 4
+MARGIN_DECAY_EXP = 3
 
 
 def quantile_position(histogram: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,31 +80,62 @@ def recover_margin_delta(histogram: torch.Tensor, margin_scale: torch.Tensor, to
     change ``delta``, float64 ``[E]`` (0 for an empty row).
 
     The quantile position ``p`` (:func:`quantile_position`) maps back through the bins of
-    ``amdqb.ref.router.qb_margin_bin_index``: key ``kappa = |p - B/2|`` (bin keys ascend away
-    from the centre), ``y = 2^o (1 + f)`` with ``o, f`` the integer and fractional parts of
-    ``kappa / 2^M`` (the float format's piecewise-linear log2, exact to invert), and
-    ``delta = sign(p - B/2) (y - 1) / inv`` with ``inv = margin_scale[1]``, the fp32 multiplier
-    the kernels binned with. Interpolation is linear in d inside a bin, as App. D's in r."""
-    from .router import margin_octave_bits
-
+    ``amdqb.ref.router.qb_margin_bin_index`` (``h = B/2``): ``p`` in the zero bin ``[h, h + 1)``
+    is ``delta = 0``; above it ``kappa = p - h - 1``, below ``kappa = h - p`` (key positions,
+    ascending away from 0). The half-octave level is ``lam = kappa`` on the F fine keys and
+    ``F + 8 (kappa - F)`` on the coarse ones, ``y = 2^o (1 + f)`` with ``o, f`` the integer and
+    fractional parts of ``lam / 2`` (the float format's piecewise-linear log2, exact to invert),
+    and ``|delta| = (y - 1) / inv_j``. Interpolation is linear in the level inside a bin (linear
+    in d on the fine keys), as App. D's in r."""
     b = histogram.shape[1]
+    half = b // 2
+    fine = margin_fine_keys(b)
     position, m = quantile_position(histogram, topk)
-    offset = position - b // 2
-    per_octave = float(1 << margin_octave_bits(b))
-    octave = torch.floor(offset.abs() / per_octave)
-    y = torch.ldexp(1.0 + (offset.abs() / per_octave - octave), octave.to(torch.int64))
-    delta = torch.sign(offset) * (y - 1.0) / margin_scale[1].double()
+    offset = position - half
+    up = offset >= 1.0
+    kappa = torch.where(up, offset - 1.0, -offset).clamp(min=0.0)
+    level = torch.where(
+        kappa < fine, kappa, fine + (kappa - fine) * float(1 << MARGIN_COARSE_SHIFT)
+    )
+    octave = torch.floor(level / 2.0)
+    y = torch.ldexp(1.0 + (level / 2.0 - octave), octave.to(torch.int64))
+    magnitude = (y - 1.0) / margin_scale.double()
+    delta = torch.where(up, magnitude, torch.where(offset >= 0, 0.0, -magnitude))
     return torch.where(m > 0, delta, torch.zeros_like(delta))
 
 
-def margin_scale(bias: torch.Tensor, rho: float = LOG_MARGIN_RHO) -> torch.Tensor:
-    """fp32 ``[eps, 1/eps]`` of the log_margin axis for ``bias``: ``eps = rho * (max - min)``
-    (float64, then fp32), ``LOG_MARGIN_EPS0`` for a spread of 0; the reciprocal is of the fp32
-    eps."""
+def initial_margin_scale(num_experts: int, device=None) -> torch.Tensor:
+    """The log_margin axis before any step: fp32 ``[E]`` of ``2^68`` (the fine keys at 2^-68,
+    the coarse ones up to |d| = 1, any correction a fresh router can need)."""
+    return torch.full((num_experts,), 2.0**MARGIN_INV_COLD_EXP, dtype=torch.float32, device=device)
+
+
+def margin_scale_update(margin_scale: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The next per-expert axis: fp32 ``[E]`` powers of two ``inv = 2^n``.
+
+    With ``e = floor(log2 inv)`` the old exponent and ``t = floor(log2 |delta|)`` (exact, from
+    the float64 exponent; ``delta = 0`` counts as no bound), ``n = min(4 - t, e + 3)`` clamped to
+    ``[0, 120]``: the axis scale ``2^-n`` moves to 4-5 octaves below the correction just made
+    (a larger correction widens it at once, a smaller one narrows it by at most 8x a step)."""
+    e = torch.frexp(margin_scale.double()).exponent.to(torch.int64) - 1
+    t = torch.frexp(delta.double().abs()).exponent.to(torch.int64) - 1
+    wider = torch.where(delta != 0, MARGIN_ZOOM_EXP - t, torch.full_like(t, MARGIN_INV_MAX_EXP))
+    n = torch.minimum(wider, e + MARGIN_DECAY_EXP).clamp(MARGIN_INV_MIN_EXP, MARGIN_INV_MAX_EXP)
+    return torch.ldexp(torch.ones_like(delta, dtype=torch.float64), n).float()
+
+
+def margin_scale(bias: torch.Tensor) -> torch.Tensor:
+    """The log_margin bounds a fresh balancer starts from for ``bias`` (fp32 ``[E]``):
+    :func:`initial_margin_scale` on the bias's device."""
+    return initial_margin_scale(bias.numel(), bias.device)
+
+
+def pin_minimum(bias: torch.Tensor) -> torch.Tensor:
+    """``min(b - min(b), BIAS_SPREAD_MAX)`` in float64, one rounding to fp32: the log_margin
+    centring (the lowest bias at 0, where fp32 is finest; a spread past the cap changes no
+    route)."""
     b = bias.double()
-    spread = b.max() - b.min()
-    eps = torch.where(spread > 0, rho * spread, torch.full_like(spread, LOG_MARGIN_EPS0)).float()
-    return torch.stack([eps, (1.0 / eps.double()).float()])
+    return (b - b.min()).clamp(max=BIAS_SPREAD_MAX).float()
 
 
 def centre(bias: torch.Tensor) -> torch.Tensor:
@@ -109,12 +151,13 @@ def qb_recover_bias(
     expert_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Centred App. D bias estimate from an int32 ``[E, B]`` histogram: ``"uniform"`` with fp32
-    ``[L, U]`` bounds; ``"log_margin"`` with the ``[eps, 1/eps]`` scale and the bias the margins
-    were measured against (``b + delta``, the sum in float64)."""
+    ``[L, U]`` bounds, mean-centred; ``"log_margin"`` with the per-expert inverse scales ``[E]``
+    and the bias the margins were measured against: ``b + delta`` (float64, one rounding),
+    pinned at a minimum of 0 (:func:`pin_minimum`)."""
     if binning == "uniform":
         return centre(recover_uncentred(histogram, bin_bounds, topk))
     delta = recover_margin_delta(histogram, bin_bounds, topk)
-    return centre((expert_bias.double() + delta).float())
+    return pin_minimum((expert_bias.double() + delta).float())
 
 
 def required_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) -> torch.Tensor:
@@ -147,48 +190,6 @@ def qb_exact_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) ->
     return centre(((lo + hi) / 2).float())
 
 
-def route_fp64(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor):
-    """Routes of the fp64 exact reference: ``(routing_map bool [T, E], alpha float64 [T],
-    s float64 [T, E])``.
-
-    Everything in float64: ``s = sigmoid(z.double())``, ``u = s + b.double()``, the first k of the
-    order (u descending, expert id ascending) are routed and ``alpha`` is the (k+1)-th ``u``. fp64
-    resolves ``1 - s`` down to 2^-53, i.e. up to ``z ~ 36.7``; above that ``s == 1`` and saturated
-    experts are ordered by their bias, which is the exact order unless those biases are equal.
-    Meant for finite logits (a reference for studies and tests, not a router).
-    """
-    s = torch.sigmoid(logits.double())
-    u = s + expert_bias.double()
-    # a stable descending sort keeps equal values in ascending id order: smaller id first
-    order = torch.sort(u, dim=1, descending=True, stable=True).indices[:, : topk + 1]
-    alpha = u.gather(1, order[:, topk : topk + 1]).squeeze(1)
-    routing_map = torch.zeros(u.shape, dtype=torch.bool, device=u.device)
-    routing_map.scatter_(1, order[:, :topk], True)
-    return routing_map, alpha, s
-
-
-def qb_exact_bias_fp64(
-    logits: torch.Tensor, topk: int, expert_bias: torch.Tensor, routes=None
-) -> torch.Tensor:
-    """Exact QB in float64, centred: the reference that binned and fp32 QB are measured against.
-
-    ``r = alpha - s`` in float64 with ``alpha`` and ``s`` from :func:`route_fp64` (the bias in
-    float64 too); per expert the midpoint of the n-th and (n+1)-th smallest r, ``n = ceil(m*k/E)``
-    (the largest r for ``n == m``), as :func:`qb_exact_bias`; the float64 mean is subtracted.
-    Returns float64 ``[E]``: carry it in float64 into the next :func:`route_fp64`. ``routes``:
-    the result of ``route_fp64(logits, topk, expert_bias)`` when the caller already has it.
-    """
-    _, alpha, s = route_fp64(logits, topk, expert_bias) if routes is None else routes
-    r = alpha[:, None] - s
-    m, e = r.shape
-    if m == 0:
-        return torch.zeros(e, dtype=torch.float64, device=r.device)
-    n = -(-m * topk // e)
-    srt = torch.sort(r, dim=0).values
-    bias = (srt[n - 1] + srt[min(n, m - 1)]) / 2
-    return bias - bias.mean()
-
-
 def qb_step_update(
     bias: torch.Tensor,
     histogram: torch.Tensor,
@@ -196,43 +197,54 @@ def qb_step_update(
     topk: int,
     ema: float = 0.0,
     binning: str = "uniform",
-    rho: float = LOG_MARGIN_RHO,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One balancer step (after the all-reduce): ``(new_bias fp32 [E], new_bounds fp32 [2])``.
+    """One balancer step (after the all-reduce): ``(new_bias fp32 [E], new_bounds fp32)``.
 
-    ``new = centre(ema * old + (1 - ema) * recover(hist))``; an empty histogram keeps ``old``.
-    Uniform bounds become ``[min(new) - 1, max(new) + 1]``; log_margin's ``margin_scale(new)``.
+    Uniform: ``new = centre(ema * old + (1 - ema) * centre(recover(hist)))``, bounds
+    ``[min(new) - 1, max(new) + 1]``. log_margin: ``t = fp32(old + delta)``,
+    ``new = pin_minimum(fp32(ema * old + (1 - ema) * t))``, bounds
+    ``margin_scale_update(bounds, delta)``. An empty histogram keeps both.
     """
-    bhat = qb_recover_bias(histogram, bin_bounds, topk, binning, bias)
-    mixed = (ema * bias.double() + (1.0 - ema) * bhat.double()).float()
-    new = centre(mixed)
     total = histogram.to(torch.int64).sum()
-    new = torch.where(total > 0, new, bias.float())
     if binning == "uniform":
-        bounds = torch.stack([new.min() - 1.0, new.max() + 1.0]).float()
-    else:
-        bounds = margin_scale(new, rho)
-    return new, bounds
+        bhat = centre(recover_uncentred(histogram, bin_bounds, topk))
+        mixed = (ema * bias.double() + (1.0 - ema) * bhat.double()).float()
+        new = torch.where(total > 0, centre(mixed), bias.float())
+        return new, torch.stack([new.min() - 1.0, new.max() + 1.0]).float()
+    delta = recover_margin_delta(histogram, bin_bounds, topk)
+    moved = (bias.double() + delta).float()
+    mixed = (ema * bias.double() + (1.0 - ema) * moved.double()).float()
+    new = torch.where(total > 0, pin_minimum(mixed), bias.float())
+    scale = torch.where(total > 0, margin_scale_update(bin_bounds, delta), bin_bounds.float())
+    return new, scale
 
 
 def bounds_are_valid(bounds: torch.Tensor, binning: str) -> torch.Tensor:
-    """0-dim bool: finite bounds the binning accepts (uniform ``L < U``, log_margin both > 0)."""
-    finite = torch.isfinite(bounds).all()
+    """Bounds the binning accepts: uniform ``[L, U]`` finite with ``L < U`` (a 0-dim bool);
+    log_margin, per entry: finite and ``> 0`` (bool ``[E]``)."""
     if binning == "uniform":
-        return finite & (bounds[0] < bounds[1])
-    return finite & (bounds > 0).all()
+        return torch.isfinite(bounds).all() & (bounds[0] < bounds[1])
+    return torch.isfinite(bounds) & (bounds > 0)
 
 
-def step_is_finite(bias: torch.Tensor, bounds: torch.Tensor, binning: str) -> torch.Tensor:
-    """0-dim bool: a step's candidate may be committed (a finite bias and valid finite bounds)."""
-    return torch.isfinite(bias).all() & bounds_are_valid(bounds, binning)
+def step_commits(
+    bias: torch.Tensor, bounds: torch.Tensor, histogram: torch.Tensor, binning: str
+) -> torch.Tensor:
+    """0-dim bool: a step's candidate may be committed -- a finite bias, valid bounds and a
+    histogram with no negative count (a negative int32 count is a bin that wrapped)."""
+    return (
+        torch.isfinite(bias).all()
+        & bounds_are_valid(bounds, binning).all()
+        & (histogram >= 0).all()
+    )
 
 
 def restore_committed(
     bias: torch.Tensor, bounds: torch.Tensor, committed: torch.Tensor, binning: str
 ) -> None:
-    """In place: bias entries that are not finite, and bounds invalid for the binning, take the
-    values of ``committed`` (``[E + 2]``: the last committed bias, then bounds)."""
+    """In place: bias entries that are not finite, and bounds invalid for the binning (uniform:
+    both entries; log_margin: per entry), take the values of ``committed`` (the last committed
+    bias, then bounds)."""
     e = bias.numel()
     torch.where(torch.isfinite(bias), bias, committed[:e], out=bias)
     torch.where(bounds_are_valid(bounds, binning), bounds, committed[e:], out=bounds)

@@ -1,9 +1,11 @@
 // Quantile Balancing histogram bins, in fp32 without contraction:
 //   uniform (K3, amdqb.ref.router.qb_bin_index): r = alpha - s_j, scale = fp32(B) / (U - L),
 //     bin = clamp(floor((r - L) * scale), 0, B - 1); a NaN r counts in bin 0;
-//   log_margin (amdqb.ref.router.qb_margin_bin_index): the biased margin d = alpha - u_j, the key
-//     (bits(1 + |d| * inv) >> (23 - M)) - (127 << M) clamped to [0, B/2 - 1] on the side of d's
-//     sign (bin B/2 + key for d >= 0, B/2 - 1 - key below); a NaN d counts in bin 0.
+//   log_margin (amdqb.ref.router.qb_margin_bin_index): the biased margin d = alpha - u_j on expert
+//     j's own axis (inv_j, the reciprocal of its scale): the half-octave level
+//     L = ((bits(1 + |d| * inv_j) & 0x7fffffff) >> 22) - 254, the key L on the F fine keys and
+//     F + ((L - F) >> 3) beyond (4-octave coarse keys, at least 0); d > 0 counts in bin B/2 + 1 + min(key, B/2 - 2), d < 0 in
+//     B/2 - 1 - min(key, B/2 - 1), d == 0 in bin B/2; a NaN d counts in bin 0.
 #pragma once
 
 #include "amdqb_activation.h"
@@ -72,15 +74,19 @@ AMDQB_DEVICE int qb_bin_of_logit(const QbCut& c, float z, float lower, float sca
   return qb_bin(c.alpha - sigmoid(z), lower, scale, num_bins);
 }
 
-// log_margin bin of the biased margin d: inv = 1/eps of the margin axis, half = B / 2, mbits = M
-// (2^M bins per octave of 1 + |d| / eps). Integer arithmetic on the float bits: the same bin on
-// every device.
-AMDQB_DEVICE int margin_bin(float d, float inv, int half, int mbits) {
+// log_margin bin of the biased margin d: inv = 1/eps of the expert's margin axis, half = B / 2,
+// fine = F (amdqb.ref.router.margin_fine_keys). Integer arithmetic on the float bits: the same bin
+// on every device.
+AMDQB_DEVICE int margin_bin(float d, float inv, int half, int fine) {
   if (d != d) return 0;
+  if (d == 0.0f) return half;  // the token's own cutoff expert: a bin of width 0
   const float y = 1.0f + fabsf(d) * inv;
-  int key = (int)(float_bits(y) >> (23 - mbits)) - (127 << mbits);
-  key = key < 0 ? 0 : (key > half - 1 ? half - 1 : key);
-  return d >= 0.0f ? half + key : half - 1 - key;
+  // |y|'s bits: a NaN y (unchecked bounds) is the same bin on every device whatever its sign bit
+  const int level = (int)((float_bits(y) & 0x7fffffffu) >> 22) - 254;
+  int key = level < fine ? level : fine + ((level - fine) >> 3);
+  key = key < 0 ? 0 : key;  // y >= 1 for every valid scale; unchecked bounds stay in the row
+  if (d > 0.0f) return half + 1 + (key < half - 2 ? key : half - 2);
+  return half - 1 - (key < half - 1 ? key : half - 1);
 }
 
 }  // namespace amdqb

@@ -27,13 +27,13 @@ struct RouterParams {
   int map_kind;             // 0 none, 1 byte map, 2 bit map, 3/4/5 int16/32/64 indices
   int qb_mode;              // 0 none, 1 fused atomics, 2 two kernels
   int* hist;                // QB histogram [E, B] (fused / log_margin modes), or null
-  const float* bounds;      // QB bounds [2], or null
+  const float* bounds;      // QB: uniform bounds [2] or log_margin inverse scales [E], or null
   int num_bins;             // B
   float* alpha_out;         // [T] the QB cutoff of every token, or null
   float* w_out;             // [T, topk] fp32 weights (serving form), or null
   int* id_out;              // [T, topk] int32 ids (serving form), or null
   int qb_binning;           // 0 uniform, 1 log_margin
-  int margin_bits;          // log_margin: 2^margin_bits bins per octave
+  int margin_fine;          // log_margin: F, the fine (half-octave) keys of each side
   unsigned char* bins_out;  // [T, E] log_margin bins of the two-kernel mode, or null
 };
 

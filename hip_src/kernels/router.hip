@@ -29,9 +29,10 @@
 // the fused mode adds 1 to hist[j * B + bin] with a device atomic in the epilogue (bins through
 // qb_bin_of_logit, bit for bit the exact formula), the two-kernel mode writes alpha and
 // amdqb_qb_hist recomputes the bins from the logits. log_margin binning: the router bins the
-// margin d = alpha - value_j of every expert from its key (margin_bin); the fused mode adds them
-// up with atomics, the two-kernel mode stores them as bytes [T, E] for amdqb_qb_hist_bins. Both
-// modes give identical histograms. (QB is sigmoid-only at the op level.)
+// margin d = alpha - value_j of every expert from its key on the expert's own axis (margin_bin;
+// bounds holds the inverse scales [E]); the fused mode adds them up with atomics, the two-kernel
+// mode stores them as bytes [T, E] for amdqb_qb_hist_bins. Both modes give identical histograms.
+// (QB is sigmoid-only at the op level.)
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
 #include "amdqb_qb_bins.h"
@@ -270,17 +271,17 @@ AMDQB_DEVICE void add_fused_bins(const in_t (&raw)[V], Base base, Valid valid, i
 }
 
 // log_margin QB: the margin bin of every expert e = base(j) + lane of token t from its key (the
-// selection value); fused: one device atomic per (token, expert) into hist, two-kernel: the bin
-// as a byte of bins_out [T, E].
+// selection value), on the expert's axis inv[e]; fused: one device atomic per (token, expert) into
+// hist, two-kernel: the bin as a byte of bins_out [T, E].
 template <int V, typename Base, typename Valid>
 AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, int lane, i64 t,
-                                  float alpha, float inv, int num_bins, int mbits, int qb_mode,
-                                  int* hist, u8* bins_out) {
+                                  float alpha, const float* inv, int num_bins, int fine,
+                                  int qb_mode, int* hist, u8* bins_out) {
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     if (valid(j)) {
       const int e = base(j) + lane;
-      const int bin = margin_bin(alpha - key_value(key[j]), inv, num_bins >> 1, mbits);
+      const int bin = margin_bin(alpha - key_value(key[j]), inv[e], num_bins >> 1, fine);
       if (qb_mode == kQbFused)
         atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
       else
@@ -306,7 +307,7 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
   const int num_tokens = (p).num_tokens, topk = (p).topk, nsel = (p).nsel;                         \
   const int normalize = (p).normalize, softmax_pre = (p).softmax_pre, map_kind = (p).map_kind;     \
   const int qb_mode = (p).qb_mode, num_bins = (p).num_bins, qb_binning = (p).qb_binning;           \
-  const int margin_bits = (p).margin_bits;                                                         \
+  const int margin_fine = (p).margin_fine;                                                         \
   const float scale = (p).scale
 
 // One logical warp per token, WARPS tokens per block, persistent grid-stride loop over tokens.
@@ -337,7 +338,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     qb_lower = bounds[0];
     qb_scale = (float)num_bins / (bounds[1] - qb_lower);
   }
-  const float margin_inv = qb_mode != kQbNone && qb_binning == kLogMargin ? bounds[1] : 0.0f;
 
   // The warp's first token is prefetched before the bias is staged in LDS, so that at decode
   // sizes (one token per warp) the two fetches overlap instead of costing two round trips; the
@@ -427,8 +427,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
       const float alpha = key_value(b.skey[topk]);                  // the (k+1)-th selection value
       if (alpha_out != nullptr && lane == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
       if (qb_binning == kLogMargin) {
-        margin_bins_out(key, base, valid, lane, t, alpha, margin_inv, num_bins, margin_bits,
-                        qb_mode, hist, bins_out);
+        margin_bins_out(key, base, valid, lane, t, alpha, bounds, num_bins, margin_fine, qb_mode,
+                        hist, bins_out);
       } else if (qb_mode == kQbFused) {
         const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
         in_t raw[VPL];  // QB is sigmoid-only: the bin needs the logit alone
@@ -648,7 +648,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
     const float alpha = sh_biased[sh_top[topk]];                 // the (k+1)-th: the cutoff alpha
     if (alpha_out != nullptr && tid == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
     if (qb_binning == kLogMargin) {
-      margin_bins_out(key, base, valid, lane, t, alpha, bounds[1], num_bins, margin_bits, qb_mode,
+      margin_bins_out(key, base, valid, lane, t, alpha, bounds, num_bins, margin_fine, qb_mode,
                       hist, bins_out);
     } else if (qb_mode == kQbFused) {
       const float lower = bounds[0];

@@ -340,7 +340,7 @@ class RouterParams(ctypes.Structure):
         ("w_out", ctypes.c_void_p),
         ("id_out", ctypes.c_void_p),
         ("qb_binning", ctypes.c_int32),
-        ("margin_bits", ctypes.c_int32),
+        ("margin_fine", ctypes.c_int32),
         ("bins_out", ctypes.c_void_p),
     ]
 

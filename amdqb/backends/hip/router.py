@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ... import configs
-from ...ref.router import margin_octave_bits
+from ...ref.router import margin_fine_keys
 from ..calls import RouterCall
 from . import _spec
 from ._common import cdiv, config, dev, ptr
@@ -179,7 +179,7 @@ def _launch_router(
         qb_mode=qb_mode,
         num_bins=num_bins,
         qb_binning=1 if margin else 0,
-        margin_bits=margin_octave_bits(num_bins) if margin else 0,
+        margin_fine=margin_fine_keys(num_bins) if margin else 0,
         scale=scale,
     )
     if score_function != "softmax" and tokens <= decode_max_tokens:
@@ -241,8 +241,6 @@ def router_fwd(
     qb_mode = call.qb_mode
     if qb_mode == "auto":
         qb_mode = auto_qb_mode(tokens, num_experts, cfg)
-    if qb and not qb_bin_bounds.is_contiguous():  # the kernels read bounds[0], bounds[1]
-        qb_bin_bounds = qb_bin_bounds.contiguous()
     if call.map_kind == "indices":
         kind = _INDEX_KINDS[map_out.dtype]
     else:

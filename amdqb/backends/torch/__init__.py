@@ -10,7 +10,6 @@ import torch
 
 from ... import ref
 from ...ref import aux_loss as ref_aux
-from ...ref.qb import LOG_MARGIN_RHO
 from ...ref.router import NORM_EPS, activation, qb_cutoff_and_routes, sigmoid_complement
 from .. import _serving
 from ..calls import AlignCall, RouterCall, TopkCall
@@ -143,14 +142,13 @@ def qb_step(
     topk,
     ema,
     binning="uniform",
-    rho=LOG_MARGIN_RHO,
     rejected=None,
     committed=None,
 ):
     if committed is not None:
         ref.qb.restore_committed(bias, bin_bounds, committed, binning)
-    new_bias, new_bounds = ref.qb_step_update(bias, histogram, bin_bounds, topk, ema, binning, rho)
-    ok = ref.qb.step_is_finite(new_bias, new_bounds, binning)  # on the device: no sync
+    new_bias, new_bounds = ref.qb_step_update(bias, histogram, bin_bounds, topk, ema, binning)
+    ok = ref.qb.step_commits(new_bias, new_bounds, histogram, binning)  # on the device: no sync
     bias.copy_(torch.where(ok, new_bias, bias))
     bin_bounds.copy_(torch.where(ok, new_bounds, bin_bounds))
     if rejected is not None:

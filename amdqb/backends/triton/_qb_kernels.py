@@ -1,7 +1,8 @@
 """``@triton.jit`` bodies of the QB update kernels (launchers in ``qb.py``).
 
 Precision: int64 cumulative counts, float64 interpolation and centring (no FP contraction: the
-launchers pass ``enable_fp_fusion=False``), fp32 results -- the oracle's arithmetic step for step.
+launchers pass ``enable_fp_fusion=False``), fp32 results -- the oracle's arithmetic step for step
+(``amdqb.ref.qb``). The log_margin scale update is integer arithmetic on the float64 exponents.
 """
 
 from __future__ import annotations
@@ -20,19 +21,28 @@ def _finite(x):
 
 
 @triton.jit
-def _bounds(bounds_ptr, committed_ptr, E, MARGIN: tl.constexpr, GUARD: tl.constexpr):
-    """The bounds the update reads: under ``GUARD`` the committed ones (``committed[E:]``) when
-    the tensor's are invalid for the binning (``amdqb.ref.qb.bounds_are_valid``)."""
+def _bounds(bounds_ptr, committed_ptr, E, GUARD: tl.constexpr):
+    """The uniform bounds ``[L, U]`` the update reads: under ``GUARD`` the committed ones
+    (``committed[E:]``) when the tensor's are not finite with ``L < U``
+    (``amdqb.ref.qb.bounds_are_valid``)."""
     lo = tl.load(bounds_ptr)
     hi = tl.load(bounds_ptr + 1)
     if GUARD:
-        if MARGIN:
-            ok = (lo > 0) & (lo < float("inf")) & (hi > 0) & (hi < float("inf"))
-        else:
-            ok = (lo < hi) & (lo > float("-inf")) & (hi < float("inf"))
+        ok = (lo < hi) & (lo > float("-inf")) & (hi < float("inf"))
         lo = tl.where(ok, lo, tl.load(committed_ptr + E))
         hi = tl.where(ok, hi, tl.load(committed_ptr + E + 1))
     return lo, hi
+
+
+@triton.jit
+def _scale(bounds_ptr, committed_ptr, E, idx, m, GUARD: tl.constexpr):
+    """log_margin: the inverse scales of experts ``idx``; under ``GUARD`` an entry that is not
+    finite and positive is the committed one (``committed[E + idx]``)."""
+    v = tl.load(bounds_ptr + idx, mask=m, other=1.0)
+    if GUARD:
+        ok = (v > 0) & (v < float("inf"))
+        v = tl.where(ok, v, tl.load(committed_ptr + E + idx, mask=m, other=1.0))
+    return v
 
 
 @triton.jit
@@ -45,12 +55,19 @@ def _bias(bias_ptr, committed_ptr, idx, m, GUARD: tl.constexpr):
 
 
 @triton.jit
+def _exponent(x):
+    """floor(log2 |x|) of a float64 from its exponent field (-1023 for 0 and subnormals)."""
+    return ((x.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023
+
+
+@triton.jit
 def _qb_rows_kernel(
     hist_ptr,
     bounds_ptr,
     bias_ptr,
     bhat_ptr,
     msum_ptr,
+    scale_ptr,
     committed_ptr,
     E,
     B,
@@ -59,15 +76,20 @@ def _qb_rows_kernel(
     BB: tl.constexpr,
     SINGLE: tl.constexpr,
     MARGIN: tl.constexpr,
-    MBITS: tl.constexpr,
+    FINE: tl.constexpr,  # log_margin: the fine keys a side (amdqb.ref.router.margin_fine_keys)
     GUARD: tl.constexpr,
+    ZOOM: tl.constexpr,  # log_margin scale update (amdqb.ref.qb.margin_scale_update)
+    DECAY: tl.constexpr,
+    INV_MIN: tl.constexpr,
+    INV_MAX: tl.constexpr,
 ):
     """App. D recovery of ``ROWS`` experts, uncentred, fp32: int64 cumulative counts, integer
     target ``ceil(m*k/E)``, float64 interpolation. Uniform (``amdqb.ref.qb.recover_uncentred``):
     ``L + position * (U - L) / B``; log_margin (``recover_margin_delta``): ``bias + delta`` with
-    the position mapped back through the margin bins. Also writes each row's sum (int64) for the
-    empty-histogram test of ``qb_step``. ``GUARD``: bias and bounds are read through the
-    committed state (``_bias``, ``_bounds``).
+    the position mapped back through the expert's margin bins, and the expert's next inverse
+    scale (``margin_scale_update``) into ``scale``. Writes each row's sum (int64; -1 for a row
+    holding a negative count, which rejects the step). ``GUARD``: bias and bounds are read
+    through the committed state (``_bias``, ``_bounds``, ``_scale``).
 
     The first bin whose cumulative count reaches the target is ``beta = #{cum < target}``
     (cum is non-decreasing); the count before it is the largest cum below the target, and the
@@ -84,6 +106,7 @@ def _qb_rows_kernel(
         cnt = tl.load(hist_ptr + rbase[:, None] + cols[None, :], mask=msk, other=0).to(tl.int64)
         cum = tl.cumsum(cnt, 1)
         m = tl.sum(cnt, 1)
+        negative = tl.min(cnt, 1) < 0
         target = (m * topk + E - 1) // E
         lt = msk & (cum < target[:, None])
         beta = tl.sum(lt.to(tl.int64), 1)
@@ -91,10 +114,14 @@ def _qb_rows_kernel(
         first = tl.min(tl.where(msk & (cum >= target[:, None]), cum, big[:, None]), 1)
     else:
         m = tl.zeros([ROWS], dtype=tl.int64)
+        low = tl.zeros([ROWS], dtype=tl.int64)
         for b0 in range(0, B, BB):
             msk = rm[:, None] & ((b0 + cols) < B)[None, :]
             ptrs = hist_ptr + rbase[:, None] + (b0 + cols)[None, :]
-            m += tl.sum(tl.load(ptrs, mask=msk, other=0).to(tl.int64), 1)
+            cnt = tl.load(ptrs, mask=msk, other=0).to(tl.int64)
+            m += tl.sum(cnt, 1)
+            low = tl.minimum(low, tl.min(cnt, 1))
+        negative = low < 0
         target = (m * topk + E - 1) // E
         carry = tl.zeros([ROWS], dtype=tl.int64)
         beta = tl.zeros([ROWS], dtype=tl.int64)
@@ -113,37 +140,47 @@ def _qb_rows_kernel(
             carry += tl.sum(cnt, 1)
     beta = tl.minimum(beta, B - 1)
     h = tl.where(first == big, 0, first - before)
-    lower, upper = _bounds(bounds_ptr, committed_ptr, E, MARGIN, GUARD)
-    lower = lower.to(tl.float64)
-    upper = upper.to(tl.float64)
     q = (m * topk).to(tl.float64) / E
     frac = tl.where(h > 0, (q - before.to(tl.float64)) / tl.maximum(h, 1).to(tl.float64), 0.0)
     frac = tl.minimum(tl.maximum(frac, 0.0), 1.0)
     position = beta.to(tl.float64) + frac
     if MARGIN:
-        # key kappa = |p - B/2|, y = 2^o (1 + f) for o, f the parts of kappa / 2^M, then
-        # delta = sign * (y - 1) / inv with inv = bounds[1], the multiplier the bins used
+        # the zero bin [h, h+1) is delta = 0; kappa: the key position away from 0; level: the
+        # half-octave of y = 1 + |d| * inv (8 per coarse key); y = 2^o (1 + f), o, f of level/2
         offset = position - (B // 2)
-        per_octave = (1 << MBITS) * 1.0
-        scaled = tl.abs(offset) / per_octave
-        octave = tl.floor(scaled)
+        up = offset >= 1.0
+        kappa = tl.maximum(tl.where(up, offset - 1.0, -offset), 0.0)
+        level = tl.where(kappa < FINE, kappa, FINE + (kappa - FINE) * 8.0)
+        octave = tl.floor(level / 2.0)
         two_o = ((octave.to(tl.int64) + 1023) << 52).to(tl.float64, bitcast=True)
-        y = (1.0 + (scaled - octave)) * two_o
-        sign = tl.where(offset > 0, 1.0, tl.where(offset < 0, -1.0, 0.0))
-        delta = sign * (y - 1.0) / upper
+        y = (1.0 + (level / 2.0 - octave)) * two_o
+        inv = _scale(bounds_ptr, committed_ptr, E, r, rm, GUARD)
+        magnitude = (y - 1.0) / inv.to(tl.float64)
+        delta = tl.where(up, magnitude, tl.where(offset >= 0.0, 0.0, -magnitude))
+        delta = tl.where(m > 0, delta, 0.0)
         old = _bias(bias_ptr, committed_ptr, r, rm, GUARD).to(tl.float64)
-        bhat = old + tl.where(m > 0, delta, 0.0)
+        bhat = old + delta
+        # next scale: n = min(ZOOM - floor(log2|delta|), floor(log2 inv) + DECAY), clamped
+        wider = tl.where(delta != 0.0, ZOOM - _exponent(delta), INV_MAX)
+        n = tl.minimum(wider, _exponent(inv.to(tl.float64)) + DECAY)
+        n = tl.minimum(tl.maximum(n, INV_MIN), INV_MAX)
+        new_inv = ((n + 127) << 23).to(tl.int32).to(tl.float32, bitcast=True)
+        tl.store(scale_ptr + r, new_inv, mask=rm)
     else:
+        lower, upper = _bounds(bounds_ptr, committed_ptr, E, GUARD)
+        lower = lower.to(tl.float64)
+        upper = upper.to(tl.float64)
         bhat = lower + position * ((upper - lower) / B)
         bhat = tl.where(m > 0, bhat, (lower + upper) / 2)
     tl.store(bhat_ptr + r, bhat.to(tl.float32), mask=rm)
-    tl.store(msum_ptr + r, m, mask=rm)
+    tl.store(msum_ptr + r, tl.where(negative, -1, m), mask=rm)
 
 
-@triton.jit(do_not_specialize=["ema_bits", "keep_bits", "rho_bits"])
+@triton.jit(do_not_specialize=["ema_bits", "keep_bits"])
 def _qb_finish_kernel(
     bhat_ptr,
     msum_ptr,
+    scale_ptr,
     bias_ptr,
     bounds_ptr,
     out_ptr,
@@ -152,58 +189,84 @@ def _qb_finish_kernel(
     E,
     ema_bits,
     keep_bits,
-    rho_bits,
     EB: tl.constexpr,
     STEP: tl.constexpr,
     MARGIN: tl.constexpr,
     COUNT: tl.constexpr,
     GUARD: tl.constexpr,
+    SPREAD: tl.constexpr,  # log_margin: the spread cap (amdqb.ref.qb.BIAS_SPREAD_MAX)
 ):
-    """Single program. Recover: ``out = centre(bhat)``. Step (``amdqb.ref.qb.qb_step_update``):
-    ``bias = centre(fp32(ema*old + (1-ema)*centre(bhat)))`` unless the histogram is empty, then
-    ``bounds = [min(bias) - 1, max(bias) + 1]`` (log_margin: ``[eps, 1/eps]`` with
-    ``eps = rho * (max - min)`` in float64, ``1e-30`` for a spread of 0, the reciprocal of the fp32
-    eps). Means are float64 sums of fp32 values. The step commits only a finite bias and finite
-    bounds; otherwise bias and bounds keep their values and ``rejected[0]`` (``COUNT``) gains one.
-    ``GUARD``: bias and bounds are read through the committed state (``_bias``, ``_bounds``), and
-    the state the step leaves is written to ``committed`` (bias, then bounds).
+    """Single program. Recover: ``out = centre(bhat)`` (log_margin: ``pin_minimum(bhat)``).
+    Step (``amdqb.ref.qb.qb_step_update``), unless the histogram is empty:
+    uniform ``bias = centre(fp32(ema*old + (1-ema)*centre(bhat)))``, bounds
+    ``[min(bias) - 1, max(bias) + 1]``; log_margin ``bias = pin_minimum(fp32(ema*old +
+    (1-ema)*bhat))``, bounds the rows kernel's new scales. Means and differences are float64 of
+    fp32 values. The step commits only a finite bias, valid bounds and a histogram without a
+    negative count (``msum < 0``); otherwise bias and bounds keep their values and
+    ``rejected[0]`` (``COUNT``) gains one. ``GUARD``: bias and bounds are read through the
+    committed state, and the state the step leaves is written to ``committed`` (bias, bounds).
 
-    ``ema``, ``1 - ema`` and ``rho`` arrive as the bits of the host's float64 values (a Python
-    float argument would be narrowed to fp32). The candidate bias goes through ``bhat`` (the
-    program's own scratch, read back after a barrier).
+    ``ema`` and ``1 - ema`` arrive as the bits of the host's float64 values (a Python float
+    argument would be narrowed to fp32). The candidate bias goes through ``bhat`` (the program's
+    own scratch, read back after a barrier).
     """
     acc = tl.zeros([], dtype=tl.float64)
+    low = tl.full([], float("inf"), tl.float32)
+    total = tl.zeros([], dtype=tl.int64)
+    negative = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, E, EB):
         idx = c0 + tl.arange(0, EB)
         m = idx < E
-        acc += tl.sum(tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64), 0)
+        v = tl.load(bhat_ptr + idx, mask=m, other=0.0)
+        acc += tl.sum(v.to(tl.float64), 0)
+        low = tl.minimum(low, tl.min(tl.where(m, v, float("inf")), 0))
+        rows = tl.load(msum_ptr + idx, mask=m, other=0)
+        total += tl.sum(tl.maximum(rows, 0), 0)
+        negative += tl.sum((rows < 0).to(tl.int32), 0)
     mean1 = acc / E
-    if STEP:
-        ema = ema_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        keep = keep_bits.to(tl.int64).to(tl.float64, bitcast=True)
-        acc2 = tl.zeros([], dtype=tl.float64)
-        total = tl.zeros([], dtype=tl.int64)
+    if not STEP:
         for c0 in range(0, E, EB):
             idx = c0 + tl.arange(0, EB)
             m = idx < E
             v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
-            cen = (v - mean1).to(tl.float32)
+            if MARGIN:
+                res = tl.minimum(v - low.to(tl.float64), SPREAD).to(tl.float32)
+            else:
+                res = (v - mean1).to(tl.float32)
+            tl.store(out_ptr + idx, res, mask=m)
+    else:
+        ema = ema_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        keep = keep_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        # the level the mixed values are centred on: the float64 mean (uniform) or the fp32
+        # minimum (log_margin)
+        acc2 = tl.zeros([], dtype=tl.float64)
+        low2 = tl.full([], float("inf"), tl.float32)
+        for c0 in range(0, E, EB):
+            idx = c0 + tl.arange(0, EB)
+            m = idx < E
+            v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
+            if not MARGIN:
+                v = (v - mean1).to(tl.float32).to(tl.float64)
             old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
-            mixed = (ema * old.to(tl.float64) + keep * cen.to(tl.float64)).to(tl.float32)
+            mixed = (ema * old.to(tl.float64) + keep * v).to(tl.float32)
             acc2 += tl.sum(tl.where(m, mixed.to(tl.float64), 0.0), 0)
-            total += tl.sum(tl.load(msum_ptr + idx, mask=m, other=0), 0)
+            low2 = tl.minimum(low2, tl.min(tl.where(m, mixed, float("inf")), 0))
         mean2 = acc2 / E
         lo = tl.full([], float("inf"), tl.float32)
         hi = tl.full([], float("-inf"), tl.float32)
-        bad = tl.zeros([], dtype=tl.int32)
+        bad = negative
         for c0 in range(0, E, EB):
             idx = c0 + tl.arange(0, EB)
             m = idx < E
             v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
-            cen = (v - mean1).to(tl.float32)
+            if not MARGIN:
+                v = (v - mean1).to(tl.float32).to(tl.float64)
             old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
-            mixed = (ema * old.to(tl.float64) + keep * cen.to(tl.float64)).to(tl.float32)
-            new = (mixed.to(tl.float64) - mean2).to(tl.float32)
+            mixed = (ema * old.to(tl.float64) + keep * v).to(tl.float32)
+            if MARGIN:
+                new = tl.minimum(mixed.to(tl.float64) - low2.to(tl.float64), SPREAD).to(tl.float32)
+            else:
+                new = (mixed.to(tl.float64) - mean2).to(tl.float32)
             new = tl.where(total > 0, new, old)
             bad += tl.sum((m & (tl.abs(new) == float("inf")) | (m & (new != new))).to(tl.int32), 0)
             lo = tl.minimum(lo, tl.min(tl.where(m, new, float("inf")), 0))
@@ -213,24 +276,23 @@ def _qb_finish_kernel(
             idx = c0 + tl.arange(0, EB)
             m = idx < E
             v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
-            cen = (v - mean1).to(tl.float32)
+            if not MARGIN:
+                v = (v - mean1).to(tl.float32).to(tl.float64)
             old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
-            mixed = (ema * old.to(tl.float64) + keep * cen.to(tl.float64)).to(tl.float32)
-            new = (mixed.to(tl.float64) - mean2).to(tl.float32)
+            mixed = (ema * old.to(tl.float64) + keep * v).to(tl.float32)
+            if MARGIN:
+                new = tl.minimum(mixed.to(tl.float64) - low2.to(tl.float64), SPREAD).to(tl.float32)
+            else:
+                new = (mixed.to(tl.float64) - mean2).to(tl.float32)
             new = tl.where(total > 0, new, old)
             tl.store(bhat_ptr + idx, new, mask=m)
         if MARGIN:
-            rho = rho_bits.to(tl.int64).to(tl.float64, bitcast=True)
-            spread = hi.to(tl.float64) - lo.to(tl.float64)
-            b0 = tl.where(spread > 0, rho * spread, 1e-30).to(tl.float32)
-            b1 = (1.0 / b0.to(tl.float64)).to(tl.float32)
-            bounds_ok = (b0 > 0) & (b0 < float("inf")) & (b1 > 0) & (b1 < float("inf"))
+            ok = bad == 0
         else:
             b0 = lo - 1.0
             b1 = hi + 1.0
-            bounds_ok = (b0 < b1) & (b0 > float("-inf")) & (b1 < float("inf"))
-        ok = (bad == 0) & bounds_ok
-        old_lo, old_hi = _bounds(bounds_ptr, committed_ptr, E, MARGIN, GUARD)
+            ok = (bad == 0) & (b0 < b1) & (b0 > float("-inf")) & (b1 < float("inf"))
+            old_lo, old_hi = _bounds(bounds_ptr, committed_ptr, E, GUARD)
         tl.debug_barrier()  # the candidates are in bhat; every thread has read the old state
         for c0 in range(0, E, EB):
             idx = c0 + tl.arange(0, EB)
@@ -238,21 +300,24 @@ def _qb_finish_kernel(
             new = tl.load(bhat_ptr + idx, mask=m, other=0.0)
             old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
             final = tl.where(ok, new, old)
+            if MARGIN:
+                old_inv = _scale(bounds_ptr, committed_ptr, E, idx, m, GUARD)
+                new_inv = tl.load(scale_ptr + idx, mask=m, other=1.0)
+                inv = tl.where(ok & (total > 0), new_inv, old_inv)
             tl.store(bias_ptr + idx, final, mask=m)
+            if MARGIN:
+                tl.store(bounds_ptr + idx, inv, mask=m)
             if GUARD:
                 tl.store(committed_ptr + idx, final, mask=m)
-        lo_final = tl.where(ok, b0, old_lo)
-        hi_final = tl.where(ok, b1, old_hi)
-        tl.store(bounds_ptr, lo_final)
-        tl.store(bounds_ptr + 1, hi_final)
-        if GUARD:
-            tl.store(committed_ptr + E, lo_final)
-            tl.store(committed_ptr + E + 1, hi_final)
+                if MARGIN:
+                    tl.store(committed_ptr + E + idx, inv, mask=m)
+        if not MARGIN:
+            lo_final = tl.where(ok, b0, old_lo)
+            hi_final = tl.where(ok, b1, old_hi)
+            tl.store(bounds_ptr, lo_final)
+            tl.store(bounds_ptr + 1, hi_final)
+            if GUARD:
+                tl.store(committed_ptr + E, lo_final)
+                tl.store(committed_ptr + E + 1, hi_final)
         if COUNT:
             tl.atomic_add(rejected_ptr, tl.where(ok, 0, 1).to(tl.int32), sem="relaxed")
-    else:
-        for c0 in range(0, E, EB):
-            idx = c0 + tl.arange(0, EB)
-            m = idx < E
-            v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
-            tl.store(out_ptr + idx, (v - mean1).to(tl.float32), mask=m)

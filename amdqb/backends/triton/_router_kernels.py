@@ -174,14 +174,20 @@ def _qb_bins(r, lower, scale, NBINS: tl.constexpr):
 
 
 @triton.jit
-def _margin_bins(d, inv, NBINS: tl.constexpr, MBITS: tl.constexpr):
-    """log_margin bin of the biased margin d (``amdqb.ref.router.qb_margin_bin_index``): the key
-    ``(bits(1 + |d| * inv) >> (23 - M)) - (127 << M)`` clamped to B/2 - 1, on the side of d's
-    sign; NaN -> 0. Integer arithmetic on the float bits, the same on every device."""
+def _margin_bins(d, inv, NBINS: tl.constexpr, FINE: tl.constexpr):
+    """log_margin bin of the biased margin d (``amdqb.ref.router.qb_margin_bin_index``), ``inv``
+    the experts' inverse scales: the half-octave level
+    ``L = ((bits(1 + |d| * inv) & 0x7fffffff) >> 22) - 254``, the key ``L`` below FINE and ``FINE + ((L - FINE) >> 3)`` beyond; ``d > 0`` in bin
+    ``B/2 + 1 + min(key, B/2 - 2)``, ``d < 0`` in ``B/2 - 1 - min(key, B/2 - 1)``, ``d == 0`` in
+    bin ``B/2``; NaN -> 0. Integer arithmetic on the float bits, the same on every device."""
     y = 1.0 + tl.abs(d) * inv
-    key = (y.to(tl.int32, bitcast=True) >> (23 - MBITS)) - (127 << MBITS)
-    c = tl.minimum(tl.maximum(key, 0), NBINS // 2 - 1)
-    bins = tl.where(d >= 0.0, NBINS // 2 + c, NBINS // 2 - 1 - c)
+    # |y|'s bits: a NaN y (unchecked bounds) is the same bin on every device whatever its sign
+    level = ((y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >> 22) - 254
+    # y >= 1 for every valid scale; the clamp keeps unchecked bounds inside the row
+    key = tl.maximum(tl.where(level < FINE, level, FINE + ((level - FINE) >> 3)), 0)
+    up = NBINS // 2 + 1 + tl.minimum(key, NBINS // 2 - 2)
+    down = NBINS // 2 - 1 - tl.minimum(key, NBINS // 2 - 1)
+    bins = tl.where(d > 0.0, up, tl.where(d < 0.0, down, NBINS // 2))
     return tl.where(d != d, 0, bins)
 
 
@@ -276,7 +282,7 @@ def _router_fwd_kernel(
     APPROX: tl.constexpr,  # the opt-in approximate exponential (tl.exp) instead of torch's
     TIE_FREE: tl.constexpr,  # select by b - sigmoid(-z) instead of s + b (sigmoid with a bias)
     MARGIN: tl.constexpr,  # QB binning: False uniform (r = alpha - s), True log_margin (d)
-    MBITS: tl.constexpr,  # log_margin: 2^MBITS bins per octave
+    FINE: tl.constexpr,  # log_margin: the fine keys a side (amdqb.ref.router.margin_fine_keys)
     SCORES: tl.constexpr,  # write the scores before the bias (scores_ptr, fp32 [T, E])
     CUTOFF: tl.constexpr,  # QB: write the cutoff alpha (cutoff_ptr, fp32 [T])
 ):
@@ -530,9 +536,11 @@ def _router_fwd_kernel(
         if CUTOFF:
             tl.store(cutoff_ptr + rows, alpha, mask=row_ok)
         if MARGIN:
-            # log_margin: d = alpha - (the selection value), binned by the router itself; the
-            # two-kernel mode stores the bins ([T, E] bytes) for the counting pass
-            bins = _margin_bins(alpha[:, None] - sel, tl.load(bounds_ptr + 1), NBINS, MBITS)
+            # log_margin: d = alpha - (the selection value), binned by the router itself on each
+            # expert's axis (bounds: the inverse scales [E]); the two-kernel mode stores the
+            # bins ([T, E] bytes) for the counting pass
+            inv = tl.load(bounds_ptr + col, mask=valid, other=1.0)
+            bins = _margin_bins(alpha[:, None] - sel, inv[None, :], NBINS, FINE)
             if QB == 2:
                 tl.store((cut_ptr + rbase)[:, None] + col[None, :], bins.to(tl.uint8), mask=mask2)
         elif QB == 2:

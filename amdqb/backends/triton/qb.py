@@ -13,8 +13,8 @@ import struct
 import torch
 import triton
 
-from ...ref.qb import LOG_MARGIN_RHO
-from ...ref.router import margin_octave_bits
+from ...ref import qb as R
+from ...ref.router import margin_fine_keys
 from . import _qb_kernels as K
 from ._common import on_device, pow2
 from .codegen import typed_spec
@@ -29,9 +29,7 @@ def _qb_tiles(num_bins: int) -> tuple[int, int]:
     return max(1, 4096 // bb), bb
 
 
-def _qb(
-    histogram, bin_bounds, topk, bias, out, ema, step, binning, rho, rejected=None, committed=None
-):
+def _qb(histogram, bin_bounds, topk, bias, out, ema, step, binning, rejected=None, committed=None):
     num_experts, num_bins = histogram.shape
     dev = histogram.device
     rows, bb = _qb_tiles(num_bins)
@@ -40,45 +38,44 @@ def _qb(
     with on_device(histogram):
         bhat = torch.empty(num_experts, dtype=torch.float32, device=dev)
         msum = torch.empty(num_experts, dtype=torch.int64, device=dev)
+        scale = torch.empty(num_experts if margin else 1, dtype=torch.float32, device=dev)
         # No FP contraction: the float64 steps must round like the oracle's separate ops.
         guard = committed is not None
         committed = committed if guard else bhat
         K._qb_rows_kernel[(triton.cdiv(num_experts, rows),)](
-            histogram, bin_bounds, bias if bias is not None else bhat, bhat, msum, committed,
-            num_experts, num_bins, topk, ROWS=rows, BB=bb, SINGLE=num_bins <= bb, MARGIN=margin,
-            MBITS=margin_octave_bits(num_bins), GUARD=guard, num_warps=4, enable_fp_fusion=False,
+            histogram, bin_bounds, bias if bias is not None else bhat, bhat, msum, scale,
+            committed, num_experts, num_bins, topk, ROWS=rows, BB=bb, SINGLE=num_bins <= bb,
+            MARGIN=margin, FINE=margin_fine_keys(num_bins) if margin else 0, GUARD=guard,
+            **_SCALE, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
         K._qb_finish_kernel[(1,)](
-            bhat, msum, bias if bias is not None else bhat, bin_bounds, out,
+            bhat, msum, scale, bias if bias is not None else bhat, bin_bounds, out,
             rejected if rejected is not None else msum, committed, num_experts,
-            _f64_bits(ema), _f64_bits(1.0 - ema), _f64_bits(rho),
-            EB=min(pow2(num_experts), 4096), STEP=step, MARGIN=margin,
-            COUNT=rejected is not None, GUARD=guard, num_warps=8, enable_fp_fusion=False,
+            _f64_bits(ema), _f64_bits(1.0 - ema), EB=min(pow2(num_experts), 4096), STEP=step,
+            MARGIN=margin, COUNT=rejected is not None, GUARD=guard, SPREAD=R.BIAS_SPREAD_MAX,
+            num_warps=8, enable_fp_fusion=False,
         )  # fmt: skip
 
 
 def qb_recover(histogram, bin_bounds, topk, out, binning="uniform", expert_bias=None):
-    _qb(histogram, bin_bounds, topk, expert_bias, out, 0.0, False, binning, 0.0)
+    _qb(histogram, bin_bounds, topk, expert_bias, out, 0.0, False, binning)
 
 
 def qb_step(
-    bias,
-    histogram,
-    bin_bounds,
-    topk,
-    ema,
-    binning="uniform",
-    rho=LOG_MARGIN_RHO,
-    rejected=None,
-    committed=None,
+    bias, histogram, bin_bounds, topk, ema, binning="uniform", rejected=None, committed=None
 ):
-    _qb(
-        histogram, bin_bounds, topk, bias, bias, float(ema), True, binning, float(rho),
-        rejected, committed,
-    )  # fmt: skip
+    _qb(histogram, bin_bounds, topk, bias, bias, float(ema), True, binning, rejected, committed)
 
 
 OPS = {"qb_recover": qb_recover, "qb_step": qb_step}
+
+
+_SCALE = dict(
+    ZOOM=R.MARGIN_ZOOM_EXP,
+    DECAY=R.MARGIN_DECAY_EXP,
+    INV_MIN=R.MARGIN_INV_MIN_EXP,
+    INV_MAX=R.MARGIN_INV_MAX_EXP,
+)
 
 
 def codegen_specs() -> list:
@@ -87,33 +84,33 @@ def codegen_specs() -> list:
         typed_spec(
             "qb_rows_b1000", K._qb_rows_kernel,
             {"hist_ptr": "i32", "bounds_ptr": "f32", "bias_ptr": "f32", "bhat_ptr": "f32",
-             "msum_ptr": "i64", "committed_ptr": "f32"},
-            dict(ROWS=4, BB=1024, SINGLE=True, MARGIN=False, MBITS=0, GUARD=True), 4,
+             "msum_ptr": "i64", "scale_ptr": "f32", "committed_ptr": "f32"},
+            dict(ROWS=4, BB=1024, SINGLE=True, MARGIN=False, FINE=0, GUARD=True, **_SCALE), 4,
         ),
         typed_spec(
             "qb_rows_chunked", K._qb_rows_kernel,
             {"hist_ptr": "i64", "bounds_ptr": "f32", "bias_ptr": "f32", "bhat_ptr": "f32",
-             "msum_ptr": "i64", "committed_ptr": "f32"},
-            dict(ROWS=2, BB=2048, SINGLE=False, MARGIN=False, MBITS=0, GUARD=False), 4,
+             "msum_ptr": "i64", "scale_ptr": "f32", "committed_ptr": "f32"},
+            dict(ROWS=2, BB=2048, SINGLE=False, MARGIN=False, FINE=0, GUARD=False, **_SCALE), 4,
         ),
         typed_spec(
             "qb_finish_step_e896", K._qb_finish_kernel,
-            {"bhat_ptr": "f32", "msum_ptr": "i64", "bias_ptr": "f32", "bounds_ptr": "f32",
-             "out_ptr": "f32", "rejected_ptr": "i32", "committed_ptr": "f32"},
-            dict(EB=1024, STEP=True, MARGIN=False, COUNT=True, GUARD=True), 8,
-            ints={"ema_bits": "i64", "keep_bits": "i64", "rho_bits": "i64"},
+            {"bhat_ptr": "f32", "msum_ptr": "i64", "scale_ptr": "f32", "bias_ptr": "f32",
+             "bounds_ptr": "f32", "out_ptr": "f32", "rejected_ptr": "i32", "committed_ptr": "f32"},
+            dict(EB=1024, STEP=True, MARGIN=False, COUNT=True, GUARD=True, SPREAD=R.BIAS_SPREAD_MAX), 8,
+            ints={"ema_bits": "i64", "keep_bits": "i64"},
         ),
         typed_spec(
             "qb_rows_log_margin_b64", K._qb_rows_kernel,
             {"hist_ptr": "i32", "bounds_ptr": "f32", "bias_ptr": "f32", "bhat_ptr": "f32",
-             "msum_ptr": "i64", "committed_ptr": "f32"},
-            dict(ROWS=64, BB=64, SINGLE=True, MARGIN=True, MBITS=1, GUARD=True), 4,
+             "msum_ptr": "i64", "scale_ptr": "f32", "committed_ptr": "f32"},
+            dict(ROWS=64, BB=64, SINGLE=True, MARGIN=True, FINE=16, GUARD=True, **_SCALE), 4,
         ),
         typed_spec(
             "qb_finish_step_log_margin_e896", K._qb_finish_kernel,
-            {"bhat_ptr": "f32", "msum_ptr": "i64", "bias_ptr": "f32", "bounds_ptr": "f32",
-             "out_ptr": "f32", "rejected_ptr": "i32", "committed_ptr": "f32"},
-            dict(EB=1024, STEP=True, MARGIN=True, COUNT=True, GUARD=True), 8,
-            ints={"ema_bits": "i64", "keep_bits": "i64", "rho_bits": "i64"},
+            {"bhat_ptr": "f32", "msum_ptr": "i64", "scale_ptr": "f32", "bias_ptr": "f32",
+             "bounds_ptr": "f32", "out_ptr": "f32", "rejected_ptr": "i32", "committed_ptr": "f32"},
+            dict(EB=1024, STEP=True, MARGIN=True, COUNT=True, GUARD=True, SPREAD=R.BIAS_SPREAD_MAX), 8,
+            ints={"ema_bits": "i64", "keep_bits": "i64"},
         ),
     ]  # fmt: skip

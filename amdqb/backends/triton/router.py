@@ -50,7 +50,7 @@ import triton
 
 from ... import configs
 from ...devices import device_info
-from ...ref.router import margin_octave_bits
+from ...ref.router import margin_fine_keys
 from .. import _serving
 from ..calls import SCORE_CODES, RouterCall, TopkCall
 from . import _router_kernels as K
@@ -191,7 +191,10 @@ def plan_histogram(E: int, B: int, T: int, family: str, lds_ok: bool) -> HistPla
     per = -(-T // slices)
     per = -(-per // bt) * bt
     slices = max(1, -(-T // per))
-    return HistPlan(epp, bt, pow2(epp * B), lds, per, slices, cfg["hist_warps"])
+    # NB sizes the private histogram only: the global-atomic form keeps none (a [NB] block of an
+    # [epp, B] slice would pass Triton's 2^20-element limit from B = 2^17 on)
+    nb = pow2(epp * B) if lds else 1
+    return HistPlan(epp, bt, nb, lds, per, slices, cfg["hist_warps"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,7 +300,7 @@ def _launch_router(
         APPROX=bool(approx),
         TIE_FREE=bool(tie_free),
         MARGIN=bool(margin),
-        MBITS=margin_octave_bits(nbins),
+        FINE=margin_fine_keys(nbins) if margin else 0,
         SCORES=scores is not None,
         CUTOFF=cutoff is not None,
         num_warps=plan.num_warps,
@@ -539,7 +542,7 @@ def _fwd_spec(name, plan, *, types, score, pre, renorm, qb, nbins, map_code, den
         APPROX=False,
         TIE_FREE=False,
         MARGIN=False,
-        MBITS=0,
+        FINE=0,
         SCORES=False,
         CUTOFF=False,
     )

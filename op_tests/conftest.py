@@ -9,6 +9,13 @@ emulator of op_tests/hip_emu (marked ``emulator``), both through the public ops.
 """
 
 import os
+import sys
+from pathlib import Path
+
+# The checkout's amdqb_tools (AMD build tools, not installed with the package) for the AMD tests.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 # pytest-xdist workers spread over the visible GPUs (AMDQB_SPREAD_GPUS=N, set by
 # scripts/gpu_check.sh on multi-GPU machines); must happen before torch initialises CUDA.

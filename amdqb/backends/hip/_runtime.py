@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..._arch import amd_wave_size
 from . import _spec
 
 
@@ -428,8 +429,7 @@ class HiprtcToolchain(_Toolchain):
             arch = arch.decode()
         if not arch:
             raise HipBackendError("torch does not report gcnArchName for this device")
-        base = arch.split(":")[0]
-        wave = int(getattr(props, "warp_size", 0) or (64 if base.startswith("gfx9") else 32))
+        wave = int(getattr(props, "warp_size", 0) or amd_wave_size(arch))
         return arch, wave, "hsaco"
 
     def compile(self, source, name, flags, include_dir):

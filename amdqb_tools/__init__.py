@@ -1,0 +1,14 @@
+"""Tools that build and read the AMD code objects of the ``hip_src`` kernels without an AMD GPU.
+
+Not part of the amdqb package (``import amdqb`` never imports them; the wheel does not ship them):
+the test suite, ``setup.py`` and ``scripts/`` use them from a checkout.
+
+* :mod:`.toolchain`: the clang / lld / LLVM tools installed here and the device-library directory
+  each links against;
+* :mod:`.build`: offline builds of every kernel module the runtime can request at the seed shapes,
+  with the runtime's flags, cached;
+* :mod:`.code_objects`: metadata, symbols, disassembly and listing comments of a code object;
+* :mod:`.occupancy`: waves per SIMD from register and LDS counts (LLVM's per-target rules);
+* :mod:`.table`: the generated tables of docs/amd_occupancy.md;
+* ``python -m amdqb_tools``: the command line (build, inspect, table).
+"""

@@ -15,7 +15,7 @@ import amdqb
 from amdqb import dispatch, ref
 from amdqb.backends import hip as hip_backend
 
-from conftest import DEVICE, HAS_GPU, over_backends, set_config
+from conftest import DEVICE, GCN, HAS_GPU, over_backends, set_config
 from hip_emu.checks import make_logits
 from router_cases import (
     E_MAIN,
@@ -151,7 +151,7 @@ DECODE_TOPK_CASES = (
 )
 
 
-@over_backends("biased_topk", only=("hip",), waves=(32, 64))
+@over_backends("biased_topk", only=("hip",), waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("e,k,dtype,style", DECODE_TOPK_CASES)
 def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(
     monkeypatch, backend, emu_rt, e, k, dtype, style

@@ -28,7 +28,7 @@ from amdqb.backends.hip import _runtime, _spec
 from amdqb.backends.hip import router as hip_router
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
 
-from conftest import DEVICE, HAS_GPU, device_config, over_backends, set_config
+from conftest import DEVICE, GCN, HAS_GPU, device_config, over_backends, set_config
 from hip_emu.checks import make_logits, routed_mask
 from router_cases import (
     E_MAIN,
@@ -341,7 +341,7 @@ def overflows(rt, e=257):
     return lib.amdqb_emu_overflows()
 
 
-@over_backends("router_fwd", emulator=True, waves=(32, 64))
+@over_backends("router_fwd", emulator=True, waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("style", ["normal", "ties", "nan_inf", "overflow", "zeros"])
 def test_router_styles_both_wave_sizes(backend, emu_rt, warp_router, style):
     rt = emu_rt
@@ -365,7 +365,7 @@ def test_router_styles_both_wave_sizes(backend, emu_rt, warp_router, style):
 
 
 @pytest.mark.parametrize("k,qb", [(33, False), (40, True), (63, True), (64, False)])
-@over_backends("router_fwd", emulator=True, waves=(64,))
+@over_backends("router_fwd", emulator=True, waves=(64,), gcn=("gfx942",))
 def test_router_exact_path_large_k(backend, warp_router, k, qb):
     e = 896
     logits = make_logits(9, e, "ties", k)
@@ -484,7 +484,7 @@ DECODE_ROUTER_CASES = (
 )
 
 
-@over_backends("router_fwd", only=("hip",), waves=(32, 64))
+@over_backends("router_fwd", only=("hip",), waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("e,k,dtype,style,outputs", DECODE_ROUTER_CASES)
 def test_router_decode_kernel_is_bitwise_the_warp_kernel(
     monkeypatch, backend, emu_rt, e, k, dtype, style, outputs

@@ -2,7 +2,10 @@
 //   * HIP  (hiprtc at run time, or `clang -x hip` / hipcc offline) for AMD GPUs, wave32 or wave64;
 //   * CUDA (NVRTC at run time, or nvcc offline) for NVIDIA GPUs;
 //   * plain C++ on the host (AMDQB_HOST_EMU), where op_tests/hip_emu supplies the thread, warp and
-//     shared-memory primitives; used to execute the kernels on the CPU in tests.
+//     shared-memory primitives; used to execute the kernels on the CPU in tests. With
+//     AMDQB_EMU_AMDGCN as well, the cross-lane primitives compile as their AMD branches (the
+//     AMDGCN builtins, which the emulator models lane by lane on waves of AMDQB_WAVE_SIZE lanes),
+//     so the AMD-only code runs on the CPU too.
 //
 // Warp model. Every warp-level primitive below works on a *logical warp of 32 lanes*: lane =
 // linear thread index % 32 inside a 1-D block. On wave64 hardware a wave holds two logical warps;
@@ -21,8 +24,13 @@
 
 #if defined(AMDQB_HOST_EMU)
 #define AMDQB_EMU 1
+#if defined(AMDQB_EMU_AMDGCN)
+#define AMDQB_AMDGCN                                                                               \
+  1  // cross-lane operations: the AMDGCN builtins (host models, op_tests/hip_emu)
+#endif
 #elif defined(__HIP__) || defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__)
 #define AMDQB_HIP 1
+#define AMDQB_AMDGCN 1  // cross-lane operations: the AMDGCN builtins
 #elif defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define AMDQB_CUDA 1
 #else
@@ -211,7 +219,18 @@ AMDQB_DEVICE void keep_loaded(float& v) {
 // ------------------------------------------------------------------------------------------------
 // Raw platform primitives
 // ------------------------------------------------------------------------------------------------
-#if defined(AMDQB_HIP)
+// AMDQB_LANES(w) opens the AMD branch of a primitive that works on rows of w lanes: on the
+// hardware nothing; in the emulator's AMDGCN model it scopes the cross-lane builtins the branch
+// calls to the caller's row (on wave64 with w = 32: its half of the wave, which the other half's
+// logical warp may not share in that moment), so the model checks that the branch never depends
+// on lanes outside the row.
+#if defined(AMDQB_EMU) && defined(AMDQB_AMDGCN)
+#define AMDQB_LANES(w) const ::amdqb_emu::LaneScope amdqb_lane_scope_(w)
+#else
+#define AMDQB_LANES(w)
+#endif
+
+#if defined(AMDQB_AMDGCN)
 // Lane inside the hardware wave (independent of the block shape).
 AMDQB_DEVICE int hw_lane() {
 #if AMDQB_WAVE_SIZE == 64
@@ -257,6 +276,7 @@ AMDQB_DEVICE int shfl_xor_i32(int v, int mask) {
 #if defined(AMDQB_CUDA)
   return __shfl_xor_sync(0xffffffffu, v, mask, 32);
 #else
+  AMDQB_LANES(32);
   // mask < 32 keeps the source inside the caller's 32-lane half of a wave64.
   return raw_bpermute(hw_lane() ^ mask, v);
 #endif
@@ -267,6 +287,7 @@ AMDQB_DEVICE int shfl_i32(int v, int src) {
 #if defined(AMDQB_CUDA)
   return __shfl_sync(0xffffffffu, v, src, 32);
 #else
+  AMDQB_LANES(32);
   return raw_bpermute((hw_lane() & ~31) | (src & 31), v);
 #endif
 }
@@ -283,8 +304,10 @@ AMDQB_DEVICE u32 ballot32(bool p) {
 #if defined(AMDQB_CUDA)
   return __ballot_sync(0xffffffffu, p);
 #elif AMDQB_WAVE_SIZE == 64
+  AMDQB_LANES(32);
   return (u32)(raw_ballot(p) >> (hw_lane() & 32));
 #else
+  AMDQB_LANES(32);
   return (u32)raw_ballot(p);
 #endif
 }
@@ -318,7 +341,8 @@ AMDQB_DEVICE int warp_prefix_count(bool p) { return popc32(ballot32(p) & lanemas
 AMDQB_DEVICE void warp_sync() {
 #if defined(AMDQB_CUDA)
   __syncwarp();
-#elif defined(AMDQB_HIP)
+#elif defined(AMDQB_AMDGCN)
+  AMDQB_LANES(32);
   // Lanes of a wave run in lock step; a wavefront-scope fence orders the LDS accesses and the
   // wave barrier keeps the compiler from moving them across.
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");

@@ -49,8 +49,60 @@ extern "C" void amdqb_emu_bf16_to_f32(const unsigned short* x, float* y, long lo
 extern "C" void amdqb_emu_order_key(const float* x, int* y, long long n) {
   for (long long i = 0; i < n; ++i) y[i] = amdqb::order_key(x[i]);
 }
+#elif defined(AMDQB_EMU_LANES)
+// The AMDGCN model's builtins one at a time, for op_tests/test_amd_lane_model.py: every lane t of
+// a block applies builtin `op` to in[t] (old[t]: the old value / address / accumulator) in rows of
+// `scope` lanes and writes out[t].
+#include "amdqb_prelude.h"
+#if !defined(AMDQB_EMU_AMDGCN)
+#error "AMDQB_EMU_LANES needs the AMDGCN model (AMDQB_EMU_AMDGCN)"
+#endif
+extern "C" void amdqb_emu_lane_op(const int* in, const int* old, int* out, int op, int a, int b,
+                                  int c, int d, int scope) {
+  const amdqb_emu::LaneScope row(scope);
+  const int t = (int)threadIdx.x, v = in[t], o = old[t];
+  int r = 0;
+  switch (op) {
+    case 0:
+      r = __builtin_amdgcn_ds_bpermute(o, v);
+      break;
+    case 1:
+      r = __builtin_amdgcn_ds_swizzle(v, a);
+      break;
+    case 2:
+      r = __builtin_amdgcn_update_dpp(o, v, a, b, c, d != 0);
+      break;
+    case 3:
+      r = __builtin_amdgcn_readlane(v, a);
+      break;
+    case 4:
+      r = __builtin_amdgcn_readfirstlane(v);
+      break;
+    case 5:
+      r = (int)(__builtin_amdgcn_ballot_w64(v != 0) >> (a ? 32 : 0));
+      break;
+    case 6:
+      r = (int)__builtin_amdgcn_mbcnt_lo((unsigned)v, (unsigned)o);
+      break;
+    case 7:
+      r = (int)__builtin_amdgcn_mbcnt_hi((unsigned)v, (unsigned)o);
+      break;
+#if !defined(__GFX9__)
+    case 8:
+      r = (int)__builtin_amdgcn_permlanex16((unsigned)o, (unsigned)v, a, b, c, d);
+      break;
+    case 9:
+      r = (int)__builtin_amdgcn_permlane16((unsigned)o, (unsigned)v, a, b, c, d);
+      break;
+#endif
+    default:
+      amdqb_emu::fail("no such lane op", op);
+  }
+  out[t] = r;
+}
+AMDQB_EMU_REGISTER(amdqb_emu_lane_op)
 #else
-#error "define AMDQB_EMU_ROUTER, AMDQB_EMU_ROUTE or AMDQB_EMU_CONVERT"
+#error "define AMDQB_EMU_ROUTER, AMDQB_EMU_ROUTE, AMDQB_EMU_CONVERT or AMDQB_EMU_LANES"
 #endif
 
 AMDQB_EMU_RUNTIME_DEFINITIONS

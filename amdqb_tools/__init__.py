@@ -9,6 +9,8 @@ the test suite, ``setup.py`` and ``scripts/`` use them from a checkout.
   with the runtime's flags, cached;
 * :mod:`.code_objects`: metadata, symbols, disassembly and listing comments of a code object;
 * :mod:`.occupancy`: waves per SIMD from register and LDS counts (LLVM's per-target rules);
+* :mod:`.isa`: counts of the cross-lane and atomic instructions in a kernel's disassembly;
+* :mod:`.mca`: a static model of the hot kernels' main loops (llvm-mca, occupancy, bytes);
 * :mod:`.table`: the generated tables of docs/amd_occupancy.md;
 * ``python -m amdqb_tools``: the command line (build, inspect, table).
 """

@@ -18,7 +18,7 @@ from pathlib import Path
 from .build import build_all
 from .code_objects import inspect, inspect_build
 from .occupancy import RULES, occupancy
-from .table import generated_section, render_table, write_table
+from .table import render_sections, stale_sections, write_sections
 from .toolchain import Toolchain, missing_toolchains, toolchains
 
 
@@ -111,21 +111,21 @@ def _cmd_inspect(args) -> int:
 
 def _cmd_table(args) -> int:
     start = time.perf_counter()
-    table = render_table(build_all(_select(args), jobs=args.jobs))
+    sections = render_sections(build_all(_select(args), jobs=args.jobs))
     print(f"built and inspected in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     if args.write:
-        write_table(Path(args.write), table)
+        write_sections(Path(args.write), sections)
     elif args.check:
-        current = generated_section(Path(args.check).read_text())
-        if current != table:
+        stale = stale_sections(Path(args.check), sections)
+        if stale:
             print(
-                f"{args.check} is stale: regenerate with `python -m amdqb_tools "
-                f"table --write {args.check}`",
+                f"{args.check}: sections {', '.join(stale)} are stale: regenerate with "
+                f"`python -m amdqb_tools table --write {args.check}`",
                 file=sys.stderr,
             )
             return 1
     else:
-        sys.stdout.write(table)
+        sys.stdout.write("\n".join(sections.values()))
     return 0
 
 

@@ -1,5 +1,9 @@
-"""The generated tables of docs/amd_occupancy.md: per target, every kernel's registers, LDS,
-scratch, spills and occupancy, from the code objects of :func:`amdqb_tools.build.build_all`.
+"""The generated sections of docs/amd_occupancy.md, from the code objects of
+:func:`amdqb_tools.build.build_all`: ``occupancy`` (per target, every kernel's registers, LDS,
+scratch, spills and occupancy) and ``isa`` (per target, the cross-lane and atomic instructions of
+the hot modules' kernels, :mod:`amdqb_tools.isa`) and ``model`` (llvm-mca over the hot kernels'
+main loops with occupancy and bytes moved, :mod:`amdqb_tools.mca`). Each section sits between its
+own BEGIN marker and the next END marker.
 """
 
 from __future__ import annotations
@@ -8,13 +12,17 @@ from pathlib import Path
 
 from amdqb.backends.hip import _spec
 
+from . import isa, mca
 from .build import module_variants, titled_variants
 from .code_objects import inspect_build
 from .occupancy import RULES, occupancy
 from .toolchain import AMD_ARCHS, TOOLCHAIN_MAJORS, toolchains
 
-TABLE_BEGIN = "<!-- BEGIN GENERATED: python -m amdqb_tools table --write -->"
 TABLE_END = "<!-- END GENERATED -->"
+
+
+def table_begin(name: str) -> str:
+    return f"<!-- BEGIN GENERATED {name}: python -m amdqb_tools table --write -->"
 
 
 def _module_title(spec: _spec.ModuleSpec) -> str:
@@ -30,7 +38,7 @@ def render_table(builds: dict) -> str:
         by_target.setdefault((tc_name, arch), []).append(b)
     for tc in toolchains():
         versions[tc.name] = tc.version
-    lines = [TABLE_BEGIN, ""]
+    lines = [table_begin("occupancy"), ""]
     for name in sorted(versions, key=lambda n: -int(n.split("-")[1])):
         if any(t == name for t, _ in by_target):
             lines.append(f"* {name}: `{versions[name]}`")
@@ -84,15 +92,79 @@ def render_table(builds: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def generated_section(text: str) -> str | None:
-    i, j = text.find(TABLE_BEGIN), text.find(TABLE_END)
+# Modules of the ISA section: the route / align kernels and the router at the seed shape.
+ISA_MODULES = ("layout", "router E=896 fp32 sigmoid")
+ISA_COLUMNS = (
+    ("bpermute", "ds_bpermute"),
+    ("dpp", "DPP"),
+    ("swizzle", "ds_swizzle"),
+    ("permlane", "permlane"),
+    ("readlane", "readlane"),
+    ("writelane", "writelane"),
+    ("lds_atomic", "LDS atomics"),
+    ("global_atomic", "global atomics"),
+)
+
+
+def render_isa_table(builds: dict) -> str:
+    """The ``isa`` section: per clang-22 target, the instruction counts of the kernels of
+    :data:`ISA_MODULES`, each cell ``all (in loops)``."""
+    lines = [table_begin("isa"), ""]
+    head = " | ".join(title for _, title in ISA_COLUMNS)
+    for arch in AMD_ARCHS:
+        rows = []
+        for title, spec in titled_variants(arch):
+            b = builds.get(("clang-22", spec, arch))
+            if title not in ISA_MODULES or b is None or not b.ok:
+                continue
+            co = inspect_build(b)
+            for name in sorted(co.kernels):
+                code = co.kernels[name].code
+                total, looped = isa.counts(code), isa.counts(code, only_loops=True)
+                cells = " | ".join(
+                    f"{total[c]} ({looped[c]})" if total[c] else "0" for c, _ in ISA_COLUMNS
+                )
+                rows.append(f"| {title} | `{name}` | {cells} |")
+        if not rows:
+            continue
+        lines += [
+            f"### {arch} (wave{RULES[arch].wave}), clang-22: instructions (in loops)",
+            "",
+            f"| module | kernel | {head} |",
+            "|---|---|" + "--:|" * len(ISA_COLUMNS),
+            *rows,
+            "",
+        ]
+    lines.append(TABLE_END)
+    return "\n".join(lines) + "\n"
+
+
+def render_sections(builds: dict) -> dict[str, str]:
+    """{section name: its generated text} of docs/amd_occupancy.md."""
+    return {
+        "occupancy": render_table(builds),
+        "isa": render_isa_table(builds),
+        "model": mca.render_model_table(builds, table_begin, TABLE_END),
+    }
+
+
+def generated_section(text: str, name: str = "occupancy") -> str | None:
+    i = text.find(table_begin(name))
+    j = text.find(TABLE_END, i) if i >= 0 else -1
     if i < 0 or j < 0:
         return None
     return text[i : j + len(TABLE_END)] + "\n"
 
 
-def write_table(path: Path, table: str) -> None:
-    text = path.read_text() if path.is_file() else "# AMD code objects: occupancy\n\n"
-    current = generated_section(text)
-    text = text.replace(current, table) if current else text.rstrip("\n") + "\n\n" + table
+def write_sections(path: Path, sections: dict[str, str]) -> None:
+    text = path.read_text() if path.is_file() else "# AMD code objects\n\n"
+    for name, table in sections.items():
+        current = generated_section(text, name)
+        text = text.replace(current, table) if current else text.rstrip("\n") + "\n\n" + table
     path.write_text(text)
+
+
+def stale_sections(path: Path, sections: dict[str, str]) -> list[str]:
+    """Names of the sections whose text in ``path`` differs from ``sections`` (or is missing)."""
+    text = path.read_text()
+    return [name for name, table in sections.items() if generated_section(text, name) != table]

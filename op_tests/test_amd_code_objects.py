@@ -28,9 +28,12 @@ from amdqb._arch import amd_wave_size
 from amdqb.backends.hip import _spec
 from amdqb_tools import build as tools_build
 from amdqb_tools import code_objects as tools_code_objects
+from amdqb_tools import isa as tools_isa
 from amdqb_tools import occupancy as tools_occupancy
 from amdqb_tools import table as tools_table
 from amdqb_tools import toolchain as tools_toolchain
+
+from conftest import needs, require
 
 # the module fixture builds every kernel once: its tests stay on one xdist worker
 pytestmark = pytest.mark.xdist_group("amd_code_objects")
@@ -59,7 +62,9 @@ def target_params():
             tc,
             arch,
             id=f"{tc}-{arch}",
-            marks=pytest.mark.skipif(not _available(tc), reason=_skip_reason()),
+            marks=needs(
+                _available(tc) and tools_toolchain.inspect_tools() is not None, _skip_reason()
+            ),
         )
         for tc, arch in ALL_TARGETS
     ]
@@ -68,8 +73,11 @@ def target_params():
 @pytest.fixture(scope="module")
 def objects():
     """{(toolchain, module, arch): CodeObject} of every build (made once per process)."""
-    if not any(_available(tc) for tc, _ in ALL_TARGETS) or tools_toolchain.inspect_tools() is None:
-        pytest.skip(_skip_reason())
+    require(
+        any(_available(tc) for tc, _ in ALL_TARGETS)
+        and tools_toolchain.inspect_tools() is not None,
+        _skip_reason(),
+    )
     builds = tools_build.build_all()
     failed = {b.label: b.log[-3000:] for b in builds.values() if not b.ok}
     assert not failed, failed
@@ -275,17 +283,18 @@ def test_occupancy_rules_match_llvm_on_probe_kernels(tc, arch):
     assert not bad, bad[:20]
 
 
-def test_occupancy_table_is_current(objects):
-    """docs/amd_occupancy.md's generated table equals what these builds give (so it cannot go
-    stale: a kernel, flag or compiler change shows here; regenerate with
+def test_generated_tables_are_current(objects):
+    """docs/amd_occupancy.md's generated sections (occupancy, ISA counts) equal what these builds
+    give (so they cannot go stale: a kernel, flag or compiler change shows here; regenerate with
     ``python -m amdqb_tools table --write docs/amd_occupancy.md``)."""
-    if not all(_available(tc) for tc, _ in ALL_TARGETS):
-        pytest.skip("the table covers every toolchain: " + _skip_reason())
-    builds = tools_build.build_all()
-    current = tools_table.generated_section(DOC.read_text())
-    assert current is not None, f"{DOC} has no generated section"
-    assert current == tools_table.render_table(builds), (
-        f"{DOC} is stale: regenerate with "
+    require(
+        all(_available(tc) for tc, _ in ALL_TARGETS),
+        "the tables cover every toolchain: " + _skip_reason(),
+    )
+    sections = tools_table.render_sections(tools_build.build_all())
+    stale = tools_table.stale_sections(DOC, sections)
+    assert not stale, (
+        f"{DOC}: sections {stale} are stale: regenerate with "
         "`python -m amdqb_tools table --write docs/amd_occupancy.md`"
     )
 
@@ -293,16 +302,6 @@ def test_occupancy_table_is_current(objects):
 # ------------------------------------------------------------------------------------------------
 # ISA (disassembly of the linked code objects)
 # ------------------------------------------------------------------------------------------------
-def loops(code):
-    """[(header address, last latch address)] of a kernel's loops: the backward branches, merged
-    per header."""
-    latest = {}
-    for addr, _, target in code:
-        if target is not None and target <= addr:
-            latest[target] = max(latest.get(target, addr), addr)
-    return sorted(latest.items())
-
-
 @pytest.mark.parametrize("ids", ["i32", "i64"])
 @pytest.mark.parametrize("tc, arch", target_params())
 def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(objects, tc, arch, ids):
@@ -332,8 +331,8 @@ def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(obje
     assert not any(re.match(r"ds_(store|write)", t) for t in between), between
     # All sites sit in one loop, whose body reads the LDS histogram (the count to reserve) and
     # writes the interval base back, and never loads route ids from global memory.
-    loop = [(h, e) for h, e in loops(new) if h <= sites[0][0] and sites[-1][0] <= e]
-    assert loop, (loops(new), sites)
+    loop = [(h, e) for h, e in tools_isa.loops(new) if h <= sites[0][0] and sites[-1][0] <= e]
+    assert loop, (tools_isa.loops(new), sites)
     head, end = min(loop, key=lambda he: he[1] - he[0])
     body = [t for a, t, _ in new if head <= a <= end]
     assert any(re.match(r"ds_(load|read)", t) for t in body), body
@@ -365,3 +364,42 @@ def test_qb_histogram_pass_counts_in_lds(objects, tc, arch):
     # expert) each, unrolled over the lane's row.
     router = code_object(objects, tc, arch, spec).kernels["amdqb_router"].instructions()
     assert count(router, GLOBAL_ATOMIC) == 2 * -(-896 // 32)
+
+
+# Kernels whose time is their loops, and the ds_bpermute they may keep there: the router family
+# none (its butterflies, bitonic stages, scans and broadcasts lower to DPP / ds_swizzle /
+# permlanex16 / readlane, matches to ballots), the deterministic rank passes one (the peer
+# leader's interval base, a per-lane source lane).
+HOT_BPERMUTE = {
+    "amdqb_router": 0,
+    "amdqb_router_decode": 0,
+    "amdqb_scores": 0,
+    "amdqb_qb_hist": 0,
+    "amdqb_qb_hist_bins": 0,
+    "amdqb_route_det_rank_i32": 1,
+    "amdqb_route_det_rank_i64": 1,
+    "amdqb_align_rank_i32": 1,
+    "amdqb_align_rank_i64": 1,
+}
+
+
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_hot_loops_use_no_bpermute_chains(objects, tc, arch):
+    """No hot loop regresses to chains of ds_bpermute: every kernel keeps at most 2 of them
+    (outside the router family: block scans' neighbour reads), the hot kernels' loops at most
+    HOT_BPERMUTE; the router's selection loop and the decode form's selection and merges run on
+    DPP (and on gfx9 ds_swizzle for the xor by 16, gfx10+ permlanex16)."""
+    for spec, co in modules_of(objects, tc, arch):
+        for name, k in co.kernels.items():
+            total = tools_isa.counts(k.code)
+            looped = tools_isa.counts(k.code, only_loops=True)
+            assert total["bpermute"] <= 2, (spec.label(), name, total)
+            if name in HOT_BPERMUTE:
+                assert looped["bpermute"] <= HOT_BPERMUTE[name], (spec.label(), name, looped)
+        if spec.kernel_file == "router.hip":
+            # the router's token loop and the decode form's (straight-line) selection and merge
+            for name, only_loops in (("amdqb_router", True), ("amdqb_router_decode", False)):
+                c = tools_isa.counts(co.kernels[name].code, only_loops=only_loops)
+                assert c["dpp"] >= 20, (spec.label(), name, c)
+                cross = c["swizzle"] if arch in ("gfx942", "gfx950") else c["permlane"]
+                assert cross >= 1, (spec.label(), name, c)

@@ -17,12 +17,13 @@ import torch
 
 from amdqb.backends.hip import _spec
 
+from conftest import needs
 from hip_emu.backend import runtime
 from hip_emu.runtime import compiler
 
 pytestmark = [
     pytest.mark.emulator,
-    pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) for the emulator"),
+    needs(compiler() is not None, "needs g++ (C++20) for the emulator"),
 ]
 
 OPS = {

@@ -57,10 +57,10 @@ AMDQB_DEVICE int slots_within(int first, int count, int capacity) {
 
 // Deterministic slot of each lane's route among the warp's 32 in flat order: lanes with the same
 // expert e (>= 0) rank in lane order after next[e], and the lowest of them advances next[e] by
-// their count. Returns next[e] + rank (unused for e < 0). The caller warp_syncs before the next
-// call, so that its leaders see the update.
-AMDQB_DEVICE int warp_claim_slot(int* next, int e, int lane) {
-  const u32 peers = match_any_i32(e);
+// their count. Returns next[e] + rank (unused for e < 0). e lies in [-1, num_experts). The caller
+// warp_syncs before the next call, so that its leaders see the update.
+AMDQB_DEVICE int warp_claim_slot(int* next, int e, int lane, int num_experts) {
+  const u32 peers = match_any_in(e, -1, num_experts);
   const int leader = lowest_bit(peers);
   int start = 0;
   if (e >= 0 && lane == leader) {
@@ -214,7 +214,7 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
     const i64 i = base + (i64)c * 32 + lane;
     const int e = e_next;
     if (c + 1 < AMDQB_DET_ITEMS) e_next = i + 32 < n ? expert_of(ids, i + 32, num_experts) : -1;
-    const int slot = warp_claim_slot(next, e, lane);
+    const int slot = warp_claim_slot(next, e, lane, num_experts);
     if (i < n) rows[i] = e >= 0 ? place(e, slot, capacity) : -1;
     warp_sync();  // next[] updates visible to the next chunk's leaders
   }
@@ -403,13 +403,7 @@ constexpr u32 kOffsetSat = 0x80000000u;
 AMDQB_DEVICE u32 sat_add(u32 a, u32 b) { return a >= kOffsetSat - b ? kOffsetSat : a + b; }
 
 AMDQB_DEVICE u32 warp_inclusive_sat_u32(u32 v) {
-  const int lane = lane_id();
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const u32 o = (u32)shfl_i32((int)v, lane - d);
-    if (lane >= d) v = sat_add(v, o);
-  }
-  return v;
+  return warp_inclusive_scan_u32(v, [](u32 a, u32 b) { return sat_add(a, b); });
 }
 
 // Exclusive saturating prefix sum over the block (block_exclusive_sum_u32 with sat_add: the
@@ -565,7 +559,7 @@ AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_s
   for (int c = 0; c < chunks; ++c) {
     const int k = run0 + c * 32 + lane;
     const int e = tile_ex[k];
-    const int slot = warp_claim_slot(mine, e, lane);
+    const int slot = warp_claim_slot(mine, e, lane, num_experts);
     if (e >= 0) sorted_ids[slot] = (int)(tile0 + k);
     warp_sync();  // mine[] updates visible to the next chunk's leaders
   }

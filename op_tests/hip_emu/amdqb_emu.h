@@ -348,6 +348,14 @@ inline unsigned __builtin_amdgcn_permlanex16(unsigned old, unsigned src, unsigne
 // value is garbage.
 inline int __builtin_amdgcn_readlane(int v, int src_lane) {
   if (src_lane < 0 || src_lane >= amdqb_emu::kWave) amdqb_emu::fail("readlane", src_lane);
+  // the lane index is a scalar operand: the same in every lane of the row
+  const bool uniform = amdqb_emu::wave_exchange(
+      (uint32_t)src_lane, [&](const uint32_t* vals, int lanes, int, auto in_row) {
+        for (int l = 0; l < lanes; ++l)
+          if (in_row(l) && vals[l] != (uint32_t)src_lane) return false;
+        return true;
+      });
+  if (!uniform) amdqb_emu::fail("readlane with a lane index that differs across the row", src_lane);
   return (int)amdqb_emu::wave_exchange(
       (uint32_t)v, [&](const uint32_t* vals, int lanes, int, auto in_row) {
         return amdqb_emu::source(vals, lanes, src_lane, in_row, amdqb_emu::garbage(src_lane));

@@ -131,6 +131,10 @@ class EmuRuntime:
             raise ValueError("the lane ops need the AMDGCN model (arch=...)")
         return self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_LANES")
 
+    def warp_ops(self):
+        """ctypes library of the prelude's Warp<W> primitives one at a time (``amdqb_emu_warp_op``)."""
+        return self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_PRIMS")
+
     def kernel(self, device_index, spec, name):
         fn = getattr(self._library(spec), f"amdqb_emu_launch_{name}")
         fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong, ctypes.c_void_p]

@@ -9,9 +9,10 @@ neither gfx950 nor gfx1250). Toolchain facts this relies on (Debian 12, measured
   runtime uses), never from ``AMDQB_WAVE_SIZE``, so the prelude's mismatch check still fires.
 * Debian's rocm-device-libs (ROCm 5.2 bitcode: ocml, ockl and the oclc control files) lacks the
   ISA-version files of these targets and the ABI-version file of code object v6 (clang 22's
-  default). :func:`device_lib_dir` builds a directory for ``--rocm-device-lib-path`` holding links
-  to Debian's bitcode plus the missing constant files, assembled from two-line LLVM IR with the
-  toolchain's ``llvm-as`` (nothing binary is committed). ocml supplies the math the precision
+  default); the ROCm 7.x ocml / ockl of Triton's AMD backend come without any control file
+  (:data:`DEVICE_LIB_SETS`). :func:`device_lib_dir` builds a directory for
+  ``--rocm-device-lib-path`` holding links to a set's bitcode plus the missing constant files,
+  assembled from two-line LLVM IR with the toolchain's ``llvm-as`` (nothing binary is committed). ocml supplies the math the precision
   contract needs that clang's headers do not lower to builtins (``log1pf``; ``expf`` and ``sqrtf``
   are LLVM intrinsics with clang 22's headers, as with the clang of a current ROCm).
 * clang 19 finds no lld of its own version on Debian; lld 22 links for it (``-B`` to a directory
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -182,24 +184,61 @@ _BITCODE_DIRS = (
 )
 
 
-def device_bitcode_source() -> Path | None:
-    """Where rocm-device-libs put ocml.bc / ockl.bc (``AMDQB_DEVICE_LIBS`` overrides)."""
-    env = os.environ.get("AMDQB_DEVICE_LIBS")
-    candidates = [env] if env else [p for pat in _BITCODE_DIRS for p in sorted(glob.glob(pat))]
+# Device-library sets a build links against: Debian's rocm-device-libs (ROCm 5.2 bitcode) and the
+# ROCm 7.x ocml / ockl that Triton's AMD backend ships (site-packages/triton/backends/amd/lib).
+DEVICE_LIB_SETS = ("debian", "rocm7")
+
+
+def _triton_amd() -> Path | None:
+    """site-packages/triton/backends/amd (located without importing triton)."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent / "backends" / "amd"
+    return path if path.is_dir() else None
+
+
+def device_bitcode_source(libs: str = "debian") -> Path | None:
+    """The directory holding ocml.bc / ockl.bc of device-library set ``libs``
+    (``AMDQB_DEVICE_LIBS`` overrides Debian's)."""
+    if libs not in DEVICE_LIB_SETS:
+        raise ValueError(f"libs must be one of {DEVICE_LIB_SETS}, got {libs!r}")
+    if libs == "rocm7":
+        amd = _triton_amd()
+        candidates = [str(amd / "lib")] if amd else []
+    else:
+        env = os.environ.get("AMDQB_DEVICE_LIBS")
+        candidates = [env] if env else [p for pat in _BITCODE_DIRS for p in sorted(glob.glob(pat))]
     for c in candidates:
         if c and (Path(c) / "ocml.bc").is_file() and (Path(c) / "ockl.bc").is_file():
             return Path(c)
     return None
 
 
-def _control_files(archs) -> dict[str, tuple[str, str, int]]:
-    """{file stem: (global, IR type, value)} of every constant file clang may ask for."""
+def device_libs_version(libs: str) -> str:
+    """The ROCm release of device-library set ``libs``, as far as its files say."""
+    if libs == "rocm7":
+        amd = _triton_amd()
+        header = amd / "include" / "hip" / "hip_version.h" if amd else None
+        if header is not None and header.is_file():
+            text = header.read_text()
+            parts = [re.search(rf"#define HIP_VERSION_{n} (\d+)", text) for n in ("MAJOR", "MINOR")]
+            if all(parts):
+                return f"ROCm {parts[0].group(1)}.{parts[1].group(1)} (Triton's AMD backend)"
+        return "ROCm 7 (Triton's AMD backend)"
+    return "ROCm 5.2 (Debian's rocm-device-libs)"
+
+
+def _control_files(archs) -> dict[str, list[tuple[str, str, int]]]:
+    """{file stem: [(global, IR type, value)]} of every constant file clang may ask for (ROCm 7's
+    ockl also reads __oclc_wavefrontsize_log2, which its wavefrontsize files define), and the
+    opencl.bc clang looks for (empty)."""
     files = {}
     for arch in archs:
         suffix, value = isa_version(arch)
-        files[f"oclc_isa_version_{suffix}"] = ("__oclc_ISA_version", "i32", value)
+        files[f"oclc_isa_version_{suffix}"] = [("__oclc_ISA_version", "i32", value)]
     for abi in (400, 500, 600):  # code object v4 / v5 / v6
-        files[f"oclc_abi_version_{abi}"] = ("__oclc_ABI_version", "i32", abi)
+        files[f"oclc_abi_version_{abi}"] = [("__oclc_ABI_version", "i32", abi)]
     for name, glob_name in (
         ("daz_opt", "__oclc_daz_opt"),
         ("unsafe_math", "__oclc_unsafe_math_opt"),
@@ -208,7 +247,10 @@ def _control_files(archs) -> dict[str, tuple[str, str, int]]:
         ("wavefrontsize64", "__oclc_wavefrontsize64"),
     ):
         for state, value in (("on", 1), ("off", 0)):
-            files[f"oclc_{name}_{state}"] = (glob_name, "i8", value)
+            files[f"oclc_{name}_{state}"] = [(glob_name, "i8", value)]
+    for state, log2 in (("on", 6), ("off", 5)):
+        files[f"oclc_wavefrontsize64_{state}"].append(("__oclc_wavefrontsize_log2", "i32", log2))
+    files["opencl"] = []
     return files
 
 
@@ -221,15 +263,16 @@ def _datalayout(tc: Toolchain) -> str:
     return m.group(1)
 
 
-def device_lib_dir(tc: Toolchain) -> Path:
-    """A ``--rocm-device-lib-path`` directory for ``tc``: links to Debian's bitcode plus the
-    constant files it lacks for ``tc.archs`` (assembled with ``tc.llvm_as``), cached."""
+def device_lib_dir(tc: Toolchain, libs: str = "debian") -> Path:
+    """A ``--rocm-device-lib-path`` directory for ``tc``: links to the bitcode of device-library
+    set ``libs`` plus the constant files it lacks for ``tc.archs`` (assembled with
+    ``tc.llvm_as``), cached."""
     with MEMO.lock:
-        if tc.name in MEMO.devlibs:
-            return MEMO.devlibs[tc.name]
-    src = device_bitcode_source()
+        if (tc.name, libs) in MEMO.devlibs:
+            return MEMO.devlibs[(tc.name, libs)]
+    src = device_bitcode_source(libs)
     if src is None:
-        raise FileNotFoundError("rocm-device-libs bitcode (ocml.bc, ockl.bc) not found")
+        raise FileNotFoundError(f"{libs} device libraries (ocml.bc, ockl.bc) not found")
     present = sorted(p for p in src.glob("*.bc"))
     wanted = _control_files(tc.archs)
     material = {
@@ -240,7 +283,7 @@ def device_lib_dir(tc: Toolchain) -> Path:
         "wanted": sorted(wanted.items()),
     }
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
-    dest = offline_root() / "devlib" / f"{tc.name}-{key}"
+    dest = offline_root() / "devlib" / f"{tc.name}-{libs}-{key}"
     if not (dest / ".complete").is_file():
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=dest.parent))
@@ -250,15 +293,18 @@ def device_lib_dir(tc: Toolchain) -> Path:
             layout = _datalayout(tc)
             names = {p.stem for p in present}
             made = []
-            for stem, (sym, ty, value) in sorted(wanted.items()):
+            for stem, globals_ in sorted(wanted.items()):
                 if stem in names:
                     continue
-                align = 4 if ty == "i32" else 1
-                ir = (
-                    f'target datalayout = "{layout}"\ntarget triple = "amdgcn-amd-amdhsa"\n'
-                    f"@{sym} = linkonce_odr protected local_unnamed_addr addrspace(4) "
-                    f"constant {ty} {value}, align {align}\n"
-                )
+                # opencl.bc: clang accepts a device-library directory only with one (HIP never
+                # links it); Triton's set has none, so an empty module stands in
+                ir = f'target datalayout = "{layout}"\ntarget triple = "amdgcn-amd-amdhsa"\n'
+                for sym, ty, value in globals_:
+                    align = 4 if ty == "i32" else 1
+                    ir += (
+                        f"@{sym} = linkonce_odr protected local_unnamed_addr addrspace(4) "
+                        f"constant {ty} {value}, align {align}\n"
+                    )
                 out = run([tc.llvm_as, "-o", str(tmp / f"{stem}.bc"), "-"], input=ir)
                 if out.returncode:
                     raise RuntimeError(f"{tc.llvm_as} failed on {stem}: {out.stderr[-2000:]}")
@@ -272,13 +318,13 @@ def device_lib_dir(tc: Toolchain) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     with MEMO.lock:
-        MEMO.devlibs[tc.name] = dest
+        MEMO.devlibs[(tc.name, libs)] = dest
     return dest
 
 
-def generated_device_libs(tc: Toolchain) -> list[str]:
+def generated_device_libs(tc: Toolchain, libs: str = "debian") -> list[str]:
     """Stems of the constant files :func:`device_lib_dir` had to generate for ``tc``."""
-    info = json.loads((device_lib_dir(tc) / ".complete").read_text())
+    info = json.loads((device_lib_dir(tc, libs) / ".complete").read_text())
     return list(info["generated"])
 
 

@@ -13,5 +13,8 @@ the test suite, ``setup.py`` and ``scripts/`` use them from a checkout.
 * :mod:`.isa`: counts of the cross-lane and atomic instructions in a kernel's disassembly;
 * :mod:`.mca`: a static model of the hot kernels' main loops (llvm-mca, occupancy, bytes);
 * :mod:`.table`: the generated tables of docs/amd_occupancy.md;
-* ``python -m amdqb_tools``: the command line (build, inspect, table).
+* :mod:`.triton_codegen`: the Triton kernels compiled for the AMD targets in their launchers'
+  own specialisations (recorded from public op calls);
+* :mod:`.derive`: the AMD config entries that follow from the code objects' occupancy;
+* ``python -m amdqb_tools``: the command line (build, inspect, table, configs).
 """

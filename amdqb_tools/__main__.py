@@ -4,6 +4,7 @@ them).
     python -m amdqb_tools build [--toolchain clang-22] [--arch gfx942] [-j N] [--rebuild]
     python -m amdqb_tools inspect FILE.hsaco [--asm FILE.s] [--json]
     python -m amdqb_tools table [--write docs/amd_occupancy.md | --check docs/amd_occupancy.md]
+    python -m amdqb_tools configs [--write]   the occupancy-derived AMD config entries
 """
 
 from __future__ import annotations
@@ -129,6 +130,24 @@ def _cmd_table(args) -> int:
     return 0
 
 
+def _cmd_configs(args) -> int:
+    from .code_objects import inspect_all
+    from .derive import DERIVED_ARCHS, derived_entries, write
+
+    tc = [t for t in toolchains() if t.name == "clang-22"]
+    if not tc:
+        raise SystemExit("no clang-22: " + "; ".join(missing_toolchains()))
+    objects = inspect_all(build_all(tc, archs=DERIVED_ARCHS, jobs=args.jobs))
+    if args.write:
+        for path in write(objects):
+            print(f"wrote {path}")
+        return 0
+    for arch in DERIVED_ARCHS:
+        for key, (value, why) in derived_entries(arch, objects).items():
+            print(f"{arch:8s} {key:32s} {value!s:6s} {why}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m amdqb_tools", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -143,12 +162,17 @@ def main(argv=None) -> int:
             g = s.add_mutually_exclusive_group()
             g.add_argument("--write", metavar="PATH")
             g.add_argument("--check", metavar="PATH")
+    s = sub.add_parser("configs")
+    s.add_argument("--write", action="store_true", help="into amdqb/configs/<arch>.json")
+    s.add_argument("-j", "--jobs", type=int, default=None)
     s = sub.add_parser("inspect")
     s.add_argument("path")
     s.add_argument("--asm", help="the assembly listing of the same compile (for its comments)")
     s.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    return {"build": _cmd_build, "inspect": _cmd_inspect, "table": _cmd_table}[args.cmd](args)
+    commands = {"build": _cmd_build, "inspect": _cmd_inspect, "table": _cmd_table}
+    commands["configs"] = _cmd_configs
+    return commands[args.cmd](args)
 
 
 if __name__ == "__main__":

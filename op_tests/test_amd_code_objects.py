@@ -24,10 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from amdqb import configs
 from amdqb._arch import amd_wave_size
 from amdqb.backends.hip import _spec
 from amdqb_tools import build as tools_build
 from amdqb_tools import code_objects as tools_code_objects
+from amdqb_tools import derive as tools_derive
 from amdqb_tools import isa as tools_isa
 from amdqb_tools import occupancy as tools_occupancy
 from amdqb_tools import table as tools_table
@@ -403,3 +405,22 @@ def test_hot_loops_use_no_bpermute_chains(objects, tc, arch):
                 assert c["dpp"] >= 20, (spec.label(), name, c)
                 cross = c["swizzle"] if arch in ("gfx942", "gfx950") else c["permlane"]
                 assert cross >= 1, (spec.label(), name, c)
+
+
+def test_amd_configs_follow_from_the_code_objects(objects):
+    """The occupancy-derived entries of gfx942.json / gfx950.json / gfx1250.json are what the
+    current code objects give -- values and the register / LDS figures their "why" quotes
+    (regenerate with ``python -m amdqb_tools configs --write``); the route gate gfx942 / gfx950
+    borrow from aiter's gfx1250 measurement is marked as borrowed in their own files."""
+    require(_available("clang-22"), _skip_reason())
+    for arch in tools_derive.DERIVED_ARCHS:
+        cfg = configs.load(arch)
+        for key, (value, why) in tools_derive.derived_entries(arch, objects).items():
+            entry = cfg.entry(key)
+            assert entry.source == arch, (arch, key, "not in the architecture's file")
+            assert (entry.value, entry.why) == (value, why), (arch, key, entry, value, why)
+            assert entry.provenance == tools_derive.PROVENANCE, (arch, key, entry.provenance)
+        gate = cfg.entry("route.lds_gate_scale")
+        assert gate.source == arch, (arch, "route gate inherited from default.json")
+        if arch in ("gfx942", "gfx950"):
+            assert gate.provenance.startswith("untuned:") and "borrowed" in gate.provenance, gate

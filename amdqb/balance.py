@@ -32,6 +32,7 @@ from . import dispatch
 from .ops._checks import (
     INT32_MAX,
     LOAD_DTYPES,
+    MAX_ALLOCATED_EXPERTS,
     check_backend,
     check_bool,
     check_choice,
@@ -50,7 +51,6 @@ from .ref import qb as _ref_qb
 from .ref.router import BINNINGS, SELECTIONS
 
 DEFAULT_BINS = {"log_margin": 64, "uniform": 1000}
-MAX_EXPERTS = 1 << 16
 MAX_UNIFORM_BINS = 1 << 16
 MAX_HISTOGRAM = 1 << 27  # E * B counts of the int32 histogram (512 MiB)
 
@@ -85,7 +85,7 @@ class QuantileBalancer:
         process_group=None,
         device: Optional[torch.device | str] = None,
     ):
-        num_experts = check_int("num_experts", num_experts, low=2, high=MAX_EXPERTS)
+        num_experts = check_int("num_experts", num_experts, low=2, high=MAX_ALLOCATED_EXPERTS)
         topk = check_int("topk", topk, low=1, high=num_experts - 1)
         check_choice("binning", binning, BINNINGS)
         check_choice("selection", selection, SELECTIONS)

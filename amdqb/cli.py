@@ -1,18 +1,19 @@
 """``amdqb info | demo | bench``: the command line (also ``python -m amdqb``).
 
 Every command parses its options with argparse: ``amdqb COMMAND --help`` lists them, an unknown
-command or a bad option value is named in an error with exit status 2. The argparse types here
-(:func:`int_range`, :func:`float_range`) are shared with ``amdqb demo``.
+command or a bad option value is named in an error with exit status 2 (the range types of
+``amdqb._cli_types``, shared with ``amdqb demo``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import textwrap
+
+from .bench import SUITE_HELP as BENCH_SUITES
 
 COMMAND_HELP = {
     "info": (
@@ -33,56 +34,6 @@ COMMAND_HELP = {
     ),
 }
 
-BENCH_SUITES = {  # bench/cli.py's SUITE_HELP is this dict: the package's help needs no bench
-    "route": "moe_route_rows (atomic / lds / deterministic) and moe_align_block_size vs torch",
-    "router": "fused router: no QB, QB uniform / log_margin / tie-free in each mode; biased_topk",
-    "chunks": "moe_sort_chunks_and_pad + moe_unpad_and_restore_chunks round trip vs split/cat",
-    "balance": "QuantileBalancer.step() (recover, EMA, centre, bounds, zero)",
-    "serving": "routing share of a serving MoE layer (biased_topk + align), eager and graph",
-    "all": "every suite above, in that order",
-}
-
-
-# ------------------------------------------------------------------------------------------------
-# argparse types with ranges
-# ------------------------------------------------------------------------------------------------
-def int_range(low: int | None = None, high: int | None = None):
-    """argparse ``type=``: an int in ``[low, high]`` (either bound optional)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be in {_span(low, high)}, got {value}")
-        return value
-
-    parse.__name__ = "int"  # argparse names the type in its messages
-    return parse
-
-
-def float_range(low: float | None = None, high: float | None = None, *, open_low: bool = False):
-    """argparse ``type=``: a finite float in ``[low, high]`` (``(low, high]`` with ``open_low``)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        bad_low = low is not None and (value <= low if open_low else value < low)
-        if not math.isfinite(value) or bad_low or (high is not None and value > high):
-            span = _span(low, high).replace("[", "(", 1) if open_low else _span(low, high)
-            raise argparse.ArgumentTypeError(f"must be a finite number in {span}, got {text}")
-        return value
-
-    parse.__name__ = "float"
-    return parse
-
-
-def _span(low, high) -> str:
-    return f"[{'-inf' if low is None else low}, {'inf' if high is None else high}]"
-
 
 # ------------------------------------------------------------------------------------------------
 # Commands
@@ -102,11 +53,12 @@ def _info(argv: list[str]) -> int:
     import torch
 
     from . import __version__, dispatch
+    from .devices import as_device
 
     try:
-        device = dispatch.device_info(args.device).device
+        device = dispatch.device_info(as_device(args.device, name="--device")).device
     except ValueError as exc:
-        parser.error(f"--device: {exc}")
+        parser.error(str(exc))
     built = _build_ops(device) if args.build else None
     report = dispatch.report(args.device)
     if built is not None:
@@ -216,21 +168,8 @@ def _demo(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    # bench/ lives next to the package in a source checkout (it is not installed).
-    from pathlib import Path
+    from .bench import cli as bench_cli
 
-    root = Path(__file__).resolve().parent.parent
-    if (root / "bench" / "cli.py").exists() and str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    try:
-        from bench import cli as bench_cli
-    except ImportError as exc:
-        print(
-            "amdqb bench: error: needs the repository's bench/ folder on the path "
-            f"(run from a source checkout): {exc}",
-            file=sys.stderr,
-        )
-        return 2
     return bench_cli.main(argv)
 
 

@@ -103,6 +103,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .devices import as_device
+
 DEFAULT_LOGIT_SCALE = 1.5
 COMPARE_SCALES = (1.0, 3.0, 10.0, 20.0)
 KIMI = {"experts": 896, "topk": 16, "tokens": 16384}
@@ -366,21 +368,20 @@ def cutoff_diagnostics(values: torch.Tensor, topk: int, width: float | None):
 def router_backend(method: Method, device: torch.device, experts: int, topk: int) -> str:
     """The backend the amdqb router picks for ``method`` (``ref`` for the fp64 reference)."""
     from . import dispatch
+    from .backends.calls import RouterCall
 
     if method.selection == "fp64":
         return "fp64 ref"
     balancer = getattr(method, "balancer", None)
-    features = {
-        "num_experts": experts,
-        "topk": topk,
-        "score_function": "sigmoid",
-        "grouped": False,
-        "qb": balancer is not None,
-        "num_bins": balancer.num_bins if balancer is not None else 0,
-        "selection": method.selection,
-        "qb_binning": balancer.binning if balancer is not None else "uniform",
-    }
-    return dispatch.select("router_fwd", device, None, **features).backend
+    call = RouterCall(
+        experts,
+        topk,
+        selection=method.selection,
+        qb_mode="auto" if balancer is not None else None,
+        qb_binning=balancer.binning if balancer is not None else "uniform",
+        num_bins=balancer.num_bins if balancer is not None else 0,
+    )
+    return dispatch.select("router_fwd", device, None, call).backend
 
 
 # --------------------------------------------------------------------------------------------
@@ -707,7 +708,10 @@ def _method_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import float_range, int_range  # argparse types with ranges: errors name the option
+    from ._cli_types import (
+        float_range,
+        int_range,
+    )  # argparse types with ranges: errors name the option
 
     pos = int_range(1)
     parser = argparse.ArgumentParser(
@@ -891,7 +895,12 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, key, value)
     if args.device is None:
         args.device = "cuda" if args.kimi and torch.cuda.is_available() else "cpu"
-    if args.kimi and args.device == "cpu":
+    try:
+        device = as_device(args.device, name="--device")  # the package's one device parser
+    except ValueError as exc:
+        print(f"amdqb demo: error: {exc}", file=sys.stderr)
+        return 2
+    if args.kimi and device.type == "cpu":
         print("note: --kimi on the CPU is slow; pass --device cuda on a GPU", file=sys.stderr)
     if not 0 < args.topk < args.experts:
         print(
@@ -901,7 +910,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.tokens < 1 or args.window < 1:
         print("error: --steps, --tokens and --window must be positive", file=sys.stderr)
         return 2
-    device = torch.device(args.device)
     num_hot = args.hot if args.hot is not None else max(1, args.experts // 16)
     window = min(args.window, args.steps)
     names = list(args.methods)

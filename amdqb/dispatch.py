@@ -1,4 +1,4 @@
-"""Device/architecture detection and backend selection, with reasons.
+"""Backend selection, with reasons.
 
 Backends (one folder each under ``amdqb/backends``):
 
@@ -7,120 +7,52 @@ Backends (one folder each under ``amdqb/backends``):
 * ``triton`` -- portable Triton kernels (NVIDIA and AMD; on the CPU only under ``TRITON_INTERPRET=1``);
 * ``torch``  -- the pure-PyTorch oracles of ``amdqb.ref``: always available, CPU and GPU.
 
-Every op asks :func:`select` for an implementation. The choice walks the op's backend order of the
-device's architecture family (``backend_order.*`` in ``amdqb/configs/<arch>.json``) and takes the
-first backend that is available and implements the op; each rejected candidate records why.
-``backend=`` (keyword) forces a backend: it runs the op or the op raises. ``AMDQB_BACKEND``
-(environment) is a preference: an op that backend cannot run follows its order as without it.
+Every op asks :func:`select` for the backend of one call, described by its call type (the
+router's :class:`~amdqb.backends.calls.RouterCall`) or request (``amdqb.backends.calls``). The
+choice walks the op's backend order for the device's architecture family (``backend_order.*`` in
+``amdqb/configs/<arch>.json``) and takes the first backend that is available, implements the op,
+has not failed to build it on the device and whose capability check for the op
+(``LIMITS[op](info, call) -> reason | None``, declared next to the op's launcher) accepts the call;
+each backend passed over records why (``amdqb info`` prints it).
+
+* ``backend=`` forces a backend: it runs the op or the op raises, naming why;
+* ``AMDQB_BACKEND`` (environment) and ``prefer=`` (a forward's backend, for its backward) are
+  preferences: that backend when it can run the call, else the order as without them.
 
 Run-time build failures: the hip backend compiles (hiprtc / NVRTC) and loads its code objects at
-the first kernel request of an op on a device. When that fails (unknown target, missing builtin,
-driver refusing the code object), the op runs on the next backend of its order instead, with one
-``RuntimeWarning`` per (op, cause); the dispatcher remembers the failure, so later selections skip
-the backend for that op on that device without compiling again, and :func:`report` (``amdqb
-info``) lists it. Nothing is compiled to find this out beforehand. The choice stays a trace-time
-constant under ``torch.compile``: the kernel-level ops receive :func:`kernel_backend`'s token
-(``"hip>triton"``: hip, and triton should hip fail to build), so a graph traced before a failure
-runs the fallback without tracing again. A ``backend=`` call gets no fallback: it raises.
+the first kernel request of an op on a device. When that fails it raises its ``BuildError``
+before anything of the op call has launched; the op then runs on the next backend that can run
+the call, with one ``RuntimeWarning`` per (op, cause), and later selections pass the backend over
+for that op on that device (:func:`failures`). Nothing is compiled to find this out beforehand.
+Under ``torch.compile`` the choice is a trace-time constant: the kernel-level ops receive
+:func:`kernel_backend`'s token, the backend's name or ``"<name>><fallback>"`` (hip, and the backend
+to run should its build fail), so a graph traced before a failure runs the fallback without
+tracing again. A ``backend=`` call gets no fallback: it raises.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
 import threading
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 
-from . import configs
-from ._arch import amd_arch_family, amd_wave_size  # the one rule (setup.py and tools share it)
+from . import configs, devices
+from .backends import OP_NAMES, calls
+from .devices import (  # noqa: F401 (re-exported: the dispatcher's view of a device)
+    DeviceInfo,
+    amd_arch_family,
+    amd_wave_size,
+    as_device,
+    device_info,
+)
 
 BACKENDS = ("hip", "triton", "torch")
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """What the dispatcher knows about one device."""
-
-    device: str  # "cpu", "cuda:0", ...
-    vendor: str  # "cpu" | "nvidia" | "amd"
-    name: str
-    arch: str  # "cpu", "sm_90", "gfx942", "gfx950", "gfx1250", ...
-    wave_size: int  # threads that execute in lock step (1 on the CPU)
-    lds_bytes: int  # shared memory / LDS per block available to a kernel
-    cu_count: int  # SMs / CUs (CPU: logical cores)
-    arch_family: str = field(default="")  # key of the preference tables
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-# LDS per workgroup by AMD architecture (bytes). gfx950 raised LDS to 160 KiB; gfx1250 has 320 KiB
-# per WGP of which a workgroup may use 160 KiB in CU mode; RDNA parts and gfx90a/942 have 64 KiB.
-_AMD_LDS = {"gfx950": 160 * 1024, "gfx1250": 160 * 1024}
-_AMD_DEFAULT_LDS = 64 * 1024
-
-
-@functools.cache
-def _device_info_cached(device_str: str) -> DeviceInfo:
-    dev = torch.device(device_str)
-    if dev.type != "cuda":
-        cores = os.cpu_count() or 1
-        return DeviceInfo(str(dev), "cpu", "cpu", "cpu", 1, 0, cores, "cpu")
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(index)
-    if torch.version.hip is not None:
-        arch = str(getattr(props, "gcnArchName", "gfx000")).split(":")[0]
-        wave = int(getattr(props, "warp_size", 0) or amd_wave_size(arch))
-        lds = _AMD_LDS.get(arch, _AMD_DEFAULT_LDS)
-        return DeviceInfo(
-            f"cuda:{index}",
-            "amd",
-            props.name,
-            arch,
-            wave,
-            lds,
-            props.multi_processor_count,
-            amd_arch_family(arch),
-        )
-    arch = f"sm_{props.major}{props.minor}"
-    lds = int(getattr(props, "shared_memory_per_block_optin", 48 * 1024))
-    family = "sm_90" if props.major == 9 else ("sm_100" if props.major >= 10 else "sm_80")
-    return DeviceInfo(
-        f"cuda:{index}",
-        "nvidia",
-        props.name,
-        arch,
-        32,
-        lds,
-        props.multi_processor_count,
-        family,
-    )
-
-
-def as_device(device: torch.device | str) -> torch.device:
-    """``device`` (a ``torch.device`` or its name) as a ``torch.device``; a ``ValueError`` naming
-    it when it is neither or names an unavailable CUDA/ROCm device."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ValueError(f"device must be a torch device or its name, got {device!r}") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} is not available (no CUDA/ROCm device)")
-    return dev
-
-
-def device_info(device: torch.device | str | None = None) -> DeviceInfo:
-    """Cached :class:`DeviceInfo` of ``device`` (default: the current CUDA device, else the CPU)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = as_device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return _device_info_cached(str(dev))
+_ENV = "AMDQB_BACKEND"
 
 
 @functools.cache
@@ -139,58 +71,28 @@ def backend_status(name: str, info: DeviceInfo) -> tuple[bool, str]:
     return module.availability(info)
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The backend of one (op, device, features): what runs, why, and what runs should it fail."""
-
-    backend: str
-    impl: object
-    reason: str
-    rejected: tuple[tuple[str, str], ...] = ()
-    # the next backend that can run the op, should ``backend`` fail to build its kernels at run
-    # time (set only for backends that build at run time, and never for a ``backend=`` choice)
-    fallback: str | None = None
-    token: str = field(default="", compare=False)  # what the kernel-level op is given
-
-    def __post_init__(self):
-        if not self.token:
-            token = self.backend if self.fallback is None else f"{self.backend}>{self.fallback}"
-            object.__setattr__(self, "token", token)
-
-
 def preference(op: str, info: DeviceInfo) -> tuple[str, ...]:
     """The backend order of ``op`` on ``info``'s architecture (``amdqb/configs``)."""
     return configs.load(info.arch_family).backend_order(op)
 
 
-_ENV = "AMDQB_BACKEND"
+def _checked(name: str, what: str = "backend") -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{what} must be one of {BACKENDS}, got {name!r}")
+    return name
 
 
 def _env_backend() -> str | None:
     value = os.environ.get(_ENV, "").strip().lower()
-    if not value:
-        return None
-    if value not in BACKENDS:
-        raise ValueError(f"{_ENV} must be one of {BACKENDS}, got {value!r}")
-    return value
-
-
-def _checked(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
+    return _checked(value, _ENV) if value else None
 
 
 # ------------------------------------------------------------------------------------------------
-# Run-time build failures. A backend module that builds kernels at run time names the exception
-# of a failed build ``BuildError`` (hip: compile, code-object load or function lookup, raised
-# before anything of the op call has launched). The dispatcher then remembers (op, device,
-# backend), warns once per (op, cause) and runs the op on the choice's ``fallback``.
+# Run-time build failures: (op, device, backend) -> cause, remembered for the process.
 # ------------------------------------------------------------------------------------------------
-_FAILURES: dict[tuple[str, str, str], str] = {}  # (op, device, backend) -> cause
-_FAILED_DEVICES: dict[tuple[str, str], set] = {}  # (op, backend) -> devices; read per call
+_FAILURES: dict[tuple[str, str, str], str] = {}
 _WARNED: set[tuple[str, str]] = set()
-_FAILURE_LOCK = threading.Lock()
+_LOCK = threading.Lock()
 
 
 def failure_cause(exc: BaseException) -> str:
@@ -201,27 +103,23 @@ def failure_cause(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def record_failure(
-    op: str, backend: str, device: str, exc: BaseException, fallback: str | None = None
-) -> str:
-    """Remember that ``backend`` cannot build ``op`` on ``device``: later selections skip it
-    there. Warns once per (op, cause) when the op falls back to ``fallback``. Returns the cause."""
+def record_failure(op, backend, device, exc, fallback=None) -> str:
+    """Remember that ``backend`` cannot build ``op`` on ``device`` (later selections pass it over
+    there); warn once per (op, cause) when the op runs on ``fallback`` instead. Returns the
+    cause."""
     cause = failure_cause(exc)
-    with _FAILURE_LOCK:
-        if (op, device, backend) not in _FAILURES:
-            _FAILURES[(op, device, backend)] = cause
-            _FAILED_DEVICES.setdefault((op, backend), set()).add(device)
-            _select_cached.cache_clear()  # the cached choices predate the failure
+    with _LOCK:
+        _FAILURES.setdefault((op, device, backend), cause)
+        _select.cache_clear()  # the cached choices predate the failure
         warn = fallback is not None and (op, cause) not in _WARNED
-        if warn:
-            _WARNED.add((op, cause))
+        _WARNED.add((op, cause))
     if warn:
         warnings.warn(
             f"amdqb: the {backend} backend cannot build its kernels for {op!r} on {device}: "
             f"{cause}. {op!r} runs on {fallback} on this device from now on "
             "(amdqb.dispatch.report() lists it; `amdqb info --build` shows it).",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     return cause
 
@@ -229,7 +127,7 @@ def record_failure(
 def failures(device: torch.device | str | None = None) -> list[dict]:
     """The recorded run-time build failures (of ``device``, or all)."""
     key = None if device is None else _device_key(device)
-    with _FAILURE_LOCK:
+    with _LOCK:
         items = sorted(_FAILURES.items())
     return [
         {"op": op, "device": dev, "backend": name, "cause": cause}
@@ -238,104 +136,76 @@ def failures(device: torch.device | str | None = None) -> list[dict]:
     ]
 
 
-def _forget_failures() -> None:
-    """Forget every recorded failure (tests)."""
-    with _FAILURE_LOCK:
-        _FAILURES.clear()
-        for devices in _FAILED_DEVICES.values():
-            devices.clear()  # the guarded implementations hold these sets
-        _WARNED.clear()
-        _select_cached.cache_clear()
+# ------------------------------------------------------------------------------------------------
+# Selection
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The backend of one (op, device, call): what runs, why, which backends were passed over (and
+    why), and what runs should ``backend`` fail to build its kernels at run time."""
+
+    op: str
+    backend: str
+    reason: str
+    rejected: tuple[tuple[str, str], ...] = ()
+    fallback: str | None = None  # set for a backend that builds at run time, never for backend=
+
+    @property
+    def token(self) -> str:
+        """What the kernel-level op is given (:func:`implementation`)."""
+        return self.backend if self.fallback is None else f"{self.backend}>{self.fallback}"
+
+    @property
+    def impl(self):
+        return implementation(self.op, self.token)
 
 
-def _failed_reason(device: str, cause: str) -> str:
-    return f"failed to build on {device}: {cause}"
-
-
-def _runnable(name: str, op: str, info: DeviceInfo, device: str, features: tuple):
-    """(implementation or None, reason) of backend ``name`` for ``op`` with ``features``."""
+def _passed_over(name: str, op: str, info: DeviceInfo, call) -> str | None:
+    """Why backend ``name`` cannot run ``call`` of ``op`` on ``info``'s device, or None."""
     ok, why = backend_status(name, info)
     if not ok:
-        return None, why
+        return why
     module = _backend_module(name)
-    impl = getattr(module, "OPS", {}).get(op)
-    if impl is None:
-        return None, f"does not implement {op!r}"
-    cause = _FAILURES.get((op, device, name))
+    if op not in module.OPS:
+        return f"does not implement {op!r}"
+    cause = _FAILURES.get((op, info.device, name))
     if cause is not None:
-        return None, _failed_reason(device, cause)
-    unsupported = getattr(module, "unsupported", None)
-    reason = unsupported(op, info, dict(features)) if unsupported else None
-    if reason is not None:
-        return None, reason
-    return impl, why
+        return f"failed to build on {info.device}: {cause}"
+    check = getattr(module, "LIMITS", {}).get(op)
+    return check(info, call) if check is not None else None
 
 
 @functools.cache
-def _select_cached(
-    op: str,
-    device_str: str,
-    forced: str | None,
-    preferred: str | None,
-    features: tuple,
-    source: str = _ENV,
-) -> Choice:
-    """``forced``: that backend or an error. ``preferred`` (from ``source``: AMDQB_BACKEND or a
-    ``prefer=``): that backend if it can run the op, else the op's order. Neither: the order."""
-    info = _device_info_cached(device_str)
-    if forced:
-        candidates = (forced,)
-    else:
-        order = preference(op, info)
-        if preferred is not None:
-            order = (preferred,) + tuple(name for name in order if name != preferred)
-        candidates = order
-    rejected: list[tuple[str, str]] = []
-    for i, name in enumerate(candidates):
-        impl, why = _runnable(name, op, info, device_str, features)
-        if impl is None:
+def _select(op: str, device: str, forced, preferred, source: str, call) -> Choice:
+    info = devices._device_info_cached(device)
+    table = preference(op, info)
+    order = (forced,) if forced else table
+    if preferred and not forced:
+        order = (preferred,) + tuple(n for n in table if n != preferred)
+    rejected = []
+    for i, name in enumerate(order):
+        why = _passed_over(name, op, info, call)
+        if why is not None:
             rejected.append((name, why))
             continue
         fallback = None
         if not forced and getattr(_backend_module(name), "BuildError", None) is not None:
             fallback = next(
-                (
-                    n
-                    for n in candidates[i + 1 :]
-                    if _runnable(n, op, info, device_str, features)[0] is not None
-                ),
-                None,
+                (n for n in order[i + 1 :] if _passed_over(n, op, info, call) is None), None
             )
-        table = f"first available in {info.arch_family} preference"
+        in_order = f"first available in {info.arch_family} preference"
         if forced:
             how = "forced"
         elif preferred is None:
-            how = table
+            how = in_order
         elif name == preferred:
             how = f"{source}={preferred}"
         else:
-            how = f"{source}={preferred} cannot run it; {table}"
-        return Choice(name, impl, f"{how} ({why})", tuple(rejected), fallback)
+            how = f"{source}={preferred} cannot run it; {in_order}"
+        ok_reason = backend_status(name, info)[1]
+        return Choice(op, name, f"{how} ({ok_reason})", tuple(rejected), fallback)
     detail = "; ".join(f"{n}: {w}" for n, w in rejected)
-    raise RuntimeError(f"no backend can run {op!r} on {device_str}: {detail}")
-
-
-def select(op: str, device: torch.device | str, backend: str | None = None, **features) -> Choice:
-    """Implementation of ``op`` for ``device``.
-
-    ``backend=`` is strict: that backend, or RuntimeError naming why it cannot run the op.
-    ``AMDQB_BACKEND`` is a preference: the op runs there when that backend can run it (available,
-    implements the op, does not decline ``features``, has not failed to build it on ``device``),
-    else on the op's order of the device's architecture (``amdqb/configs``), as without it.
-
-    ``features`` (hashable values: sizes, modes) let a backend decline a configuration through its
-    ``unsupported(op, info, features) -> reason | None`` hook; the next backend in order is tried.
-    """
-    key = _device_key(device)
-    features = tuple(sorted(features.items()))
-    if backend is not None:
-        return _select_cached(op, key, _checked(backend), None, features, _ENV)
-    return _select_cached(op, key, None, _env_backend(), features, _ENV)
+    raise RuntimeError(f"no backend can run {op!r} on {device}: {detail}")
 
 
 def _device_key(device: torch.device | str) -> str:
@@ -346,65 +216,56 @@ def _device_key(device: torch.device | str) -> str:
     return str(dev)
 
 
-def _choose(op: str, device: str, backend, features: tuple, prefer) -> Choice:
-    key = _device_key(device)
-    if prefer is not None:
-        # the caller's preference (a forward's backend for its backward), AMDQB_BACKEND aside
-        preferred = _checked(prefer.partition(">")[0])
-        return _select_cached(op, key, None, preferred, features, "prefer")
-    if backend is not None:
-        return _select_cached(op, key, _checked(backend), None, features, _ENV)
-    return _select_cached(op, key, None, _env_backend(), features, _ENV)
-
-
-def backend_name(
+def select(
     op: str,
     device: torch.device | str,
     backend: str | None = None,
+    call=None,
     *,
     prefer: str | None = None,
     **features,
-) -> str:
-    """Name of the backend :func:`select` picks; a trace-time constant under ``torch.compile``.
+) -> Choice:
+    """The backend of ``op`` for ``call`` on ``device``.
 
-    ``prefer``: that backend if it can run ``op`` with ``features``, else the preference table
-    (``AMDQB_BACKEND`` aside) -- how a backward follows its forward's backend when that backend has
-    a backward kernel, and falls back to the dispatcher's choice when it has none (hip).
+    ``call``: the op's call type or request (``amdqb.backends.calls``); without one the op's
+    default request with ``features`` replacing its fields. ``backend=`` is strict: that backend,
+    or a RuntimeError naming why it cannot run the call. ``prefer=`` (a backend or a token): that
+    backend when it can run the call, else the order (``AMDQB_BACKEND`` aside); otherwise
+    ``AMDQB_BACKEND`` is such a preference.
     """
-    return _backend_name(
-        op, str(torch.device(device)), backend, tuple(sorted(features.items())), prefer
-    )
+    if call is None:
+        call = calls.request(op, **features)
+    elif features:
+        raise TypeError("select takes a call or features, not both")
+    key = _device_key(device)
+    if backend is not None:
+        return _select(op, key, _checked(backend), None, "", call)
+    if prefer is not None:
+        return _select(op, key, None, _checked(prefer.partition(">")[0]), "prefer", call)
+    return _select(op, key, None, _env_backend(), _ENV, call)
 
 
 def kernel_backend(
     op: str,
     device: torch.device | str,
     backend: str | None = None,
+    call=None,
     *,
     prefer: str | None = None,
     **features,
 ) -> str:
-    """:func:`backend_name` as the kernel-level ops take it (:func:`implementation`'s ``token``):
-    the backend's name, or ``"<name>><fallback>"`` when the backend builds kernels at run time and
-    the dispatcher chose it (not ``backend=``) -- should the build fail, the op runs on
-    ``fallback``. A trace-time constant under ``torch.compile``."""
-    return _kernel_backend(
-        op, str(torch.device(device)), backend, tuple(sorted(features.items())), prefer
-    )
+    """:func:`select`'s token (:attr:`Choice.token`), as the kernel-level ops take it: a
+    trace-time constant under ``torch.compile``."""
+    if call is None:
+        call = calls.request(op, **features)
+    values = tuple(getattr(call, f.name) for f in dataclasses.fields(call))
+    return _token(op, str(torch.device(device)), backend, prefer, type(call), values)
 
 
 @torch.compiler.assume_constant_result
-def _backend_name(
-    op: str, device: str, backend: str | None, features: tuple, prefer: str | None = None
-) -> str:
-    return _choose(op, device, backend, features, prefer).backend
-
-
-@torch.compiler.assume_constant_result
-def _kernel_backend(
-    op: str, device: str, backend: str | None, features: tuple, prefer: str | None = None
-) -> str:
-    return _choose(op, device, backend, features, prefer).token
+def _token(op: str, device: str, backend, prefer, call_type, values: tuple) -> str:
+    # the call travels as (type, field values): a traced graph passes constants, not dataclasses
+    return select(op, device, backend, call_type(*values), prefer=prefer).token
 
 
 # ------------------------------------------------------------------------------------------------
@@ -428,14 +289,33 @@ def _build_implementation(op: str, token: str):
     error = getattr(module, "BuildError", None)
     if error is None:
         return primary
-    return _guarded(
-        op,
-        name,
-        primary,
-        error,
-        fallback or None,
-        implementation(op, fallback) if fallback else None,
-    )
+    fallback_impl = implementation(op, fallback) if fallback else None
+
+    def run(*args):
+        """``primary``; when it raises ``error`` (its kernels cannot be built on the inputs'
+        device), the failure is recorded and ``fallback`` runs instead (or the error propagates:
+        a ``backend=`` call). A device that failed goes to ``fallback`` directly: the way of graphs
+        traced before the failure, whose token stays (eager calls select again)."""
+        if _FAILURES:  # empty unless a build failed somewhere: one truth test on the success path
+            device = _arg_device(args)
+            cause = _FAILURES.get((op, device, name))
+            if cause is not None:
+                if fallback_impl is None:
+                    raise RuntimeError(
+                        f"no backend can run {op!r} on {device}: {name}: failed to build on "
+                        f"{device}: {cause}"
+                    )
+                return fallback_impl(*args)
+        try:
+            return primary(*args)
+        except error as exc:
+            record_failure(op, name, _arg_device(args), exc, fallback or None)
+            if fallback_impl is None:
+                raise
+            return fallback_impl(*args)
+
+    run.__name__ = run.__qualname__ = f"{name}_{op}_or_{fallback or 'raise'}"
+    return run
 
 
 def _arg_device(args) -> str:
@@ -445,44 +325,14 @@ def _arg_device(args) -> str:
     return "cpu"
 
 
-def _guarded(op, backend, primary, error, fallback_name, fallback):
-    """``primary`` that, when it raises ``error`` (its kernels cannot be built on the inputs'
-    device), records the failure and runs ``fallback`` instead (or re-raises: a ``backend=``
-    call). A failed device goes straight to ``fallback`` afterwards: the way of graphs traced
-    before the failure, whose token stays; eager calls select again and never get here."""
-    failed = _FAILED_DEVICES.setdefault((op, backend), set())
-
-    def run(*args):
-        if failed:  # empty unless this op failed somewhere: one truth test on the success path
-            device = _arg_device(args)
-            if device in failed:
-                if fallback is None:
-                    cause = _FAILURES.get((op, device, backend), "?")
-                    raise RuntimeError(
-                        f"no backend can run {op!r} on {device}: {backend}: "
-                        f"{_failed_reason(device, cause)}"
-                    )
-                return fallback(*args)
-        try:
-            return primary(*args)
-        except error as exc:
-            record_failure(op, backend, _arg_device(args), exc, fallback_name)
-            if fallback is None:
-                raise
-            return fallback(*args)
-
-    run.__name__ = run.__qualname__ = f"{backend}_{op}_or_{fallback_name or 'raise'}"
-    run.__doc__ = primary.__doc__
-    return run
-
-
 # ------------------------------------------------------------------------------------------------
 # Report
 # ------------------------------------------------------------------------------------------------
 def report(device: torch.device | str | None = None) -> dict:
-    """Everything the dispatcher knows, for ``python -m amdqb info``: the device, the backends,
-    every op's backend (why, what it falls back to should its build fail, which backends were
-    passed over and why), the AMDQB_BACKEND preference, the recorded build failures, the config."""
+    """Everything the dispatcher knows, for ``amdqb info``: the device, the backends, every op's
+    backend for its default request (why, what it falls back to should its build fail, which
+    backends were passed over and why), the AMDQB_BACKEND preference, the recorded build
+    failures, the config."""
     info = device_info(device)
     backends = {}
     for name in BACKENDS:
@@ -492,13 +342,11 @@ def report(device: torch.device | str | None = None) -> dict:
         preferred, pref_error = _env_backend(), None
     except ValueError as exc:  # report it rather than fail the report
         preferred, pref_error = None, str(exc)
-    from .backends import OP_NAMES
-
-    ops = {}
-    follow, fell_back = [], {}
+    ops, follow, fell_back = {}, [], {}
     for op in OP_NAMES:
+        call = calls.request(op)
         try:
-            choice = _select_cached(op, info.device, None, preferred, (), _ENV)
+            choice = _select(op, info.device, None, preferred, _ENV, call)
         except RuntimeError as exc:
             ops[op] = {"backend": None, "reason": str(exc), "fallback": None, "rejected": {}}
             continue
@@ -508,6 +356,7 @@ def report(device: torch.device | str | None = None) -> dict:
             "reason": choice.reason,
             "fallback": choice.fallback,
             "rejected": rejected,
+            "request": repr(call),
         }
         if preferred is not None:
             if choice.backend == preferred:
@@ -516,12 +365,7 @@ def report(device: torch.device | str | None = None) -> dict:
                 fell_back[op] = {"backend": choice.backend, "why": rejected.get(preferred, "?")}
     pref = None
     if preferred is not None or pref_error is not None:
-        pref = {
-            "backend": preferred,
-            "error": pref_error,
-            "follow": follow,
-            "fell_back": fell_back,
-        }
+        pref = {"backend": preferred, "error": pref_error, "follow": follow, "fell_back": fell_back}
     cfg = configs.load(info.arch_family)
     entries = {
         key: {"value": e.value, "provenance": e.provenance, "file": e.source}

@@ -50,10 +50,12 @@ ROUTE_KERNELS = frozenset(
         for t in ("i32", "i64")
     }
     | {"amdqb_route_det_scan", "amdqb_route_finalize"}
-    | {f"amdqb_align_rank_{t}" for t in ("i32", "i64")}
+    | {"amdqb_align_hist", "amdqb_align"}
 )
+TOPK_KERNELS = frozenset({"amdqb_topk"})
+ROUTER_BWD_KERNELS = frozenset({"amdqb_router_bwd"})
 ROUTER_KERNELS = frozenset(
-    {"amdqb_router", "amdqb_qb_hist", "amdqb_qb_hist_bins", "amdqb_scores", "amdqb_router_decode"}
+    {"amdqb_router", "amdqb_qb_hist", "amdqb_qb_hist_bins", "amdqb_router_decode"}
 )
 
 
@@ -80,13 +82,42 @@ def titled_variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
         (2048, "bfloat16", "sigmoid", {}),
     ]
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-    return [("layout", _spec.layout_module(cfg))] + [
-        (
-            " ".join([f"router E={n} {short[dt]} {sf}", *opts]),
-            _spec.router_module(n, dt, sf, cfg, **opts),
-        )
-        for n, dt, sf, opts in routers
+    # the serving top-k at the peers' shapes: Mixtral, Qwen3-MoE, DeepSeek-V3 (grouped, bias),
+    # Kimi-K2 (bias)
+    from amdqb.backends.hip.topk import plan as topk_plan
+
+    topks = [
+        (8, 2, "float32", "softmax", None, None, None),
+        (128, 8, "bfloat16", "softmax", None, None, None),
+        (256, 8, "float32", "sigmoid", "float32", 8, 4),
+        (384, 8, "float32", "sigmoid", "bfloat16", None, None),
     ]
+    return (
+        [("layout", _spec.layout_module(cfg))]
+        + [
+            (
+                " ".join([f"router E={n} {short[dt]} {sf}", *opts]),
+                _spec.router_module(n, dt, sf, cfg, **opts),
+            )
+            for n, dt, sf, opts in routers
+        ]
+        + [
+            (
+                f"topk E={n} k={k} {short[dt]} {sf}"
+                + (f" bias {short[bdt]}" if bdt else "")
+                + (f" groups {g}/{tg}" if g else ""),
+                _spec.topk_module(topk_plan(n, k, sf, g, tg, cfg), dt, bdt, sf, cfg),
+            )
+            for n, k, dt, sf, bdt, g, tg in topks
+        ]
+        + [
+            (
+                f"router_bwd E={n} {short[dt]} {sf}",
+                _spec.router_bwd_module(n, dt, dt, sf),
+            )
+            for n, dt, sf in ((e, "float32", "sigmoid"), (256, "bfloat16", "softmax"))
+        ]
+    )
 
 
 def module_variants(arch: str = "gfx942") -> list[_spec.ModuleSpec]:
@@ -94,12 +125,17 @@ def module_variants(arch: str = "gfx942") -> list[_spec.ModuleSpec]:
     constants), plus the shapes the compile tests cover: the layout module; the router at E=896 in
     fp32 / bf16 / fp16 with sigmoid, with sqrtsoftplus and softmax, with the tie-free selection and
     with the approximate activation; small odd E (129 fp16 sqrtsoftplus, 17 fp32 softmax) and
-    E=2048 bf16 sigmoid. The one place that lists them (:func:`titled_variants`)."""
+    E=2048 bf16 sigmoid; the serving top-k at the peers' shapes; the router backward. The one
+    place that lists them (:func:`titled_variants`)."""
     return [spec for _, spec in titled_variants(arch)]
 
 
 def expected_kernels(spec: _spec.ModuleSpec) -> frozenset:
-    return ROUTE_KERNELS if spec.kernel_file == "layout.hip" else ROUTER_KERNELS
+    return {
+        "layout.hip": ROUTE_KERNELS,
+        "topk.hip": TOPK_KERNELS,
+        "router_bwd.hip": ROUTER_BWD_KERNELS,
+    }.get(spec.kernel_file, ROUTER_KERNELS)
 
 
 def compile_command(

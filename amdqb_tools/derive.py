@@ -2,7 +2,7 @@
 ``gfx1250.json``) that follow from the code objects' occupancy, with the figures that chose them.
 
 No AMD GPU has run these kernels: every value here is ``derived:`` from register, LDS and
-workgroup counts (amdqb_tools.occupancy), never from a timing; ``python -m bench.tune --write`` on
+workgroup counts (amdqb_tools.occupancy), never from a timing; ``python -m amdqb.bench.tune --write`` on
 the GPU replaces an entry with a ``measured:`` one. :func:`derived_entries` computes them from the
 clang-22 builds of the layout module and the router at the seed shape (E=896, fp32, sigmoid);
 ``python -m amdqb_tools configs --write`` stores them and op_tests/test_amd_code_objects.py checks

@@ -39,7 +39,7 @@ HOT_KERNELS = (
     "amdqb_qb_hist_bins",
     "amdqb_route_lds_i32",
     "amdqb_route_det_rank_i32",
-    "amdqb_align_rank_i32",
+    "amdqb_align",
 )
 
 _LABEL = re.compile(r"^(\.LBB\d+_\d+):")

@@ -88,10 +88,10 @@ class _Kernels:
 
 
 def _device_info(arch: str):
-    from amdqb import dispatch
+    from amdqb import devices
 
     lds = {"gfx950": 160 * 1024, "gfx1250": 160 * 1024}.get(arch, 64 * 1024)
-    return dispatch.DeviceInfo(
+    return devices.DeviceInfo(
         "cpu", "amd", f"codegen {arch}", arch, amd_wave_size(arch), lds, 304, amd_arch_family(arch)
     )
 
@@ -102,16 +102,16 @@ def recording(arch: str, sink: _Sink):
     record their launches into ``sink`` instead of running them."""
     from triton.backends.compiler import GPUTarget
 
-    from amdqb import dispatch
+    from amdqb import devices, dispatch
     from amdqb.backends.triton import aux_loss, chunks, layout, qb, router
 
     modules = (router, layout, qb, chunks, aux_loss)
     saved_k = {m: m.K for m in modules}
-    saved_info, saved_probe = dispatch._device_info_cached, router.lds_histogram_is_per_element
+    saved_info, saved_probe = devices._device_info_cached, router.lds_histogram_is_per_element
     info = _device_info(arch)
     target = GPUTarget("hip", arch, amd_wave_size(arch))
-    dispatch._device_info_cached = lambda device_str: info
-    dispatch._select_cached.cache_clear()
+    devices._device_info_cached = lambda device_str: info
+    dispatch._select.cache_clear()
     # the router's choice of histogram kernel: the lowering probe compiled for the target, as on
     # a device of it (every AMD target lowers tl.histogram through ballots: the global variant)
     per_element = router._histogram_probe(target)
@@ -123,9 +123,9 @@ def recording(arch: str, sink: _Sink):
     finally:
         for m in modules:
             m.K = saved_k[m]
-        dispatch._device_info_cached = saved_info
+        devices._device_info_cached = saved_info
         router.lds_histogram_is_per_element = saved_probe
-        dispatch._select_cached.cache_clear()
+        dispatch._select.cache_clear()
 
 
 def op_calls():

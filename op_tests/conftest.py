@@ -69,6 +69,13 @@ def pytest_runtest_setup(item):
         require(mark.kwargs["ok"], mark.kwargs["reason"])
 
 
+# The suite's mutation check (test_mutations.py) runs op tests with a planted kernel bug.
+if os.environ.get("AMDQB_TEST_MUTANT"):
+    import mutants
+
+    mutants.activate(os.environ["AMDQB_TEST_MUTANT"])
+
+
 def available_backends(op: str) -> list[str]:
     """Backends that can run ``op`` on DEVICE (torch always)."""
     info = dispatch.device_info(DEVICE)
@@ -182,6 +189,15 @@ def warp_router(monkeypatch, emu_rt):
         )
 
 
+def forget_build_failures() -> None:
+    """Forget the dispatcher's recorded run-time build failures, their warnings and its cached
+    choices (tests that fake a failing toolchain start and end clean)."""
+    with dispatch._LOCK:
+        dispatch._FAILURES.clear()
+        dispatch._WARNED.clear()
+    dispatch._select.cache_clear()
+
+
 def set_config(monkeypatch, values: dict, device=None):
     """For the test, ``values`` replace the config entries of ``device``'s architecture family
     (default: the suite's device), as ``amdqb.configs.override`` does; undone by ``monkeypatch``."""
@@ -194,9 +210,9 @@ def set_config(monkeypatch, values: dict, device=None):
 
 def device_config(device=None):
     """The config (``amdqb.configs``) the launchers read on ``device`` (default: the suite's)."""
-    from amdqb import configs
+    from amdqb import devices
 
-    return configs.for_device(DEVICE if device is None else device)
+    return devices.arch_config(DEVICE if device is None else device)
 
 
 @pytest.fixture
@@ -207,14 +223,23 @@ def device():
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA/ROCm GPU")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    """A test that forces a backend on a configuration the backend declines (its ``unsupported``
-    hook, e.g. grouped Top-k on ``hip``) is reported as skipped, with the dispatcher's reason."""
-    outcome = yield
-    excinfo = outcome.excinfo
-    if excinfo and isinstance(excinfo[1], RuntimeError) and "no backend can run" in str(excinfo[1]):
-        outcome.force_exception(pytest.skip.Exception(str(excinfo[1]), _use_item_location=True))
+def expect_declined(backend: str, op: str, expected: bool, *, skip: bool = True, **features):
+    """For a test over configurations some backend declines by design: ``expected`` (the test's
+    own statement of the limit) says this one is. Then the backend's capability check must decline
+    it -- a check that stopped declining fails here -- and the test skips naming the reason (or,
+    with ``skip=False``, gets True and moves on to its next case). Otherwise returns False: the
+    test runs the op, and a check that declines what it should run fails the op call with the
+    dispatcher's error (nothing turns that into a skip)."""
+    if not expected:
+        return False
+    from amdqb.backends import calls
+
+    check = getattr(dispatch._backend_module(backend), "LIMITS", {}).get(op)
+    why = check(dispatch.device_info(DEVICE), calls.request(op, **features)) if check else None
+    assert why, f"{backend} was expected to decline {op} with {features}, and accepts it"
+    if skip:
+        pytest.skip(f"{backend} declines {op} by design: {why}")
+    return True
 
 
 _LIVE_LOG = os.environ.get("AMDQB_TEST_LOG")

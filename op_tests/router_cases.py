@@ -8,15 +8,13 @@ Shapes follow the device: small on the CPU (Triton's interpreter, the hip emulat
 (E=896, k=16, B=1000) on a GPU.
 """
 
-import importlib
 import math
 
-import pytest
 import torch
 
 import amdqb
-from amdqb import ref
-from amdqb.backends import hip as hip_backend
+from amdqb import dispatch, ref
+from amdqb.backends.calls import RouterCall
 from amdqb.backends.hip import _spec
 from amdqb.backends.hip import router as hip_router
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
@@ -42,15 +40,25 @@ def tie_free_logits(t, e, dtype=torch.float32, seed=0, span=6.0):
     return rows.to(dtype).to(DEVICE)
 
 
-def backend_scores(backend, logits2d, score_function):
-    """The backend's own fp32 activations (``score_values``), or a skip."""
-    module = importlib.import_module(f"amdqb.backends.{backend}")
-    fn = getattr(module, "score_values", None)
-    if fn is None:
-        fn = getattr(getattr(module, "router", None), "score_values", None)
-    if fn is None:
-        pytest.skip(f"backend {backend} exposes no score_values")
-    return fn(logits2d.contiguous(), score_function)
+def kernel_scores(backend, logits2d, score_function="sigmoid", approximate=False):
+    """The fp32 scores the backend's own router kernels rank (``RouterCall.write_scores``: softmax
+    over all E), bit for bit: the oracle evaluated on them must give the kernels' routes."""
+    z = logits2d.contiguous()
+    t, e = z.shape
+    call = RouterCall(
+        e,
+        1,
+        score_function,
+        use_pre_softmax=score_function == "softmax",
+        approximate=approximate,
+        write_scores=True,
+    )
+    probs, routed = torch.empty_like(z), torch.empty(t, e, dtype=torch.bool, device=z.device)
+    scores = torch.empty(t, e, dtype=torch.float32, device=z.device)
+    dispatch._backend_module(backend).OPS["router_fwd"](
+        call, z, None, probs, routed, None, None, scores, None
+    )
+    return scores
 
 
 def run_router(backend, logits, k, fmt="bytemap", **kw):
@@ -177,7 +185,7 @@ def check_hip_router(
         scaling_factor=scaling,
         **({"approximate_activation": True} if approximate else {}),
     )
-    s = hip_backend.score_values(logits, score) if scores is None else scores
+    s = kernel_scores("hip", logits, score) if scores is None else scores
     if qb_mode is not None:
         idx_ref, alpha, _ = qb_cutoff_and_routes(s, bias, k)
         assert torch.equal(hist, qb_histogram_counts(s, alpha, bounds, hist.shape[1]))
@@ -214,7 +222,7 @@ def hip_check_qb(backend, logits, k, fmt, bias, mode, num_bins=1000, scores=None
     1e-2); returns the histogram on the CPU."""
     t, e = logits.shape
     probs, out, kind, hist, bounds = hip_run_router(backend, logits, k, fmt, bias, mode, num_bins)
-    s = (hip_backend.score_values(logits, "sigmoid") if scores is None else scores).cpu()
+    s = (kernel_scores("hip", logits, "sigmoid") if scores is None else scores).cpu()
     idx_ref, alpha, _ = qb_cutoff_and_routes(s, bias.cpu(), k)
     want_hist = qb_histogram_counts(s, alpha, bounds.cpu(), num_bins)
     assert torch.equal(hist.cpu(), want_hist), "histogram differs from the oracle on own scores"

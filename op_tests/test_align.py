@@ -12,10 +12,9 @@ import torch
 
 import amdqb
 from amdqb import ref
-from amdqb.backends.hip import _spec
 from amdqb.backends.hip import layout as hip_layout
 
-from conftest import DEVICE, GCN, HAS_GPU, device_config, over_backends
+from conftest import DEVICE, GCN, HAS_GPU, device_config, expect_declined, over_backends, set_config
 from hip_emu.checks import make_ids as emu_ids
 from layout_cases import check_align, make_ids, oracle_ids
 
@@ -60,6 +59,7 @@ def test_align_expert_map_and_empty(backend):
 @over_backends("align_block_size")
 @pytest.mark.parametrize("e", [4097, 10000])
 def test_align_beyond_4096_experts(backend, e):
+    expect_declined(backend, "align_block_size", backend == "hip", num_experts=e)
     m, k = (8192, 16) if HAS_GPU else (40, 4)
     ids = make_ids(m, k, e, "dropped", seed=e)
     ids.view(-1)[1::6] = e - 1
@@ -69,38 +69,47 @@ def test_align_beyond_4096_experts(backend, e):
 
 @over_backends("align_block_size", emulator=True, waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_align_block_size_matches_oracle_bitwise(backend, emu_rt, dtype):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, tiled):
     """moe_align_block_size: sorted ids, expert ids and the padded total equal the oracle's bitwise
-    (ascending flat order inside each expert), over tiles that split experts' routes, partial last
-    tiles, dropped ids, empty experts, 1..8 warps per tile (E up to 4096) and pad_sorted_ids."""
+    (ascending flat order inside each expert), in one block (one launch) or over tiles that split
+    experts' routes (the histogram pass, then the rank pass as its dependent), with partial last
+    tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and pad_sorted_ids."""
     rt = emu_rt
+    if tiled:  # tiles of 64 routes from 65 routes on
+        values = {"hip.align.single_block_routes": 64, "hip.align.min_tile_routes": 64}
+    else:  # every case in one block
+        values = {"hip.align.single_block_routes": 1 << 20}
+    set_config(monkeypatch, values, torch.device("cpu"))
     cases = [
-        (7, 900, 3, "dropped", 4, False),  # 2 tiles, partial last
-        (896, 300, 16, "uniform", 64, False),  # 3 tiles, 8 warps, many empty blocks of rows
+        (7, 900, 3, "dropped", 4, False),
+        (896, 300, 16, "uniform", 64, False),  # 8 ranking warps, many empty blocks of rows
         (896, 260, 8, "shared", 16, True),
         (129, 64, 5, "one", 1, False),  # block_size 1: no padding
-        (2048, 600, 8, "uniform", 32, True),  # 5 tiles of 4 warps
-        (4096, 70, 4, "dropped", 128, False),  # 1 warp per tile, most experts empty
+        (2048, 600, 8, "uniform", 32, True),  # 4 ranking warps
+        (4096, 70, 4, "dropped", 128, False),  # 1 ranking warp of 8, most experts empty
         (33, 1, 1, "uniform", 8, False),  # a single route
         (300, 200, 6, "shared", 12, True),  # a block size that is not a power of two
     ]
     for e, m, k, dist, bs, pad in cases:
         ids = emu_ids(m, k, e, dist, e + m, dtype)
         want = ref.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad)
+        rt.launches.clear()
+        rt.dependent_launches.clear()
         # the emulated backend poisons the three outputs (-7) before the kernels run
         got = amdqb.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad, backend=backend)
         for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
             assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist}, bs={bs})"
-        suffix = "i32" if dtype == torch.int32 else "i64"
-        tile = _spec.det_tile(device_config(torch.device("cpu")))
-        dependent = 2 * -(-ids.numel() // tile) <= rt.cus  # rank pass as a dependent
-        launched = rt.dependent_launches[-2:] if dependent else rt.dependent_launches[-1:]
-        want_launches = ["amdqb_route_det_scan"] + ([f"amdqb_align_rank_{suffix}"] * dependent)
-        assert launched == want_launches, (e, m, k)
-        rt.dependent_launches.clear()
-    cfg = device_config(torch.device("cpu"))
-    assert hip_layout.align_warps(896, cfg) == 8 and hip_layout.align_warps(2048, cfg) == 4
-    assert hip_layout.align_warps(4096, cfg) == 1
+        names = [n for n, *_ in rt.launches]
+        if tiled and ids.numel() > 64:
+            assert names == ["amdqb_align_hist", "amdqb_align"], (e, m, k)
+            assert rt.dependent_launches == ["amdqb_align"]
+            tiles = hip_layout.align_plan(ids.numel(), e, device_config(torch.device("cpu")))[0]
+            assert 1 < tiles == rt.launches[0][1][0] == rt.launches[1][1][0], (e, m, k)
+        else:
+            assert names == ["amdqb_align"], (e, m, k)
+    assert hip_layout.align_rank_warps(896) == 8 and hip_layout.align_rank_warps(2048) == 4
+    assert hip_layout.align_rank_warps(4096) == 1 and hip_layout.align_rank_warps(256) == 32
 
 
 # ----------------------------------------------------------------------------------------------

@@ -135,6 +135,7 @@ def test_hip_kernels_fill_the_decode_buffers_on_the_emulator(wave):
     """The hip launchers and kernels (hip_src/kernels/layout.hip, on the CPU emulator) with
     buffers of vLLM's decode size equal the oracle bitwise, partial tiles and dropped ids
     included."""
+    from amdqb.backends.calls import AlignCall
     from amdqb.backends.hip import layout as hip_layout
 
     rt = EmuRuntime(wave_size=wave, cus=2)
@@ -152,7 +153,7 @@ def test_hip_kernels_fill_the_decode_buffers_on_the_emulator(wave):
             rows, blocks = align_buffer_sizes(ids.numel(), e, bs, pad)
             assert rows == ids.numel() * bs  # fewer routes than experts: the decode rule
             got = tuple(torch.full((n,), -7, dtype=torch.int32) for n in (rows, blocks, 1))
-            hip_layout.align_block_size(rt, ids, bs, e, *got)
+            hip_layout.align_block_size(rt, AlignCall(e, bs), ids.reshape(-1), None, *got)
             want = ref.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad)
             for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
                 assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist})"

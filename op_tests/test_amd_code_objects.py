@@ -149,7 +149,7 @@ def test_one_wave_size_rule():
     files.append(ROOT / "setup.py")
     dup = [p for p in files if p.name != "_arch.py" and rule.search(p.read_text())]
     assert not dup, dup
-    for path in ("setup.py", "amdqb/dispatch.py", "amdqb/backends/hip/_runtime.py"):
+    for path in ("setup.py", "amdqb/devices.py", "amdqb/backends/hip/_runtime.py"):
         assert "amd_wave_size" in (ROOT / path).read_text(), path
 
 
@@ -180,18 +180,22 @@ def test_no_external_calls_no_dynamic_stack(objects, tc, arch):
 
 @pytest.mark.parametrize("tc, arch", target_params())
 def test_no_scratch_where_promised(objects, tc, arch):
-    """Route and align kernels (every one), the decode-form Top-k and the QB histogram pass (every
-    router module, E up to 2048) keep their per-thread arrays in registers. The full router
-    (amdqb_router, amdqb_scores) is not promised: docs/amd_occupancy.md records its scratch."""
+    """Route and align kernels (every one), the serving top-k, the decode-form Top-k and the QB
+    histogram pass (every router module, E up to 2048) keep their per-thread arrays in registers;
+    the router backward uses no scratch (at E=896 on wave64 it spills a few SGPRs into VGPR
+    lanes, docs/serving.md). The full router (amdqb_router) is not promised:
+    docs/amd_occupancy.md records its scratch."""
     for spec, co in modules_of(objects, tc, arch):
         names = (
             sorted(co.kernels)
-            if spec.kernel_file == "layout.hip"
+            if spec.kernel_file in ("layout.hip", "topk.hip", "router_bwd.hip")
             else ["amdqb_router_decode", "amdqb_qb_hist", "amdqb_qb_hist_bins"]
         )
         for name in names:
             k = co.kernels[name]
-            assert k.scratch == 0 and k.spills == (0, 0), (spec.label(), arch, name, k.meta)
+            assert k.scratch == 0, (spec.label(), arch, name, k.meta)
+            if spec.kernel_file != "router_bwd.hip":
+                assert k.spills == (0, 0), (spec.label(), arch, name, k.meta)
 
 
 @pytest.mark.parametrize("tc, arch", target_params())
@@ -380,8 +384,7 @@ HOT_BPERMUTE = {
     "amdqb_qb_hist_bins": 0,
     "amdqb_route_det_rank_i32": 1,
     "amdqb_route_det_rank_i64": 1,
-    "amdqb_align_rank_i32": 1,
-    "amdqb_align_rank_i64": 1,
+    "amdqb_align": 1,
 }
 
 

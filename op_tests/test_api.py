@@ -4,6 +4,7 @@ inputs (each a clear error before any launch). QB bounds validation: test_router
 
 import inspect
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ import torch
 import amdqb
 from amdqb import dispatch, ref
 from amdqb.backends import hip as hip_backend
+from amdqb.backends.calls import AlignCall, RouterCall, RouteRowsRequest, TopkCall
 
-from conftest import DEVICE, HAS_GPU
+from conftest import DEVICE, HAS_GPU, backends
+from router_cases import kernel_scores
 
 
 def test_public_signatures_match_spec():
@@ -80,32 +83,45 @@ def test_public_signatures_match_spec():
     assert balancer["binning"].default == "log_margin" and balancer["selection"].default == "te"
 
 
-def test_te_positional_call_and_leading_dims():
-    logits = torch.randn(128, 2, 32, device=DEVICE)
-    bias = torch.zeros(32, device=DEVICE)
+ROUTER_BACKENDS = pytest.mark.parametrize(
+    "backend", ["torch", *backends("router_fwd")], indirect=True
+)
+
+
+@ROUTER_BACKENDS
+def test_te_positional_call_and_leading_dims(backend):
+    logits = torch.randn(128, 2, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    bias = torch.linspace(-0.1, 0.1, 32, device=DEVICE)
     probs, rmap = amdqb.fused_topk_with_score_function(
-        logits, 4, False, None, None, 1.2, "sigmoid", bias
+        logits, 4, False, None, None, 1.2, "sigmoid", bias, backend=backend
     )
     assert probs.shape == (128, 2, 32) and rmap.shape == (128, 2, 32)
     assert rmap.dtype == torch.bool and torch.all(rmap.sum(-1) == 4)
-    expected, _, _ = ref.fused_topk_with_score_function(
-        logits.reshape(-1, 32), 4, scaling_factor=1.2, expert_bias=bias
+    flat = logits.reshape(-1, 32)
+    expected, _, want_map = ref.fused_topk_with_score_function(
+        flat, 4, scaling_factor=1.2, expert_bias=bias, scores=kernel_scores(backend, flat)
     )
+    assert torch.equal(rmap.reshape(-1, 32), want_map)
     torch.testing.assert_close(probs.reshape(-1, 32), expected)
 
 
+@ROUTER_BACKENDS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_output_formats_agree(dtype):
+def test_output_formats_agree(backend, dtype):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(17, 20, generator=g).to(DEVICE, dtype)
-    probs, rmap = amdqb.fused_topk_with_score_function(logits, 3)
+    probs, rmap = amdqb.fused_topk_with_score_function(logits, 3, backend=backend)
     assert probs.dtype == dtype
-    _, bitmap = amdqb.fused_topk_with_score_function(logits, 3, routing_map_format="bitmap_u8")
+    want = ref.fused_topk_with_score_function(logits, 3, scores=kernel_scores(backend, logits))[2]
+    assert torch.equal(rmap, want)
+    _, bitmap = amdqb.fused_topk_with_score_function(
+        logits, 3, routing_map_format="bitmap_u8", backend=backend
+    )
     assert bitmap.dtype == torch.uint8 and bitmap.shape == (17, 3)
     assert torch.equal(ref.unpack_bitmap(bitmap, 20), rmap)
     for idx_dtype in (torch.int16, torch.int32, torch.int64):
         buf = torch.empty(17, 3, dtype=idx_dtype, device=DEVICE)
-        _, out = amdqb.fused_topk_with_score_function(logits, 3, topk_indices=buf)
+        _, out = amdqb.fused_topk_with_score_function(logits, 3, topk_indices=buf, backend=backend)
         assert out is buf
         mask = torch.zeros_like(rmap).scatter_(1, buf.long(), True)
         assert torch.equal(mask, rmap)
@@ -134,35 +150,50 @@ def test_unavailable_forced_backend_explains_why():
 
 def test_hip_declines_with_reasons():
     info = dispatch.device_info("cpu")
-    ok = dict(num_experts=896, topk=16, score_function="sigmoid", grouped=False, qb=True)
-    assert hip_backend.unsupported("router_fwd", info, {**ok, "num_bins": 1000}) is None
-    assert "grouped" in hip_backend.unsupported("router_fwd", info, {**ok, "grouped": True})
-    assert "num_experts" in hip_backend.unsupported(
-        "biased_topk", info, {**ok, "num_experts": 5000}
-    )
-    assert "65" in hip_backend.unsupported("router_fwd", info, {**ok, "topk": 64})
-    assert hip_backend.unsupported("router_fwd", info, {**ok, "topk": 64, "qb": False}) is None
-    assert "num_bins" in hip_backend.unsupported("router_fwd", info, {**ok, "num_bins": 20000})
-    assert (
-        hip_backend.unsupported("route_rows", info, {"num_experts": 10**6, "impl": "atomic"})
-        is None
-    )
+    limits = hip_backend.LIMITS
+    qb = RouterCall(896, 16, qb_mode="auto", num_bins=1000)
+    assert limits["router_fwd"](info, qb) is None
+    assert "grouped" in limits["router_fwd"](info, replace(qb, num_groups=8, group_topk=4))
+    assert "num_experts" in limits["biased_topk"](info, TopkCall(5000, 8))
+    # grouped: amdqb_topk's row plan (DeepSeek-V3's 8 groups of 32), none for 4 groups of 85
+    assert limits["biased_topk"](info, TopkCall(256, 8, num_groups=8, group_topk=4)) is None
+    assert "row plan" in limits["biased_topk"](info, TopkCall(340, 8, num_groups=4, group_topk=2))
+    assert "65" in limits["router_fwd"](info, replace(qb, topk=64))  # k + 1 under QB
+    assert limits["router_fwd"](info, RouterCall(896, 64)) is None
+    assert "num_bins" in limits["router_fwd"](info, replace(qb, num_bins=20000))
+    big = RouteRowsRequest(num_experts=10**6, impl="atomic")
+    assert limits["route_rows"](info, big) is None
+    assert "deterministic" in limits["route_rows"](info, replace(big, deterministic=True))
+    assert "align" in limits["align_block_size"](info, AlignCall(5000, 64))
 
 
 def test_triton_declines_large_expert_counts():
     from amdqb.backends.triton import router
 
     info = dispatch.device_info(DEVICE)
-    reason = router.UNSUPPORTED["router_fwd"](info, {"num_experts": 5000, "qb": False})
+    reason = router.LIMITS["router_fwd"](info, RouterCall(5000, 8))
     assert reason and "E > 4096" in reason
-    assert router.UNSUPPORTED["biased_topk"](info, {"num_experts": 5000})
-    assert (
-        router.UNSUPPORTED["router_fwd"](info, {"num_experts": 4096, "qb": True, "num_bins": 1000})
-        is None
-    )
-    assert router.UNSUPPORTED["router_fwd"](
-        info, {"num_experts": 4096, "qb": True, "num_bins": 2**20}
-    )
+    assert router.LIMITS["biased_topk"](info, TopkCall(5000, 8))
+    qb = RouterCall(4096, 8, qb_mode="auto", num_bins=1000)
+    assert router.LIMITS["router_fwd"](info, qb) is None
+    assert router.LIMITS["router_fwd"](info, replace(qb, num_bins=2**20))
+
+
+def test_capability_limits_are_declared_per_op():
+    """Every backend's capability checks are keyed by ops it implements, each a typed check of
+    the op's call or request (``amdqb.backends.calls``)."""
+    import typing
+
+    from amdqb.backends import calls
+
+    for name in dispatch.BACKENDS:
+        module = dispatch._backend_module(name)
+        for op, check in getattr(module, "LIMITS", {}).items():
+            assert op in module.OPS, (name, op)
+            hints = typing.get_type_hints(check)
+            arg = list(inspect.signature(check).parameters)[1]
+            assert hints[arg] is type(calls.DEFAULT_REQUESTS[op]), (name, op)
+            assert check(dispatch.device_info("cpu"), calls.request(op)) is None, (name, op)
 
 
 def test_amd_arch_helpers():
@@ -387,13 +418,14 @@ def test_custom_ops_registered_for_compile():
         assert hasattr(torch.ops.amdqb, name), name
 
 
-def test_router_compiles_without_graph_breaks():
+@ROUTER_BACKENDS
+def test_router_compiles_without_graph_breaks(backend):
     torch._dynamo.reset()
     logits = torch.randn(16, 32, device=DEVICE)
-    bias = torch.zeros(32, device=DEVICE)
+    bias = torch.linspace(-0.1, 0.1, 32, device=DEVICE)
 
     def route(x):
-        probs, rmap = amdqb.fused_topk_with_score_function(x, 4, expert_bias=bias)
+        probs, rmap = amdqb.fused_topk_with_score_function(x, 4, expert_bias=bias, backend=backend)
         return probs * 2, rmap
 
     compiled = torch.compile(route, fullgraph=True, backend="aot_eager")
@@ -401,6 +433,58 @@ def test_router_compiles_without_graph_breaks():
     want = route(logits)
     torch.testing.assert_close(got[0], want[0])
     assert torch.equal(got[1], want[1])
+    oracle = ref.fused_topk_with_score_function(logits, 4, expert_bias=bias)
+    torch.testing.assert_close(got[0], 2 * oracle[0], rtol=1e-5, atol=1e-6)
+
+
+def test_router_custom_op_schema_is_the_call_type_flat():
+    """Under torch.compile the router ops carry the tensors, then RouterCall's fields in order,
+    then the backend token: the schema is generated from the call type, never written out."""
+    import dataclasses
+
+    from amdqb.backends.calls import ROUTER_BWD_TENSORS, ROUTER_FWD_TENSORS, RouterCall
+
+    fields = [f.name for f in dataclasses.fields(RouterCall)]
+    for op, tensors in (("router_fwd", ROUTER_FWD_TENSORS), ("router_bwd", ROUTER_BWD_TENSORS)):
+        schema = getattr(torch.ops.amdqb, op).default._schema
+        assert [a.name for a in schema.arguments] == [*tensors, *fields, "backend"]
+
+
+@ROUTER_BACKENDS
+def test_router_with_qb_indices_and_backward_compiles(backend):
+    """A QB router call writing caller-owned indices, and its backward, in one fullgraph
+    compile: the call type reaches the backend through the flat custom op unchanged."""
+    torch._dynamo.reset()
+    e, k, t = 32, 4, 16
+    bias = torch.linspace(-0.1, 0.1, e, device=DEVICE)
+    z = torch.randn(t, e, device=DEVICE)
+    outs = []
+    for compiled in (False, True):
+        hist = torch.zeros(e, 10, dtype=torch.int32, device=DEVICE)
+        bounds = amdqb.mark_qb_bin_bounds_validated(torch.tensor([-1.0, 1.0], device=DEVICE))
+        idx = torch.empty(t, k, dtype=torch.int32, device=DEVICE)
+        x = z.clone().requires_grad_(True)
+
+        def route(x, idx=idx, hist=hist, bounds=bounds):
+            probs, ids = amdqb.fused_topk_with_score_function(
+                x,
+                k,
+                expert_bias=bias,
+                topk_indices=idx,
+                qb_histogram=hist,
+                qb_bin_bounds=bounds,
+                qb_histogram_mode="two_kernel",
+                backend=backend,
+            )
+            return probs * 2, ids
+
+        fn = torch.compile(route, fullgraph=True, backend="aot_eager") if compiled else route
+        probs, ids = fn(x)
+        probs.sum().backward()
+        outs.append((probs.detach(), ids.clone(), hist.clone(), x.grad))
+    for got, want in zip(outs[1], outs[0]):
+        assert torch.equal(got, want)
+    assert int(outs[1][2].sum()) == t * e
 
 
 def test_route_rows_and_align_compile_without_graph_breaks():
@@ -433,14 +517,62 @@ def test_backward_backend_follows_forward_or_falls_back(monkeypatch):
     """The router's backward uses the forward's backend when it has a backward kernel; a backend
     without one (or unavailable here) falls back to the table, also when AMDQB_BACKEND forces it."""
     dev = DEVICE
-    assert (
-        dispatch.backend_name("router_bwd", dev, prefer="torch", num_experts=8, topk=2) == "torch"
-    )
-    table = dispatch.backend_name("router_bwd", dev, num_experts=8, topk=2)
+    call = RouterCall(8, 2)
+    assert dispatch.select("router_bwd", dev, call=call, prefer="torch").backend == "torch"
+    table = dispatch.select("router_bwd", dev, call=call).backend
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
-    got = dispatch.backend_name("router_bwd", dev, prefer="hip", num_experts=8, topk=2)
+    got = dispatch.select("router_bwd", dev, call=call, prefer="hip").backend
     assert got == table and "router_bwd" in dispatch._backend_module(got).OPS
     z = torch.randn(5, 8, device=dev, requires_grad=True)
     probs, _ = amdqb.fused_topk_with_score_function(z, 2, backend="torch")
     probs.sum().backward()
     assert z.grad is not None and torch.isfinite(z.grad).all()
+
+
+@pytest.mark.skipif(HAS_GPU, reason="runs the hip backend on the CPU emulator")
+def test_no_backend_runs_another_inside_it():
+    """hip's deterministic routes keep E counters in LDS: beyond MAX_DET_EXPERTS the dispatcher
+    passes hip over (the next backend runs the call), and backend="hip" raises naming the limit
+    -- nothing inside the hip backend quietly runs the torch oracle."""
+    from amdqb.backends.hip import layout as hip_layout
+
+    from hip_emu.backend import emulated_hip_backend
+
+    e = hip_layout.MAX_DET_EXPERTS + 1
+    ids = torch.randint(0, e, (8, 2), dtype=torch.int32)
+    with emulated_hip_backend():
+        assert dispatch.select("route_rows", "cpu", "hip", num_experts=64).backend == "hip"
+        choice = dispatch.select(
+            "route_rows", "cpu", prefer="hip", num_experts=e, impl="atomic", deterministic=True
+        )
+        assert choice.backend != "hip" and "deterministic" in dict(choice.rejected)["hip"]
+        with pytest.raises(RuntimeError, match=f"hip: deterministic routes with num_experts={e}"):
+            amdqb.moe_route_rows(ids, e, deterministic=True, backend="hip")
+        rows, counts = amdqb.moe_route_rows(ids, e, deterministic=True)
+    want_rows, want_counts = ref.moe_route_rows(ids, e)
+    assert torch.equal(rows, want_rows) and torch.equal(counts, want_counts)
+
+
+def test_one_device_parser_for_every_entry_point():
+    """``amdqb.devices.as_device``: the CPU, a GPU by any of its names, and one ValueError naming
+    the argument for anything else -- the ops' callers, the balancer and the command line share
+    it (test_cli.py checks the commands)."""
+    from amdqb.devices import as_device
+
+    assert as_device("cpu") == torch.device("cpu") == as_device(torch.device("cpu"))
+    assert as_device(None) == torch.device("cuda" if HAS_GPU else "cpu")
+    for bad in ("mps", "meta", "xpu:0", "tpu", "cuda:x", 3.5):
+        with pytest.raises(ValueError, match=r"device"):
+            as_device(bad)
+        with pytest.raises(ValueError, match="device"):
+            amdqb.QuantileBalancer(8, 2, device=bad)
+    with pytest.raises(ValueError, match="--device 'mps' is not supported"):
+        as_device("mps", name="--device")
+    for gpu in ("cuda", "gpu", "hip", "GPU:0", "hip:0"):
+        if HAS_GPU:
+            assert as_device(gpu).type == "cuda"
+        else:
+            with pytest.raises(ValueError, match="sees no CUDA/ROCm GPU"):
+                as_device(gpu)
+            with pytest.raises(ValueError, match="sees no CUDA/ROCm GPU"):
+                amdqb.QuantileBalancer(8, 2, device=gpu)

@@ -13,9 +13,10 @@ import torch
 
 import amdqb
 from amdqb import dispatch, ref
-from amdqb.backends import hip as hip_backend
+from amdqb.backends.calls import TopkCall
+from amdqb.backends.hip.topk import plan as topk_plan
 
-from conftest import DEVICE, GCN, HAS_GPU, over_backends, set_config
+from conftest import DEVICE, GCN, HAS_GPU, device_config, expect_declined, over_backends, set_config
 from hip_emu.checks import make_logits
 from router_cases import (
     E_MAIN,
@@ -23,8 +24,8 @@ from router_cases import (
     K_MAIN,
     T_MAIN,
     adversarial_rows,
-    backend_scores,
     count_decode_launches,
+    kernel_scores,
     tie_free_logits,
     tol,
 )
@@ -51,6 +52,12 @@ def test_biased_topk(backend, score, bias, grouped, renormalize):
     z = tie_free_logits(t, e, seed=17)
     eb = torch.linspace(0.3, -0.3, e, device=DEVICE) if bias else None
     groups = dict(num_groups=GROUPS[0], group_topk=GROUPS[1]) if grouped else {}
+    # hip runs groups that split into whole lanes of amdqb_topk (the CPU shape's 4 groups of 16);
+    # the GPU shape's 8 groups of 112 experts do not fit its registers
+    no_plan = grouped and topk_plan(e, k, score, *GROUPS, device_config()) is None
+    expect_declined(
+        backend, "biased_topk", backend == "hip" and no_plan, num_experts=e, topk=k, **groups
+    )
     kw = dict(score_function=score, renormalize=renormalize, scaling_factor=2.5, **groups)
     w, ids = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
     w_ref, ids_ref = ref.biased_topk(z, k, eb, **kw)
@@ -65,7 +72,7 @@ def test_biased_topk_shapes_and_ties(backend):
     z = adversarial_rows(e)
     for k in (1, e):
         w, ids = amdqb.biased_topk(z, k, backend=backend)
-        s = backend_scores(backend, z, "sigmoid")
+        s = kernel_scores(backend, z, "sigmoid")
         assert torch.equal(ids.long(), ref.ranked_indices(s, k))
     x = tie_free_logits(6, e).reshape(2, 3, e)
     w, ids = amdqb.biased_topk(x, 4, backend=backend)
@@ -76,7 +83,7 @@ def test_biased_topk_shapes_and_ties(backend):
     wo = torch.full((6, 4), float("nan"), device=DEVICE)
     io = torch.full((6, 4), -1, dtype=torch.int32, device=DEVICE)
     op = dispatch._backend_module(backend).OPS["biased_topk"]
-    op(x.reshape(-1, e), 4, None, "sigmoid", True, None, None, None, wo, io)
+    op(TopkCall(e, 4), x.reshape(-1, e), None, wo, io, None, None)
     assert torch.equal(io, ids.reshape(-1, 4))
     torch.testing.assert_close(wo, w.reshape(-1, 4))
 
@@ -103,7 +110,7 @@ def test_biased_topk_weights_are_the_own_scores(backend, score, renormalize):
         scaling_factor=0.5,
         backend=backend,
     )
-    s = hip_backend.score_values(logits, score)
+    s = kernel_scores("hip", logits, score)
     sel = s if bias is None else s + bias
     want_ids = ref.ordering.ranked_indices(sel, k).to(torch.int32)
     assert torch.equal(ids, want_ids)
@@ -124,7 +131,7 @@ def test_biased_topk_matches_oracle_on_own_scores(backend, score, t):
     logits = make_logits(t, e, "normal", t).to(DEVICE)
     bias = None if score == "softmax" else torch.randn(e, device=DEVICE) * 0.05
     w, ids = amdqb.biased_topk(logits, k, bias, score_function=score, backend=backend)
-    s = hip_backend.score_values(logits, score).cpu()
+    s = kernel_scores("hip", logits, score).cpu()
     sel = s if bias is None else s + bias.cpu()
     assert torch.equal(ids.cpu(), ref.ordering.ranked_indices(sel, k).to(torch.int32))
     want_w, _ = ref.biased_topk(logits.cpu(), k, None if bias is None else bias.cpu(), score)
@@ -173,7 +180,12 @@ def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(
         for renorm in renorms:
             outs = []
             for limit in (1 << 30, 0):
-                set_config(monkeypatch, {"hip.biased_topk.decode_max_tokens": limit}, logits.device)
+                set_config(
+                    monkeypatch,
+                    # the router kernels (amdqb_topk declined: no experts per lane allowed)
+                    {"hip.biased_topk.decode_max_tokens": limit, "hip.topk.max_slots": 0},
+                    logits.device,
+                )
                 forms.append(0)
                 if emu_rt is not None:
                     emu_rt.launches.clear()
@@ -194,7 +206,7 @@ def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(
             (w1, i1), (w2, i2) = outs
             assert torch.equal(i1, i2)
             assert torch.equal(w1.view(torch.int32), w2.view(torch.int32))
-            sel = hip_backend.score_values(logits, "sigmoid").cpu()
+            sel = kernel_scores("hip", logits, "sigmoid").cpu()
             sel = sel if bias is None else sel + bias.cpu()
             assert torch.equal(i1.cpu(), ref.ordering.ranked_indices(sel, k).to(torch.int32))
 
@@ -210,3 +222,91 @@ def test_biased_topk_oracle():
     assert ids.tolist() == [[3, 1]] and ids.dtype == torch.int32
     s = torch.sigmoid(logits[0])
     torch.testing.assert_close(w[0], torch.stack([s[3], s[1]]) / (s[3] + s[1] + 1e-20))
+
+
+# ----------------------------------------------------------------------------------------------
+# the peers' extra outputs (amdqb.ops.router.serving_topk, TopkCall)
+# ----------------------------------------------------------------------------------------------
+
+
+@over_backends("biased_topk", waves=(32, 64))
+@pytest.mark.parametrize(
+    "e,k,groups,score",
+    [(8, 2, None, "softmax"), (256, 8, (8, 4), "sigmoid"), (40, 6, None, "sigmoid")],
+)
+def test_serving_outputs(backend, e, k, groups, score):
+    """Fused shared experts (constant weight, and the routed sum over the scaling factor with every
+    lane of the row holding it), token_expert_indices, padded rows from a device scalar and from
+    an int, int64 ids, an fp16 / bf16 bias read in its dtype and strided logit rows: the oracle's
+    outputs (ids exact, weights to fp32 rounding)."""
+    from amdqb.ops.router import serving_topk
+
+    t = 37
+    g = torch.Generator().manual_seed(e + k)
+    wide = torch.randn(t, 2 * e, generator=g).to(DEVICE)
+    logits = wide[:, :e]  # rows 2E apart: read through the row stride
+    bias = None
+    if score == "sigmoid":
+        bias = (torch.randn(e, generator=g) * 0.1).to(DEVICE, torch.bfloat16)
+    kw = dict(score_function=score)
+    if groups:
+        kw.update(num_groups=groups[0], group_topk=groups[1])
+    cases = [
+        dict(num_shared=2, shared_weight=0.4, ids_dtype=torch.int64),
+        dict(num_shared=1, shared_div=2.5, renormalize=False, token_expert_indices=True),
+        dict(non_padded=torch.tensor(t // 3, device=DEVICE), token_expert_indices=True),
+        dict(non_padded=t - 5, scaling_factor=1.5, num_shared=1, shared_weight=1.0),
+    ]
+    for case in cases:
+        opts = {**kw, **case}
+        w, ids, tei = serving_topk(logits, k, bias, backend=backend, **opts)
+        oracle = {n: v for n, v in opts.items() if n not in ("ids_dtype", "token_expert_indices")}
+        if isinstance(oracle.get("non_padded"), torch.Tensor):
+            oracle["non_padded"] = oracle["non_padded"].cpu()
+        cpu_bias = None if bias is None else bias.cpu()
+        w_ref, ids_ref = ref.serving_topk(logits.contiguous().cpu(), k, cpu_bias, **oracle)
+        assert ids.dtype == case.get("ids_dtype", torch.int32)
+        assert torch.equal(ids.cpu().long(), ids_ref.cpu().long()), case
+        torch.testing.assert_close(w.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6)
+        if case.get("token_expert_indices"):
+            assert torch.equal(tei.cpu(), ref.token_expert_indices(t, k))
+        else:
+            assert tei is None
+
+
+@over_backends("biased_topk", waves=(32,))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_input_dtype_math(monkeypatch, backend, emu_rt, dtype):
+    """SGLang's moe_fused_gate arithmetic (scores, bias, biased scores and group sums rounded to
+    the logits' dtype): the oracle's ids and weights on every backend that offers it, and not the
+    fp32 answer (the option changes what is computed)."""
+    from amdqb.compat.sglang import moe_fused_gate
+
+    e, k, t = 256, 8, 64
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(t, e, generator=g) * 3).to(DEVICE, dtype)
+    bias = (torch.randn(e, generator=g) * 0.02).to(DEVICE, dtype)
+    expect_declined(
+        backend,
+        "biased_topk",
+        backend == "triton",
+        num_experts=e,
+        topk=k,
+        num_groups=8,
+        group_topk=4,
+        input_dtype_math=True,
+    )
+    monkeypatch.setenv("AMDQB_BACKEND", backend)  # the compat names take no backend=
+    dispatch._select.cache_clear()
+    if emu_rt is not None:
+        emu_rt.launches.clear()
+    w, ids = moe_fused_gate(x, bias, 8, 4, k, 0, 1.0, input_dtype_math=True)
+    if emu_rt is not None:
+        assert [n for n, *_ in emu_rt.launches] == ["amdqb_topk"]
+    w_ref, ids_ref = ref.serving_topk(
+        x.cpu(), k, bias.cpu(), num_groups=8, group_topk=4, input_dtype_math=True
+    )
+    assert torch.equal(ids.cpu().long(), ids_ref)
+    torch.testing.assert_close(w.cpu(), w_ref, rtol=1e-5, atol=1e-6)
+    w32, ids32 = moe_fused_gate(x, bias, 8, 4, k, 0, 1.0)
+    assert not (torch.equal(ids32, ids) and torch.equal(w32, w))

@@ -15,15 +15,19 @@ import pytest
 import torch
 
 import amdqb
-from amdqb import ref
+from amdqb import dispatch, ref
+from amdqb.backends.calls import RouterCall
 from amdqb.compat import te
 from amdqb.ref import aux_loss as ref_aux
 
-from conftest import DEVICE, kernel_backends
+from conftest import DEVICE, EmulatedHip, backends
+from hip_emu.backend import emulated_hip_backend
+from router_cases import kernel_scores
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-BACKENDS = ["torch"] + [b for b in kernel_backends("aux_scores_fwd") if isinstance(b, str)]
+# torch, and every kernel backend of the router (on the CPU: Triton's interpreter, hip's emulator)
+BACKENDS = ["torch"] + backends("router_fwd")
 
 # TE d0067d0 transformer_engine/pytorch/router.py: parameters in order; the ones with defaults.
 TE_SIGNATURES = {
@@ -71,8 +75,16 @@ def logits_for(t, e, seed=0, dtype=torch.float32):
 
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
-    monkeypatch.setenv("AMDQB_BACKEND", request.param)
-    return request.param
+    """The backend the TE functions run on: TE's signatures have no backend argument, so it is
+    the AMDQB_BACKEND preference (hip: on the CPU emulator)."""
+    value = request.param
+    if isinstance(value, EmulatedHip):
+        with emulated_hip_backend(value.wave):
+            monkeypatch.setenv("AMDQB_BACKEND", "hip")
+            yield "hip"
+    else:
+        monkeypatch.setenv("AMDQB_BACKEND", value)
+        yield value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,7 +282,7 @@ def test_switch_by_import(backend, spelling, monkeypatch):
 # the raw QB forward TE's tests call through its extension module
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("mode", list(te.QBHistogramMode))
-def test_raw_qb_forward_tie_drop_and_bin_clamping(mode):
+def test_raw_qb_forward_tie_drop_and_bin_clamping(backend, mode):
     z = torch.tensor(
         [
             [3.0, 3.0, 3.0, -1.0, -2.0, -3.0, -4.0, -5.0],
@@ -288,15 +300,39 @@ def test_raw_qb_forward_tie_drop_and_bin_clamping(mode):
     assert out_hist is hist
     assert rmap[0, :3].tolist() == [True, True, False]  # the tied (k+1)-th: largest id dropped
     assert hist[:, 0].sum() > 0 and hist[:, -1].sum() > 0  # clamped at both ends
-    assert torch.equal(raw, torch.sigmoid(z))
-    s = torch.sigmoid(z)
-    assert torch.equal(cutoff, s.sort(dim=1, descending=True).values[:, 2])
+    assert torch.equal(cutoff, raw[:, 2])  # the (k+1)-th of each row, which is sorted
     want_hist = torch.zeros_like(hist)
     want_probs, _, want_map = ref.fused_topk_with_score_function(
-        z, 2, expert_bias=bias, qb_histogram=want_hist, qb_bin_bounds=bounds
+        z, 2, expert_bias=bias, qb_histogram=want_hist, qb_bin_bounds=bounds, scores=raw
     )
     torch.testing.assert_close(probs, want_probs)
     assert torch.equal(rmap, want_map) and torch.equal(hist, want_hist)
+
+
+@pytest.mark.parametrize("mode", list(te.QBHistogramMode))
+def test_raw_qb_forward_returns_the_kernels_scores_and_cutoffs(backend, mode):
+    """raw_scores are the scores the router kernel ranked (bit for bit; torch's sigmoid within
+    an ulp), cutoff the (k+1)-th of raw_scores + bias found by a sort (not by the kernels'
+    selection), and the histogram is binned from exactly these cutoffs."""
+    t, e, k, b = 13, 48, 5, 40
+    g = torch.Generator().manual_seed(11)
+    z = (torch.randn(t, e, generator=g) * 2).to(DEVICE)
+    bias = (torch.randn(e, generator=g) * 0.3).to(DEVICE)
+    bounds = torch.tensor([-1.5, 1.5], device=DEVICE)
+    hist = torch.zeros(e, b, dtype=torch.int32, device=DEVICE)
+    call = RouterCall(e, k, qb_mode="auto", num_bins=b)
+    assert dispatch.select("router_fwd", DEVICE, call=call).backend == backend
+    probs, rmap, raw, cutoff, _ = te.fused_topk_with_score_function_qb_fwd(
+        z, k, None, bias, 0, None, hist, bounds, mode
+    )
+    assert raw.dtype == torch.float32 and raw.shape == (t, e) and cutoff.shape == (t,)
+    assert torch.equal(raw, kernel_scores(backend, z))
+    torch.testing.assert_close(raw, torch.sigmoid(z), rtol=1e-6, atol=0)
+    assert torch.equal(cutoff, (raw + bias).sort(dim=1, descending=True).values[:, k])
+    assert torch.equal(hist, ref.qb_histogram_counts(raw, cutoff, bounds, b))
+    want = ref.fused_topk_with_score_function(z, k, expert_bias=bias, scores=raw)
+    assert torch.equal(rmap, want[2])
+    torch.testing.assert_close(probs, want[0])
 
 
 @pytest.mark.parametrize("dense", [False, True])

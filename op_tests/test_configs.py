@@ -5,6 +5,7 @@ benchmark data it cites (``bench/results/h200.json``)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import re
@@ -44,22 +45,56 @@ def test_config_file_is_well_formed(arch):
     assert configs.config_path(arch).read_text() == configs.dumps(arch, raw["entries"])
 
 
-def _reads(key: str, files: list[str]) -> bool:
-    """``key`` is read by its full name, or by its last part in a file that strips its prefix
-    (the Triton launchers' ``config(family)`` views of ``triton.<family>.*``)."""
-    prefix, _, name = key.rpartition(".")
-    return any(
-        f'"{key}"' in text or (f'"{prefix}."' in text and f'"{name}"' in text) for text in files
-    )
+def _strings(node) -> set[str]:
+    return {
+        n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
+
+
+def config_reads(source: str, keys) -> set[str]:
+    """The config keys ``source`` reads: a string subscript (``cfg["hip.router.cap"]``, either
+    side of a conditional inside the brackets too) or ``.entry(key)`` / ``.get(key)`` naming the
+    key, or naming its last part in a module that builds a prefix-stripped view
+    (``config(family)["row_elems"]`` where the module holds the prefix ``"triton.router."``). A
+    name in a comment, a docstring or any other string reads nothing."""
+    tree = ast.parse(source)
+    named = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript):
+            named |= _strings(node.slice)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("entry", "get")
+            and node.args
+        ):
+            named |= _strings(node.args[0])
+    prefixes = {c for c in _strings(tree) if c.endswith(".") and any(k.startswith(c) for k in keys)}
+    return {k for k in keys if k in named or any(k == p + n for p in prefixes for n in named)}
 
 
 def test_every_default_entry_is_read_by_the_code():
-    files = [p.read_text() for d in ("amdqb", "bench") for p in (ROOT / d).rglob("*.py")]
     entries = json.loads(configs.config_path("default").read_text())["entries"]
-    unread = [
-        k for k in entries if not k.startswith(configs.BACKEND_ORDER) and not _reads(k, files)
-    ]
-    assert not unread, f"config entries no code reads: {unread}"
+    keys = {k for k in entries if not k.startswith(configs.BACKEND_ORDER)}
+    read = set()
+    for path in (ROOT / "amdqb").rglob("*.py"):
+        read |= config_reads(path.read_text(), keys)
+    assert not keys - read, f"config entries no code reads: {sorted(keys - read)}"
+
+
+def test_config_reads_need_a_subscript():
+    """A key named in prose, or its short name anywhere but in brackets, is not a read."""
+    keys = {"triton.router.row_elems", "hip.router.cap"}
+    prose = '''"""row_elems and hip.router.cap tune the router."""
+PREFIX = "triton.router."
+names = ["row_elems", "hip.router.cap"]
+'''
+    assert config_reads(prose, keys) == set()
+    reads = """PREFIX = "triton.router."
+def plan(cfg, view, fused):
+    return view["row_elems"], cfg["hip.router.cap" if fused else "other"]
+"""
+    assert config_reads(reads, keys) == keys
 
 
 def test_override_reaches_the_hip_module_defines():
@@ -162,9 +197,10 @@ def test_measured_backend_order_is_the_fastest_in_the_results(op):
         assert mean < 1.0, f"{op}: {first} is {mean:.2f}x {other} in geometric mean"
 
 
-def test_readme_performance_tables_are_the_results_data():
-    """The README's performance section is what scripts/results_tables.py generates from
-    bench/results/h200.json (regenerate with ``--readme README.md`` after a benchmark run)."""
+def test_performance_tables_are_the_results_data():
+    """docs/performance.md's tables are what scripts/results_tables.py generates from
+    bench/results/h200.json (regenerate with ``--doc docs/performance.md`` after a benchmark
+    run)."""
     import importlib.util
 
     root = Path(__file__).resolve().parents[1]
@@ -173,6 +209,6 @@ def test_readme_performance_tables_are_the_results_data():
     )
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
-    readme = (root / "README.md").read_text()
+    doc = (root / "docs/performance.md").read_text()
     results = json.loads((root / "bench/results/h200.json").read_text())
-    assert tables.readme_with_tables(readme, tables.render(results, "sm_90")) == readme
+    assert tables.with_tables(doc, tables.render(results, "sm_90")) == doc

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 import amdqb
 from amdqb import ref
 
-from conftest import DEVICE, HAS_GPU, kernel_backends
+from conftest import DEVICE, HAS_GPU, device_config, kernel_backends
 from hip_emu.checks import make_logits
+from router_cases import kernel_scores
 
 PROFILE = os.environ.get("AMDQB_FUZZ_PROFILE", "fast")
 LARGE = PROFILE == "large"
@@ -91,17 +92,19 @@ def router_case(draw, qb: bool, shard: int = 0):
     return t, e, k, dtype, style, seed
 
 
-def _unless_declined(backend, e, k, fn):
-    """``fn()``, or None when the forced backend declines the shape (e.g. E=4097 beyond its
-    register-resident limit): it must say so before any launch, and that refusal is the checked
-    behaviour for the case."""
-    try:
+def _unless_declined(backend, e, k, fn, qb=False):
+    """``fn()``, or None when the forced backend declines the shape by design -- more than 4096
+    experts in a row (both kernel backends), or hip selecting more than its cap (k, k + 1 under
+    QB): the dispatcher must then refuse before any launch, and that refusal is the checked
+    behaviour. Any other refusal fails the case (a broken capability check is not a skip)."""
+    n = k + (1 if qb else 0)
+    declined = e > 4096 or (backend == "hip" and n > device_config()["hip.router.cap"])
+    if not declined:
         return fn()
-    except RuntimeError as exc:
-        if "no backend can run" not in str(exc):
-            raise
-        event(f"{backend} declined E={e} k={k}")
-        return None
+    with pytest.raises(RuntimeError, match="no backend can run"):
+        fn()
+    event(f"{backend} declined E={e} k={k}")
+    return None
 
 
 def _check_router(backend, t, e, k, dtype, style, seed, qb):
@@ -121,12 +124,13 @@ def _check_router(backend, t, e, k, dtype, style, seed, qb):
         e,
         k,
         lambda: amdqb.fused_topk_with_score_function(logits, k, backend=backend, **kwargs),
+        qb,
     )
     if out is None:
         return
     probs, rmap = out
     module = amdqb.dispatch._backend_module(backend)
-    scores = module.score_values(logits, "sigmoid") if hasattr(module, "score_values") else None
+    scores = kernel_scores(backend, logits, "sigmoid") if "router_fwd" in module.OPS else None
     ref_kwargs = dict(expert_bias=bias, scores=scores)
     if qb:
         hist_ref = torch.zeros_like(hist)
@@ -175,8 +179,8 @@ def test_fuzz_biased_topk(backend, shard, data):
     w, ids = out
     module = amdqb.dispatch._backend_module(backend)
     scores = (
-        module.score_values(logits, "sigmoid")
-        if hasattr(module, "score_values")
+        kernel_scores(backend, logits, "sigmoid")
+        if "router_fwd" in module.OPS
         else ref.router.activation(logits.float(), "sigmoid")
     )
     want_ids = ref.ordering.ranked_indices(scores + bias, k).to(torch.int32)

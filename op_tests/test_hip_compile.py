@@ -261,6 +261,7 @@ class RecordingRuntime:
 def _record_launches():
     import torch
 
+    from amdqb.backends.calls import RouterCall
     from amdqb.backends.hip import layout as hip_layout
     from amdqb.backends.hip import router as hip_router
 
@@ -284,22 +285,13 @@ def _record_launches():
     logits = torch.zeros(4, 16)
     hist = torch.zeros(16, 10, dtype=torch.int32)
     bounds = torch.tensor([-1.0, 1.0])
+    call = RouterCall(
+        16, 2, qb_mode="two_kernel", num_bins=10, write_scores=True, write_cutoff=True
+    )
+    scores, cutoff = torch.empty(4, 16), torch.empty(4)
+    probs, routed = torch.empty(4, 16), torch.empty(4, 16, dtype=torch.bool)
     hip_router.router_fwd(
-        rt,
-        logits,
-        2,
-        "sigmoid",
-        False,
-        None,
-        None,
-        None,
-        torch.zeros(16),
-        torch.empty(4, 16),
-        torch.empty(4, 16, dtype=torch.bool),
-        "bytemap",
-        hist,
-        bounds,
-        "two_kernel",
+        rt, call, logits, torch.zeros(16), probs, routed, hist, bounds, scores, cutoff
     )
     hip_router.biased_topk(
         rt,
@@ -314,7 +306,6 @@ def _record_launches():
         torch.empty(4, 2),
         torch.empty(4, 2, dtype=torch.int32),
     )
-    hip_router.score_values(rt, logits, "sigmoid")
     return rt.calls
 
 
@@ -322,10 +313,19 @@ _PTX_WIDTH = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32":
 
 
 def _ptx_entries(ptx: str) -> dict:
+    """{kernel: [(bytes, ptx type)]}: scalars by their type, a by-value structure (``.param
+    .align A .b8 name[N]``) as N bytes of b8."""
     entries = {}
     for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx, re.S):
-        types = [re.match(r"\s*\.param\s+\.(\w+)", p).group(1) for p in m.group(2).split(",")]
-        entries[m.group(1)] = [(_PTX_WIDTH[t], t) for t in types]
+        params = []
+        for p in m.group(2).split(","):
+            array = re.match(r"\s*\.param\s+(?:\.align\s+\d+\s+)?\.b8\s+\w+\[(\d+)\]", p)
+            if array:
+                params.append((int(array.group(1)), "b8"))
+            else:
+                t = re.match(r"\s*\.param\s+\.(\w+)", p).group(1)
+                params.append((_PTX_WIDTH[t], t))
+        entries[m.group(1)] = params
     return entries
 
 
@@ -357,6 +357,8 @@ def test_launch_arguments_match_the_kernel_signatures():
         ctypes.c_int32: (4, "u32|s32|b32"),
         ctypes.c_int64: (8, "u64|s64|b64"),
         ctypes.c_float: (4, "f32|u32|b32"),
+        # a by-value structure: an aligned byte array of its size
+        _spec.RouterParams: (ctypes.sizeof(_spec.RouterParams), "b8"),
     }
     assert calls, "no launch recorded"
     for name, signatures in calls.items():

@@ -39,7 +39,8 @@ import pytest
 import torch
 
 import amdqb
-from amdqb import configs, dispatch, ref
+from amdqb import configs, devices, dispatch, ref
+from amdqb.backends.calls import AlignCall, RouterCall
 from amdqb.backends.hip import _runtime, _spec
 from amdqb.backends.hip import layout as hip_layout
 from amdqb.backends.hip import router as hip_router
@@ -52,7 +53,7 @@ from amdqb.backends.hip._runtime import (
 )
 from amdqb.backends.hip._spec import arg_i32, arg_i64, arg_ptr
 
-from conftest import HAS_GPU, require
+from conftest import HAS_GPU, forget_build_failures, require
 from hip_emu import debian_hiprtc
 
 ARCH = "gfx942:sramecc+:xnack-"
@@ -311,10 +312,10 @@ def amd_dispatch(rocm, monkeypatch):
     triton through the interpreter); its caches and failure records start and end empty."""
     if HAS_GPU:
         pytest.skip("fakes a gfx942 on CPU tensors, whose Triton fallback needs the interpreter")
-    monkeypatch.setattr(dispatch, "_device_info_cached", lambda device_str: AMD_INFO)
-    dispatch._forget_failures()
+    monkeypatch.setattr(devices, "_device_info_cached", lambda device_str: AMD_INFO)
+    forget_build_failures()
     yield
-    dispatch._forget_failures()  # also drops the choices cached for the fake device
+    forget_build_failures()  # also drops the choices cached for the fake device
 
 
 def install_debian(monkeypatch):
@@ -552,17 +553,12 @@ def _router_calls():
         probs = torch.empty(tokens, e)
         yield f"router_fwd T={tokens}", lambda rt, lg=logits, p=probs: hip_router.router_fwd(
             rt,
+            RouterCall(e, k),
             lg,
-            k,
-            "sigmoid",
-            False,
-            None,
-            None,
-            None,
             None,
             p,
             torch.empty(lg.shape, dtype=torch.bool),
-            "bytemap",
+            None,
             None,
             None,
             None,
@@ -574,25 +570,19 @@ def _router_calls():
         ):
             hist = torch.zeros(e, 16, dtype=torch.int32)
             bounds = torch.tensor([-1.0, 1.0])
+            call = RouterCall(e, k, qb_mode=mode, qb_binning=binning, num_bins=16)
             yield f"router_fwd T={tokens} qb {mode} {binning}", (
-                lambda rt, lg=logits, p=probs, h=hist, b=bounds, m=mode, bn=binning: hip_router.router_fwd(
+                lambda rt, lg=logits, p=probs, h=hist, b=bounds, c=call: hip_router.router_fwd(
                     rt,
+                    c,
                     lg,
-                    k,
-                    "sigmoid",
-                    False,
-                    None,
-                    None,
-                    None,
                     torch.zeros(e),
                     p,
                     torch.empty(lg.shape, dtype=torch.bool),
-                    "bytemap",
                     h,
                     b,
-                    m,
-                    "te",
-                    bn,
+                    None,
+                    None,
                 )
             )
         yield f"biased_topk T={tokens}", lambda rt, lg=logits: hip_router.biased_topk(
@@ -630,9 +620,9 @@ def _layout_calls():
             )
     yield "align_block_size", lambda rt: hip_layout.align_block_size(
         rt,
+        AlignCall(e, 16),
         ids,
-        16,
-        e,
+        None,
         torch.empty(2000, dtype=torch.int32),
         torch.empty(200, dtype=torch.int32),
         torch.empty(1, dtype=torch.int32),
@@ -706,7 +696,7 @@ def test_hip_build_failure_falls_back_once_and_is_remembered(amd_dispatch, monke
     assert len(fake.compiles) == 1 and len(requests) == 1
 
     # remembered: later calls select triton directly -- no kernel request, no compile, no warning
-    assert dispatch.backend_name("route_rows", "cpu", **features) == "triton"
+    assert dispatch.select("route_rows", "cpu", **features).backend == "triton"
     assert dispatch.kernel_backend("route_rows", "cpu", **features) == "triton"
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -766,7 +756,7 @@ def test_strict_backend_raises_the_build_error(amd_dispatch, monkeypatch):
     assert not _hip_build_warnings(record)  # raised, not fallen back
     assert dispatch.failures("cpu")[0]["op"] == "route_rows"
     # the dispatcher's own choice then skips hip for the op
-    assert dispatch.backend_name("route_rows", "cpu", num_experts=E, impl="atomic") == "triton"
+    assert dispatch.select("route_rows", "cpu", num_experts=E, impl="atomic").backend == "triton"
     _assert_routes_match_oracle(ids, *amdqb.moe_route_rows(ids, E, impl="atomic"))
     assert len(fake.compiles) == 1
 
@@ -803,7 +793,16 @@ def test_preference_follows_or_falls_back_per_op(amd_dispatch, monkeypatch):
     assert choice.backend == "triton"
     assert "AMDQB_BACKEND=hip cannot run it" in choice.reason
     assert dict(choice.rejected)["hip"] == "does not implement 'qb_recover'"
-    grouped = dispatch.select("router_fwd", "cpu", num_experts=E, topk=2, grouped=True)
+    grouped = dispatch.select(  # grouped under QB: no amdqb_topk row plan
+        "router_fwd",
+        "cpu",
+        num_experts=E,
+        topk=2,
+        num_groups=2,
+        group_topk=1,
+        qb_mode="auto",
+        num_bins=16,
+    )
     assert grouped.backend == "triton" and "grouped" in dict(grouped.rejected)["hip"]
     with pytest.raises(RuntimeError, match="hip: does not implement 'qb_recover'"):
         dispatch.select("qb_recover", "cpu", "hip", num_bins=16)  # backend= stays strict
@@ -816,13 +815,12 @@ def test_preference_follows_or_falls_back_per_op(amd_dispatch, monkeypatch):
 
     pref = dispatch.report("cpu")["preference"]
     assert pref["backend"] == "hip" and pref["error"] is None
-    assert {"router_fwd", "biased_topk", "align_block_size"} <= set(pref["follow"])
+    assert {"router_fwd", "router_bwd", "biased_topk", "align_block_size"} <= set(pref["follow"])
     for op in (
         "qb_recover",
         "qb_step",
         "chunk_copy",
         "chunk_row_map",
-        "router_bwd",
         "aux_scores_fwd",
         "aux_scores_bwd",
         "aux_loss_fwd",
@@ -970,9 +968,12 @@ def test_rocm52_hiprtc_rejection_falls_back(amd_dispatch, rocm, monkeypatch, op)
         w_ref, ids_ref = ref.biased_topk(logits, 4)
         assert torch.equal(got[1], ids_ref)
         torch.testing.assert_close(got[0], w_ref, atol=1e-6, rtol=1e-5)
-        spec = _spec.router_module(E, "float32", "sigmoid", cfg)
+        spec = None  # the serving top-k module of the call
     (opts,) = real.compiles  # the runtime's flags reached the real compiler
-    assert opts[: len(_spec.hip_flags(arch, 64, spec))] == _spec.hip_flags(arch, 64, spec)
+    if spec is not None:
+        assert opts[: len(_spec.hip_flags(arch, 64, spec))] == _spec.hip_flags(arch, 64, spec)
+    base = _spec.hip_flags(arch, 64, _spec.ModuleSpec("x"))  # the flags every module gets
+    assert opts[: len(base)] == base and opts[-1].startswith("-I")
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         call()

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from amdqb import dispatch, ref
+from amdqb.backends.calls import AlignCall, RouterCall
 
 from conftest import DEVICE, HAS_GPU, available_backends
 
@@ -354,7 +355,7 @@ def test_memsafe_align(impl, kind, block_size):
     sorted_b = Banded((padded,), torch.int32)
     experts_b = Banded((blocks,), torch.int32)
     post_b = Banded((1,), torch.int32)
-    impl(ids_b.t, block_size, e, sorted_b.t, experts_b.t, post_b.t)
+    impl(AlignCall(e, block_size), ids_b.t, None, sorted_b.t, experts_b.t, post_b.t)
     want = ref.moe_align_block_size(ids, block_size, e)
     for got, w in zip((sorted_b.t, experts_b.t, post_b.t), want):
         assert torch.equal(got.cpu(), w)
@@ -400,8 +401,10 @@ def test_memsafe_router_qb_histogram(impl, mode, binning, bounds):
     probs_b = Banded((t, e), torch.float32)
     idx_b = Banded((t, k), torch.int32)
     selection = "tie_free" if binning == "log_margin" else "te"
-    args = [logits_b.t, k, "sigmoid", False, None, None, None, bias_b.t, probs_b.t, idx_b.t]
-    impl(*args, "indices", hist_b.t, bounds_b.t, mode, selection, binning)
+    call = RouterCall(
+        e, k, map_kind="indices", selection=selection, qb_mode=mode, qb_binning=binning, num_bins=nb
+    )
+    impl(call, logits_b.t, bias_b.t, probs_b.t, idx_b.t, hist_b.t, bounds_b.t, None, None)
     assert torch.all(hist_b.t.sum(1).cpu() == 2 * nb + t), "each row gains exactly T counts"
     idx = idx_b.t.cpu()
     assert torch.all((idx >= 0) & (idx < e))

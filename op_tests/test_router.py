@@ -7,7 +7,7 @@ against the warp-per-token kernel, the launch planning of both kernel backends; 
 against brute force and hand-computed cases. The QB histogram is tested in test_router_qb.py.
 
 Selection (ids, maps) must be exact; weights agree to fp32 rounding. The oracle is evaluated on the
-backend's own activations (``score_values``), since ``exp`` may differ by an ulp between PyTorch
+backend's own activations (its router's ``RouterCall.write_scores``), since ``exp`` may differ by an ulp between PyTorch
 and a GPU kernel. Shapes are small on the CPU (Triton's interpreter, the hip emulator) and follow
 the seeds (E=896, k=16) on a GPU.
 """
@@ -24,11 +24,12 @@ import amdqb
 from amdqb import dispatch, ref
 from amdqb.backends import hip as hip_backend
 from amdqb.backends import torch as torch_backend
-from amdqb.backends.hip import _runtime, _spec
+from amdqb.backends.calls import RouterCall
+from amdqb.backends.hip import _spec
 from amdqb.backends.hip import router as hip_router
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
 
-from conftest import DEVICE, GCN, HAS_GPU, device_config, over_backends, set_config
+from conftest import DEVICE, GCN, HAS_GPU, device_config, expect_declined, over_backends, set_config
 from hip_emu.checks import make_logits, routed_mask
 from router_cases import (
     E_MAIN,
@@ -37,14 +38,15 @@ from router_cases import (
     K_MAIN,
     T_MAIN,
     adversarial_rows,
-    backend_scores,
     brute_topk,
     check_exactly_k,
     check_hip_router,
     count_decode_launches,
     hip_run_router,
+    kernel_scores,
     oracle,
     qb_buffers,
+    router_built_with,
     run_router,
     tie_free_logits,
     tol,
@@ -73,6 +75,16 @@ SCORES = (
 )
 
 
+def hip_runs_groups(e: int, k: int, score: str) -> bool:
+    """Whether hip's amdqb_topk has a row plan for the GROUPS split of E experts (the CPU shape's
+    4 groups of 16 do; the GPU shape's 8 groups of 112 do not fit its registers)."""
+    from amdqb.backends.calls import RouterCall
+    from amdqb.backends.hip.topk import router_plan
+
+    call = RouterCall(e, k, score, num_groups=GROUPS[0], group_topk=GROUPS[1])
+    return router_plan(call, device_config()) is not None
+
+
 @over_backends("router_fwd")
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scaling", [None, 1.5])
@@ -80,14 +92,23 @@ SCORES = (
 @pytest.mark.parametrize("score,pre,bias", SCORES)
 def test_router_matches_oracle(backend, score, pre, bias, grouped, scaling, fmt):
     t, e, k = T_MAIN, E_MAIN, K_MAIN
+    groups = dict(num_groups=GROUPS[0], group_topk=GROUPS[1]) if grouped else {}
+    expect_declined(
+        backend,
+        "router_fwd",
+        backend == "hip" and grouped and not hip_runs_groups(e, k, score),
+        num_experts=e,
+        topk=k,
+        score_function=score,
+        **groups,
+    )
     z = tie_free_logits(t, e, seed=e + k)
     eb = torch.linspace(-0.3, 0.3, e, device=DEVICE)[torch.randperm(e).to(DEVICE)] if bias else None
-    groups = dict(num_groups=GROUPS[0], group_topk=GROUPS[1]) if grouped else {}
     kw = dict(
         use_pre_softmax=pre, scaling_factor=scaling, score_function=score, expert_bias=eb, **groups
     )
     probs, routed, ids = run_router(backend, z, k, fmt, **kw)
-    scores = None if score == "softmax" else backend_scores(backend, z, score)
+    scores = None if score == "softmax" else kernel_scores(backend, z, score)
     p_ref, idx_ref, map_ref = oracle(z, k, scores=scores, **kw)
     assert torch.equal(routed, map_ref)
     check_exactly_k(routed, k)
@@ -108,7 +129,7 @@ def test_router_low_precision_logits(backend, dtype, score):
     t, e, k = T_MAIN, E_MAIN, K_MAIN
     z = (torch.randn(t, e, generator=torch.Generator().manual_seed(3)) * 2).to(dtype).to(DEVICE)
     probs, routed, ids = run_router(backend, z, k, "int32", score_function=score)
-    scores = None if score == "softmax" else backend_scores(backend, z, score)
+    scores = None if score == "softmax" else kernel_scores(backend, z, score)
     p_ref, idx_ref, _ = oracle(z, k, scores=scores, score_function=score)
     assert probs.dtype == dtype
     assert torch.equal(ids, idx_ref)  # low-precision logits tie often: ids still exact
@@ -141,7 +162,7 @@ def test_router_leading_dims_and_tiny_t(backend):
 def test_router_ties_nan_inf_exact(backend, score):
     e = E_MAIN
     z = adversarial_rows(e)
-    scores = None if score == "softmax" else backend_scores(backend, z, score)
+    scores = None if score == "softmax" else kernel_scores(backend, z, score)
     for k in sorted({1, 2, K_MAIN, e - 1, e}):
         probs, routed, ids = run_router(backend, z, k, "int64", score_function=score)
         _, idx_ref, map_ref = oracle(z, k, scores=scores, score_function=score)
@@ -178,7 +199,7 @@ def test_router_atomic_pointer_blocks_are_dense(backend, monkeypatch):
     monkeypatch.setattr(interp._interpreter, "atomic_rmw", spy)
     e = 64
     z = torch.cat([tie_free_logits(3, e, seed=9), adversarial_rows(e)])
-    s = backend_scores(backend, z, "sigmoid")
+    s = kernel_scores(backend, z, "sigmoid")
     bias = torch.linspace(-0.2, 0.2, e, device=DEVICE)
     for k in (20, 23, 24, e):  # the candidate-tile path with and without the tau bound
         _, routed, ids = run_router(backend, z, k, "int32")
@@ -200,14 +221,22 @@ def test_router_large_k_exact_path(backend, fmt):
     # k too large for the compacted tile: exact search (+ sort for the order) on every row.
     t, e = (64, 896) if HAS_GPU else (2, 160)
     z = torch.cat([tie_free_logits(t, e, seed=1), adversarial_rows(e)])
-    s = backend_scores(backend, z, "sigmoid")
+    s = kernel_scores(backend, z, "sigmoid")
+    cap = device_config()["hip.router.cap"]  # hip selects at most this many experts per token
     for k in (e // 3, e - 1, e):
+        if expect_declined(
+            backend, "router_fwd", backend == "hip" and k > cap, skip=False, num_experts=e, topk=k
+        ):
+            continue
         probs, routed, ids = run_router(backend, z, k, fmt)
         p_ref, idx_ref, map_ref = oracle(z, k, scores=s)
         assert torch.equal(routed, map_ref)
         if ids is not None:
             assert torch.equal(ids, idx_ref)
     bias = torch.linspace(-0.1, 0.1, e, device=DEVICE)
+    qb = dict(num_experts=e, topk=e - 1, qb_mode="auto", num_bins=32)
+    if expect_declined(backend, "router_fwd", backend == "hip" and e > cap, skip=False, **qb):
+        return
     for mode in ("fused_atomic", "two_kernel"):
         hist = torch.zeros(e, 32, dtype=torch.int32, device=DEVICE)
         bounds = torch.tensor([-1.5, 1.5], device=DEVICE)
@@ -224,10 +253,19 @@ def test_router_grouped_ties(backend):
     # Groups whose sums tie, NaN groups, and every value equal: group order is (sum desc, id asc).
     e, k = E_MAIN, K_MAIN
     ng, gt = GROUPS
+    expect_declined(
+        backend,
+        "router_fwd",
+        backend == "hip" and not hip_runs_groups(e, k, "sigmoid"),
+        num_experts=e,
+        topk=k,
+        num_groups=ng,
+        group_topk=gt,
+    )
     z = adversarial_rows(e)
     kw = dict(num_groups=ng, group_topk=gt)
     probs, routed, ids = run_router(backend, z, k, "int32", **kw)
-    _, idx_ref, _ = oracle(z, k, scores=backend_scores(backend, z, "sigmoid"), **kw)
+    _, idx_ref, _ = oracle(z, k, scores=kernel_scores(backend, z, "sigmoid"), **kw)
     check_exactly_k(routed, k)
     assert torch.equal(ids, idx_ref)
 
@@ -248,8 +286,9 @@ def test_router_fwd_direct(backend, map_kind):
     hist = torch.zeros(e, 100, dtype=torch.int32, device=DEVICE)
     bounds = torch.tensor([-1.25, 1.25], device=DEVICE)
     op = dispatch._backend_module(backend).OPS["router_fwd"]
-    op(z, k, "sigmoid", False, None, None, None, bias, probs, m, map_kind, hist, bounds, "auto")
-    s = backend_scores(backend, z, "sigmoid")
+    call = RouterCall(e, k, map_kind=map_kind, qb_mode="auto", num_bins=100)
+    op(call, z, bias, probs, m, hist, bounds, None, None)
+    s = kernel_scores(backend, z, "sigmoid")
     idx_ref, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
     p_ref, _, map_ref = oracle(z, k, scores=s, expert_bias=bias)
     torch.testing.assert_close(probs, p_ref, **tol(e))
@@ -324,7 +363,8 @@ def test_router_bwd_direct(backend):
     outs = []
     for be in (backend, "torch"):
         out = torch.full((t, e), float("nan"), device=DEVICE)
-        dispatch._backend_module(be).OPS["router_bwd"](gp, z, routed, k, "sigmoid", False, 1.5, out)
+        call = RouterCall(e, k, scaling_factor=1.5)
+        dispatch._backend_module(be).OPS["router_bwd"](call, gp, z, routed, out)
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 
@@ -351,7 +391,7 @@ def test_router_styles_both_wave_sizes(backend, emu_rt, warp_router, style):
     if style in ("ties", "zeros", "overflow"):
         bias = torch.zeros(e)  # keep the logits' exact ties
     before = overflows(rt)
-    s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for every check
+    s = kernel_scores("hip", logits, "sigmoid")  # the kernel's scores, for every check
     check_hip_router(backend, logits, 16, "int32", bias=bias, scores=s)
     if style == "overflow":
         assert overflows(rt) > before, "the candidate-overflow (exact) path did not run"
@@ -377,7 +417,7 @@ def test_router_exact_path_large_k(backend, warp_router, k, qb):
 @over_backends("router_fwd", emulator=True)
 def test_router_small_expert_counts(backend, warp_router, e):
     logits = make_logits(13, e, "normal", e)
-    s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for every check
+    s = kernel_scores("hip", logits, "sigmoid")  # the kernel's scores, for every check
     cap = hip_router.max_select(device_config())
     for k in sorted({1, max(1, e // 2), min(e, cap)}):
         check_hip_router(backend, logits, k, "bitmap_u8", scores=s)
@@ -394,7 +434,7 @@ def test_router_half_dtypes(backend, warp_router, dtype):
     e = 129
     logits = make_logits(17, e, "normal", 3, dtype)
     bias = torch.randn(e) * 0.05
-    s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for both checks
+    s = kernel_scores("hip", logits, "sigmoid")  # the kernel's scores, for both checks
     check_hip_router(backend, logits, 6, "bytemap", bias=bias, scaling=2.5, scores=s)
     check_hip_router(
         backend, logits, 6, "int32", bias=bias, qb_mode="fused_atomic", num_bins=100, scores=s
@@ -409,7 +449,7 @@ def test_router_score_functions_in_selection_order(backend, warp_router, score, 
     e = 200
     logits = make_logits(11, e, "normal", 9) * 3
     bias = torch.randn(e) * 0.05 if score == "sqrtsoftplus" else None
-    s = hip_backend.score_values(logits, score)  # the kernel's scores, for both k
+    s = kernel_scores("hip", logits, score)  # the kernel's scores, for both k
     for k in (1, 5):
         check_hip_router(
             backend, logits, k, "int32", score=score, bias=bias, pre=pre, scaling=1.5, scores=s
@@ -423,15 +463,15 @@ def test_router_and_qb_with_the_approximate_activation(backend, warp_router):
     and both QB modes' histograms match the oracle, including the fused epilogue's fast bins
     (whose error bound the emulator stresses)."""
     z = make_logits(64, 64, "normal", 1) * 8
-    exact = hip_backend.score_values(z, "sigmoid")
-    approx = hip_backend.score_values(z, "sigmoid", approximate=True)
+    exact = kernel_scores("hip", z, "sigmoid")
+    approx = kernel_scores("hip", z, "sigmoid", approximate=True)
     assert not torch.equal(exact, approx)  # 2^(z * log2 e) rounds differently from expf somewhere
     for s in (exact, approx):
         torch.testing.assert_close(s, torch.sigmoid(z), atol=1e-6, rtol=0)
     for e, t, k, style in ((257, 19, 16, "normal"), (896, 6, 8, "nan_inf"), (64, 30, 4, "ties")):
         logits = make_logits(t, e, style, e + k)
         bias = torch.linspace(-0.1, 0.1, e) if style != "ties" else torch.zeros(e)
-        s = hip_backend.score_values(logits, "sigmoid", approximate=True)
+        s = kernel_scores("hip", logits, "sigmoid", approximate=True)
         kw = dict(bias=bias, scores=s, approximate=True)
         check_hip_router(backend, logits, k, "bytemap", **kw)
         hists = [
@@ -447,14 +487,14 @@ def test_router_and_qb_with_the_approximate_activation(backend, warp_router):
 
 
 @over_backends("router_fwd", only=("hip",))
-def test_score_values_close_to_torch(backend):
+def test_kernel_scores_close_to_torch(backend):
     """The kernel's activations are torch's within 1e-6 + 1e-5 relative."""
     if HAS_GPU:
         logits = (torch.randn(64, 896) * 4).to(DEVICE)
     else:
         logits = make_logits(5, 96, "normal", 0) * 4
     for score in ("sigmoid", "sqrtsoftplus", "softmax"):
-        s = hip_backend.score_values(logits, score)
+        s = kernel_scores("hip", logits, score)
         torch.testing.assert_close(s, ref.router.activation(logits, score), atol=1e-6, rtol=1e-5)
 
 
@@ -555,7 +595,7 @@ def test_router_ties_and_nan_rows(backend, style, k, qb):
     )
     mask = routed_mask(out, kind, e)
     assert torch.all(mask.sum(1) == k), "every token gets exactly k distinct experts"
-    s = hip_backend.score_values(logits, "sigmoid").cpu()
+    s = kernel_scores("hip", logits, "sigmoid").cpu()
     if qb:
         idx_ref, alpha, _ = qb_cutoff_and_routes(s, bias.cpu(), k)
         assert torch.equal(hist.cpu(), qb_histogram_counts(s, alpha, bounds.cpu(), 50))
@@ -566,7 +606,7 @@ def test_router_ties_and_nan_rows(backend, style, k, qb):
 
 @hip_gpu
 @over_backends("router_fwd", only=("hip",))
-def test_sigmoid_fast_path_is_the_division_bit_for_bit(backend):
+def test_sigmoid_fast_path_is_the_division_bit_for_bit(backend, monkeypatch):
     """The kernels' sigmoid (on NVIDIA with the IEEE division's fast path written out, router.hip
     sigmoid_fast) equals the same module built with the compiler's own division
     (-DAMDQB_SIGMOID_DIVISION_ONLY), bit for bit, over random bit patterns (NaN, inf, denormals),
@@ -586,10 +626,9 @@ def test_sigmoid_fast_path_is_the_division_bit_for_bit(backend):
     )
     e = 896
     z = torch.cat([z, torch.zeros((-z.numel()) % e)]).reshape(-1, e).to(DEVICE)
-    got = hip_backend.score_values(z, "sigmoid")
-    want = hip_router.score_values(
-        _runtime.get_runtime(), z, "sigmoid", (("AMDQB_SIGMOID_DIVISION_ONLY", "1"),)
-    )
+    got = kernel_scores("hip", z, "sigmoid")
+    router_built_with(monkeypatch, ("AMDQB_SIGMOID_DIVISION_ONLY", "1"))
+    want = kernel_scores("hip", z, "sigmoid")
     both_nan = torch.isnan(got) & torch.isnan(want)
     same = (got.view(torch.int32) == want.view(torch.int32)) | both_nan
     assert bool(same.all()), f"{int((~same).sum())} of {z.numel()} scores differ from the division"
@@ -617,7 +656,7 @@ def test_router_score_functions(backend, score, pre, dtype):
         scaling_factor=1.25,
         backend=backend,
     )
-    s = hip_backend.score_values(logits, score).cpu()
+    s = kernel_scores("hip", logits, score).cpu()
     probs_ref, _, map_ref = ref.fused_topk_with_score_function(
         logits.cpu(),
         k,
@@ -645,7 +684,7 @@ def test_router_on_a_side_stream(backend):
             logits, k, expert_bias=bias, backend=backend
         )
     torch.cuda.current_stream().wait_stream(stream)
-    s = hip_backend.score_values(logits, "sigmoid").cpu()
+    s = kernel_scores("hip", logits, "sigmoid").cpu()
     _, _, want = ref.fused_topk_with_score_function(
         logits.cpu(), k, expert_bias=bias.cpu(), scores=s
     )
@@ -657,11 +696,11 @@ def test_router_on_a_side_stream(backend):
 def test_router_wide_expert_counts(backend):
     # E in (2048, 4096] runs with register spills; beyond, the dispatcher is told to fall back.
     info = dispatch.device_info(DEVICE)
-    assert hip_backend.unsupported("router_fwd", info, {"num_experts": 5000, "topk": 8})
+    assert hip_backend.LIMITS["router_fwd"](info, RouterCall(5000, 8))
     e = 3000
     logits = make_logits(33, e, "normal", e).to(DEVICE)
     probs, rmap = amdqb.fused_topk_with_score_function(logits, 8, backend=backend)
-    s = hip_backend.score_values(logits, "sigmoid").cpu()
+    s = kernel_scores("hip", logits, "sigmoid").cpu()
     want = ref.fused_topk_with_score_function(logits.cpu(), 8, scores=s)[2]
     assert torch.equal(rmap.cpu(), want)
 
@@ -835,5 +874,6 @@ def test_explicit_backward_formulas_equal_autograd_of_oracle(score_function, pre
     )
     (probs * grad_out).sum().backward()
     explicit = torch.empty(9, 13)
-    torch_backend.router_bwd(grad_out, logits.detach(), rmap, k, score_function, pre, 1.3, explicit)
+    call = RouterCall(logits.shape[1], k, score_function, use_pre_softmax=pre, scaling_factor=1.3)
+    torch_backend.router_bwd(call, grad_out, logits.detach(), rmap, explicit)
     torch.testing.assert_close(explicit, logits.grad, atol=1e-6, rtol=1e-5)

@@ -15,8 +15,6 @@ and adversarial rows -- logits around +-88 (the sigmoid's divisor overflows), de
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -25,6 +23,7 @@ from amdqb import ref
 from amdqb.ref import qb as ref_qb
 
 from conftest import DEVICE, HAS_GPU, kernel_backends
+from router_cases import kernel_scores
 
 pytestmark = [
     pytest.mark.skipif(
@@ -63,16 +62,12 @@ def adversarial_logits(t=64, e=E, seed=1):
     return z.to(DEVICE)
 
 
-def _module(backend):
-    return importlib.import_module(f"amdqb.backends.{backend}")
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("score_function", ["sigmoid", "sqrtsoftplus", "softmax"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scores_are_torchs_bits(backend, score_function, dtype):
     for z in (_logits(257, E, dtype), adversarial_logits().to(dtype)):
-        got = _module(backend).score_values(z, score_function)
+        got = kernel_scores(backend, z, score_function)
         want = ref.activation(z.float(), score_function)
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)) or (
             torch.equal(torch.isnan(got), torch.isnan(want))

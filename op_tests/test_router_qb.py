@@ -18,7 +18,6 @@ import torch
 
 import amdqb
 from amdqb import configs, ref
-from amdqb.backends import hip as hip_backend
 from amdqb.backends.hip import _runtime
 from amdqb.backends.hip import router as hip_router
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
@@ -30,12 +29,12 @@ from router_cases import (
     FORMATS,
     K_MAIN,
     adversarial_rows,
-    backend_scores,
     brute_topk,
     check_exactly_k,
     check_hip_router,
     hip_check_qb,
     hip_run_router,
+    kernel_scores,
     oracle,
     qb_buffers,
     run_router,
@@ -68,7 +67,7 @@ def test_qb_histogram_bitwise(backend, case, fmt):
     t, e, k, b = case
     z = torch.randn(t, e, generator=torch.Generator().manual_seed(t + k)).to(DEVICE)
     bias = torch.linspace(-0.2, 0.2, e, device=DEVICE)
-    s = backend_scores(backend, z, "sigmoid")
+    s = kernel_scores(backend, z, "sigmoid")
     idx_ref, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
     _, bounds = qb_buffers(e, b, bias)
     want = ref.qb_histogram_counts(s, alpha, bounds, b)
@@ -107,7 +106,7 @@ def test_qb_accumulates_microbatches(backend, mode):
     want = torch.full_like(hist, 3)
     for i, t in enumerate(sizes):
         z = torch.randn(t, e, generator=torch.Generator().manual_seed(i)).to(DEVICE)
-        s = backend_scores(backend, z, "sigmoid")
+        s = kernel_scores(backend, z, "sigmoid")
         _, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
         want += ref.qb_histogram_counts(s, alpha, bounds, b)
         amdqb.fused_topk_with_score_function(
@@ -148,7 +147,7 @@ def test_qb_te_tie_and_clamp_vector(backend, warp_router, mode):
     assert routed.sum().item() == 4
     assert hist[:, 0].sum() > 0 and hist[:, -1].sum() > 0
     assert hist.sum().item() == 2 * 8
-    s = backend_scores(backend, z, "sigmoid")
+    s = kernel_scores(backend, z, "sigmoid")
     _, alpha, _ = qb_cutoff_and_routes(s, bias, 2)
     assert torch.equal(hist, qb_histogram_counts(s, alpha, bounds, 8))
 
@@ -161,7 +160,7 @@ def test_qb_bin_edges(backend, mode):
     e, k, b = 8, 3, 8
     g = torch.Generator().manual_seed(11)
     z = torch.tensor([-100.0, 0.0, 100.0])[torch.randint(0, 3, (16, e), generator=g)].to(DEVICE)
-    s = backend_scores(backend, z, "sigmoid")
+    s = kernel_scores(backend, z, "sigmoid")
     if not torch.isin(s, torch.tensor([0.0, 0.5, 1.0], device=DEVICE)).all():
         pytest.skip("this backend's sigmoid is not exact at 0 / +-100")
     bias = (torch.arange(e, dtype=torch.float32) * 0.25 - 1.0).flip(0).to(DEVICE)
@@ -198,7 +197,7 @@ def test_qb_adversarial_rows(backend, mode):
     z = adversarial_rows(e)
     bias = torch.zeros(e, device=DEVICE)
     bias[::5] = 0.125
-    s = backend_scores(backend, z, "sigmoid")
+    s = kernel_scores(backend, z, "sigmoid")
     hist = torch.zeros(e, b, dtype=torch.int32, device=DEVICE)
     bounds = torch.tensor([-1.0, 1.0], device=DEVICE)
     probs, routed, ids = run_router(
@@ -225,7 +224,7 @@ def test_qb_seed_shapes_two_kernel_equals_fused(backend, t):
     z = torch.randn(t, e, device=DEVICE)
     bias = torch.linspace(-0.2, 0.2, e, device=DEVICE)
     bounds = torch.tensor([-1.2, 1.2], device=DEVICE)
-    s = backend_scores(backend, z, "sigmoid")
+    s = kernel_scores(backend, z, "sigmoid")
     _, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
     want = ref.qb_histogram_counts(s, alpha, bounds, b)
     out = {}
@@ -273,7 +272,7 @@ def test_qb_graph_replay(backend, mode):
         hist.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        s = backend_scores(backend, z, "sigmoid")
+        s = kernel_scores(backend, z, "sigmoid")
         _, alpha, _ = ref.qb_cutoff_and_routes(s, bias, k)
         assert torch.equal(hist, ref.qb_histogram_counts(s, alpha, bounds, b))
         assert torch.equal(routed, oracle(z, k, scores=s, expert_bias=bias)[2])
@@ -298,7 +297,7 @@ def test_qb_router_modes_agree_and_match_oracle(backend, warp_router, t, k, fmt)
     e = 896
     logits = make_logits(t, e, "normal", t * 31 + k if HAS_GPU else k).to(DEVICE)
     bias = torch.linspace(-0.2, 0.2, e, device=DEVICE)
-    s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for both modes
+    s = kernel_scores("hip", logits, "sigmoid")  # the kernel's scores, for both modes
     h_two = hip_check_qb(backend, logits, k, fmt, bias, "two_kernel", scores=s)
     h_fused = hip_check_qb(backend, logits, k, fmt, bias, "fused_atomic", scores=s)
     assert torch.equal(h_two, h_fused), "two_kernel and fused_atomic histograms differ"
@@ -317,7 +316,7 @@ def test_qb_two_kernel_histogram_long_token_slices(backend, warp_router, dtype):
     e, t = 33, 700
     logits = make_logits(t, e, "normal", 3, dtype)
     bias = torch.linspace(-0.1, 0.1, e)
-    s = hip_backend.score_values(logits, "sigmoid")  # the kernel's scores, for both modes
+    s = kernel_scores("hip", logits, "sigmoid")  # the kernel's scores, for both modes
     hists = [
         check_hip_router(backend, logits, 4, "int32", bias=bias, qb_mode=m, num_bins=97, scores=s)
         for m in ("two_kernel", "fused_atomic")
@@ -384,7 +383,7 @@ def test_log_margin_histogram_on_own_scores(backend, warp_router, mode, e, t):
     hist = torch.zeros(e, 64, dtype=torch.int32)
     kw = dict(expert_bias=bias, qb_histogram=hist, qb_bin_bounds=scale, qb_binning="log_margin")
     amdqb.fused_topk_with_score_function(logits, 8, qb_histogram_mode=mode, backend=backend, **kw)
-    s = hip_backend.score_values(logits, "sigmoid")
+    s = kernel_scores("hip", logits, "sigmoid")
     want = torch.zeros_like(hist)
     ref.fused_topk_with_score_function(logits, 8, scores=s, **{**kw, "qb_histogram": want})
     assert torch.equal(hist, want)
@@ -455,7 +454,7 @@ def test_router_graph_capture_replays(backend, mode):
         logits_static.copy_(logits.to(DEVICE))
         graph.replay()
         torch.cuda.synchronize()
-        s = hip_backend.score_values(logits_static, "sigmoid").cpu()
+        s = kernel_scores("hip", logits_static, "sigmoid").cpu()
         idx_ref, alpha, _ = qb_cutoff_and_routes(s, bias.cpu(), k)
         assert torch.equal(hist.cpu(), qb_histogram_counts(s, alpha, bounds.cpu(), b))
         want = torch.zeros(t, e, dtype=torch.bool).scatter_(1, idx_ref, True)
@@ -492,7 +491,7 @@ def test_qb_histogram_pass_is_a_dependent_launch_on_sm90(monkeypatch, backend):
         hists.append(hist.cpu())
     assert tc._pdl not in (None, False), "the dependent launch fell back to cuLaunchKernel"
     assert torch.equal(hists[0], hists[1])
-    s = hip_backend.score_values(logits, "sigmoid").cpu()
+    s = kernel_scores("hip", logits, "sigmoid").cpu()
     _, alpha, _ = qb_cutoff_and_routes(s, bias.cpu(), k)
     assert torch.equal(hists[0], qb_histogram_counts(s, alpha, bounds.cpu(), b))
 

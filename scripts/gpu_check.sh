@@ -14,11 +14,11 @@
 #             small case per kernel family (SANITIZE_K overrides the selection); NVIDIA only
 #   bench     `amdqb bench SUITE --json $OUT/<device>.json` (SUITE defaults to all), <device>
 #             from the GPU's name (h200, mi300x, ...)
-#   tune      bench/tune.py sweeps (TUNE_PARTS), winners printed; TUNE_WRITE=1 writes them with
+#   tune      amdqb/bench/tune.py sweeps (TUNE_PARTS), winners printed; TUNE_WRITE=1 writes them with
 #             `measured:` provenance into amdqb/configs/<arch>.json
 #   example   examples/serving_moe.py, small and Kimi configs
 #   nccl      the 2-process NCCL pooling tests (two GPUs)
-#   profile   the hot kernels at the seed shapes (bench/profile_kernels.py) under ncu (NVIDIA)
+#   profile   the hot kernels at the seed shapes (amdqb/bench/profile_kernels.py) under ncu (NVIDIA)
 #             or rocprofv3 (ROCm, where installed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -108,7 +108,7 @@ run_bench() {  # SUITE (default all) -> $OUT/<device>.json, $OUT/bench.md
 }
 
 run_tune() {  # -> $OUT/tune.md, $OUT/tune.json
-  timeout "${TUNE_TIMEOUT:-300}" python -m bench.tune --json "$OUT/tune.json" \
+  timeout "${TUNE_TIMEOUT:-300}" python -m amdqb.bench.tune --json "$OUT/tune.json" \
     --parts "${TUNE_PARTS:-route,gate,align,decode,qbhist,router}" \
     $([ "${TUNE_WRITE:-0}" = 1 ] && echo --write) > "$OUT/tune.md" 2>&1
   local rc=$?
@@ -132,7 +132,7 @@ run_profile() {  # -> $OUT/ncu.txt (NVIDIA), $OUT/rocprof/ (ROCm)
       return 0
     fi
     timeout "${PROFILE_TIMEOUT:-240}" rocprofv3 --kernel-trace --stats -d "$OUT/rocprof" \
-      -o kernels -- python -m bench.profile_kernels > "$OUT/rocprof.txt" 2>&1
+      -o kernels -- python -m amdqb.bench.profile_kernels > "$OUT/rocprof.txt" 2>&1
     local rc=$?
     tail -n 40 "$OUT/rocprof.txt"
     return "$rc"
@@ -140,7 +140,7 @@ run_profile() {  # -> $OUT/ncu.txt (NVIDIA), $OUT/rocprof/ (ROCm)
   timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off \
     --cache-control "${NCU_CACHE:-all}" --section SpeedOfLight --section LaunchStats \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-    python -m bench.profile_kernels > "$OUT/ncu.txt" 2>&1
+    python -m amdqb.bench.profile_kernels > "$OUT/ncu.txt" 2>&1
   local rc=$?
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu.txt" \
     | head -n 80
@@ -162,7 +162,7 @@ while [ $# -gt 0 ]; do
     profile) run_profile || status=1 ;;
     bench)
       suite=all
-      case "${1:-}" in route|router|chunks|balance|serving) suite=$1; shift ;; esac
+      case "${1:-}" in route|router|chunks|balance|serving|compat) suite=$1; shift ;; esac
       run_bench "$suite" || status=1 ;;
     full) AMDQB_RESUME_FROM=$RESUME_FROM run_tests || status=1
           run_sanitize || status=1; run_bench || status=1 ;;

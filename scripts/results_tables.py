@@ -1,13 +1,17 @@
-"""The README's performance tables, generated from a results file (``bench/results/<device>.json``,
-written by ``amdqb bench all --json``), so the README and the data cannot disagree.
+"""The performance tables of docs/performance.md, generated from a results file
+(``bench/results/<device>.json``, written by ``amdqb bench all --json``), so the docs and the data
+cannot disagree.
 
-    python scripts/results_tables.py [bench/results/h200.json] [--arch sm_90] [--readme README.md]
+    python scripts/results_tables.py [bench/results/h200.json] [--arch sm_90] [--doc docs/performance.md]
 
-``--readme`` replaces the text between the README's ``BEGIN`` and ``END`` markers below instead of
-printing (op_tests/test_cli.py checks that the README holds what this script generates).
+``--doc`` replaces the text between the file's ``BEGIN`` and ``END`` markers below instead of
+printing (op_tests/test_configs.py checks that docs/performance.md holds what this script
+generates).
 
 Each table shows the backend the dispatcher picks on ``--arch`` (its config's backend order, first
-backend present in the rows) and the peer each op is compared with.
+backend present in the rows) and the floor measured in the same run (a device copy of the same
+bytes, or one kernel launch) where the rows carry it. No peer figure appears: the peers' kernels
+are not measured by ``amdqb bench`` (docs/targets.md and docs/serving.md state theirs).
 """
 
 from __future__ import annotations
@@ -21,10 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from amdqb import configs  # noqa: E402
-
-# The peers' figures on the H200 (docs/targets.md, measured side by side in one process, µs): the Triton
-# vLLM-algorithm moe_align_block_size at M = 512 / 2517 / 8192.
-ALIGN_PEER_US = {512: 251.0, 2517: 272.0, 8192: 307.0}
 
 
 def _default(rows, op: str, arch: str) -> str:
@@ -56,6 +56,10 @@ def _pick(rows, **want):
     return None
 
 
+def _floor(row) -> str:
+    return _us(row.get("floor_us") if row else None)
+
+
 def router(results, arch):
     rows = results["router"]["rows"]
     b = _default(rows, "router_fwd", arch)
@@ -71,10 +75,11 @@ def router(results, arch):
             [
                 str(t),
                 _us(noqb and noqb["us"]),
-                _x(noqb and noqb.get("x_vs_TE_noQB")),
+                _floor(noqb),
+                _x(noqb and noqb.get("x_floor")),
                 _us(approx and approx["us"]),
                 _us(uni and uni["us"]),
-                _x(uni and uni.get("x_vs_TE_best_QB")),
+                _x(uni and uni.get("qb/noqb")),
                 _us(lm and lm["us"]),
                 _x(lm and lm.get("qb/noqb")),
                 _us(tf and tf["us"]),
@@ -84,10 +89,11 @@ def router(results, arch):
     header = [
         "T",
         "no QB µs",
-        "vs TE no QB",
+        "copy floor µs",
+        "no QB / floor",
         "approx. activation µs",
         "QB uniform µs",
-        "vs TE best QB",
+        "uniform / no QB",
         "QB log_margin µs",
         "log_margin / no QB",
         "+ tie_free µs",
@@ -95,7 +101,8 @@ def router(results, arch):
     ]
     note = (
         f'backend: `{b}`; QB columns: `qb_histogram_mode="auto"`; uniform B=1000, log_margin '
-        "B=64; approx. activation: no QB with `approximate_activation=True`"
+        "B=64; approx. activation: no QB with `approximate_activation=True`; copy floor: a device "
+        "copy of the router's own bytes (logits in, probs and byte map out) in the same run"
     )
     return note + "\n\n" + _table(header, out)
 
@@ -106,10 +113,14 @@ def biased_topk(results, arch):
     backends = sorted({r["backend"] for r in rows}, key=lambda n: (n != b, n))
     out = []
     for t in sorted({r["T"] for r in rows}):
+        ours = _pick(rows, T=t, backend=b)
         out.append(
-            [str(t)] + [_us((_pick(rows, T=t, backend=n) or {}).get("us")) for n in backends]
+            [str(t)]
+            + [_us((_pick(rows, T=t, backend=n) or {}).get("us")) for n in backends]
+            + [_floor(ours)]
         )
-    return _table(["T"] + [f"`{n}` µs" + (" (default)" if n == b else "") for n in backends], out)
+    header = ["T"] + [f"`{n}` µs" + (" (default)" if n == b else "") for n in backends]
+    return _table(header + ["launch floor µs"], out)
 
 
 def route_rows(results, arch):
@@ -146,17 +157,37 @@ def align(results, arch):
     out = []
     for m in sorted({r["M"] for r in rows}):
         ours = _pick(rows, M=m, backend=b)
-        peer = ALIGN_PEER_US.get(m)
         out.append(
             [
                 str(m),
                 _us(ours["us"]),
-                _us(peer),
-                _x(peer / ours["us"] if peer else None),
+                _floor(ours),
+                _x(ours.get("x_floor")),
                 _us((_pick(rows, M=m, backend="triton") or {}).get("us")),
             ]
         )
-    header = ["M (routes)", f"`{b}` µs", "vLLM Triton peer µs", "speed-up", "amdqb `triton` µs"]
+    header = ["M (tokens)", f"`{b}` µs", "launch floor µs", "/ floor", "amdqb `triton` µs"]
+    return _table(header, out)
+
+
+def compat(results, arch):
+    """The serving entry points at the peers' shapes (``amdqb bench compat``)."""
+    if "serving_entry_points" not in results:
+        return "(not measured in this results file: `amdqb bench compat`)"
+    rows = results["serving_entry_points"]["rows"]
+    out = [
+        [
+            f"`{r['op']}`",
+            r["shape"],
+            str(r["T"]),
+            _us(r["us"]),
+            _floor(r),
+            _x(r.get("x_floor")),
+            str(r.get("launches", "–")),
+        ]
+        for r in rows
+    ]
+    header = ["entry point", "shape", "T (M)", "µs", "launch floor µs", "/ floor", "kernels"]
     return _table(header, out)
 
 
@@ -221,6 +252,7 @@ TABLES = {
     "biased_topk": biased_topk,
     "route_rows": route_rows,
     "align": align,
+    "compat": compat,
     "chunks": chunks,
     "balancer": balancer,
     "serving": serving,
@@ -239,20 +271,40 @@ BEGIN = "<!-- performance tables: generated by scripts/results_tables.py -->"
 END = "<!-- end of the generated performance tables -->"
 
 
+# the results-file suite each table reads (its env names the commit it measured)
+SUITE_OF = {
+    "router": "router",
+    "biased_topk": "biased_topk",
+    "route_rows": "route_rows",
+    "align": "moe_align_block_size",
+    "compat": "serving_entry_points",
+    "chunks": "chunks",
+    "balancer": "balancer_step",
+    "serving": "serving_moe",
+}
+
+
+def measured(results, table: str) -> str:
+    env = results.get(SUITE_OF[table], {}).get("env")
+    if not env:
+        return ""
+    return f"measured at commit {env.get('git') or '?'}, {str(env.get('date', ''))[:10]}\n\n"
+
+
 def render(results: dict, arch: str, only: str | None = None) -> str:
     parts = [f"<!-- {env_line(results)} -->\n"]
     for name, fn in TABLES.items():
         if only in (None, name):
-            parts.append(f"#### {name}\n\n{fn(results, arch)}\n")
+            parts.append(f"#### {name}\n\n{measured(results, name)}{fn(results, arch)}\n")
     return "\n".join(parts)
 
 
-def readme_with_tables(readme: str, tables: str) -> str:
-    """``readme`` with the text between :data:`BEGIN` and :data:`END` replaced by ``tables``."""
-    head, sep, rest = readme.partition(BEGIN)
+def with_tables(text: str, tables: str) -> str:
+    """``text`` with the part between :data:`BEGIN` and :data:`END` replaced by ``tables``."""
+    head, sep, rest = text.partition(BEGIN)
     _, sep2, tail = rest.partition(END)
     if not sep or not sep2:
-        raise SystemExit(f"the README has no {BEGIN!r} ... {END!r} section")
+        raise SystemExit(f"no {BEGIN!r} ... {END!r} section to replace")
     return f"{head}{BEGIN}\n\n{tables}\n{END}{tail}"
 
 
@@ -261,14 +313,14 @@ def main(argv=None) -> int:
     parser.add_argument("path", nargs="?", default=str(ROOT / "bench/results/h200.json"))
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--only", choices=sorted(TABLES), default=None)
-    parser.add_argument("--readme", default=None, help="rewrite this README's tables in place")
+    parser.add_argument("--doc", default=None, help="rewrite this file's tables in place")
     args = parser.parse_args(argv)
     tables = render(json.loads(Path(args.path).read_text()), args.arch, args.only)
-    if args.readme is None:
+    if args.doc is None:
         print(tables)
         return 0
-    path = Path(args.readme)
-    path.write_text(readme_with_tables(path.read_text(), tables))
+    path = Path(args.doc)
+    path.write_text(with_tables(path.read_text(), tables))
     return 0
 
 

@@ -3,8 +3,7 @@
 * ``availability(info: DeviceInfo) -> (bool, reason)``;
 * ``OPS: dict[str, callable]`` keyed by the kernel-level op names below;
 * optionally ``unsupported(op, info, features) -> reason | None`` to decline a configuration (the
-  dispatcher then tries the next backend), and ``score_values(logits, score_function)``, the fp32
-  activations exactly as its router kernels compute them (tests evaluate the oracle on them);
+  dispatcher then tries the next backend);
 * optionally ``BuildError``: the exception a backend that builds kernels at run time raises when a
   build fails before anything of the op call has launched; the dispatcher then runs the op on the
   next backend of its order (``amdqb.dispatch``).
@@ -16,23 +15,40 @@ Kernel-level ops are destination-passing (outputs are preallocated by ``amdqb.op
 contiguous tensors that ``amdqb.ops`` has already validated, never synchronise with the host and
 never allocate output buffers the caller sees. Signatures:
 
-``router_fwd(logits [T,E], topk, score_function, use_pre_softmax, num_groups, group_topk,
-    scaling_factor, expert_bias|None, probs_out [T,E], map_out, map_kind, qb_histogram|None,
-    qb_bin_bounds|None, qb_mode|None) -> None``
-    ``map_kind``: ``"bytemap"`` (bool [T,E]), ``"bitmap"`` (uint8 [T,ceil(E/8)]) or ``"indices"``
-    ([T,k] int16/32/64, selection order).
-``router_bwd(grad_probs [T,E], logits [T,E], routed bool [T,E], topk, score_function,
-    use_pre_softmax, scaling_factor, grad_logits_out [T,E] fp32) -> None``
-``biased_topk(logits [T,E], topk, expert_bias|None, score_function, renormalize, scaling_factor,
-    num_groups, group_topk, weights_out fp32 [T,k], ids_out int32 [T,k]) -> None``
-``qb_recover(histogram [E,B] int32, bin_bounds fp32 [2], topk, out fp32 [E]) -> None`` (centred)
-``qb_step(bias fp32 [E], histogram int32 [E,B], bin_bounds fp32 [2], topk, ema) -> None``
-    (in place: bias, bounds; the histogram is left for the caller to zero)
+``router_fwd(call: RouterCall, logits [T,E], expert_bias fp32 [E]|None, probs_out [T,E],
+    map_out, qb_histogram int32 [E,B]|None, qb_bin_bounds fp32 [2]|None, scores_out fp32
+    [T,E]|None, cutoff_out fp32 [T]|None) -> None``
+    ``call`` is an :class:`amdqb.backends.calls.RouterCall` (every field honoured; its docstring
+    says what each means); the tensors are ``calls.ROUTER_FWD_TENSORS`` in order. ``map_out``
+    per ``call.map_kind``: ``"bytemap"`` (bool [T,E]), ``"bitmap"`` (uint8 [T,ceil(E/8)]) or
+    ``"indices"`` ([T,k] int16/32/64, selection order). Under QB (``call.qb_mode``) the histogram
+    accumulates; ``scores_out`` / ``cutoff_out`` are given exactly when ``call.write_scores`` /
+    ``call.write_cutoff``.
+``router_bwd(call: RouterCall, grad_probs [T,E], logits [T,E], routed bool [T,E],
+    grad_logits_out [T,E] fp32) -> None`` (the forward's call; ``calls.ROUTER_BWD_TENSORS``)
+``biased_topk(call: TopkCall, logits [T,E] (rows may be strided), expert_bias [E]|None (fp32,
+    fp16 or bf16), weights_out fp32 [T,out_k], ids_out int32/int64 [T,out_k], tei_out int32
+    [T,k]|None, non_padded int32/int64 scalar|None) -> None``: every output of the peers' fused
+    gates (``calls.TOPK_TENSORS``; :class:`amdqb.backends.calls.TopkCall` says what each field
+    means: fused shared experts, padded rows, vLLM's ``token_expert_indices``)
+``qb_recover(histogram [E,B] int32, bin_bounds fp32 [2], topk, out fp32 [E], binning,
+    expert_bias fp32 [E]|None) -> None`` (centred; ``expert_bias``: the log_margin binning's
+    current bias, which its recovery is relative to)
+``qb_step(bias fp32 [E], histogram int32 [E,B], bin_bounds fp32 [2], topk, ema, binning, rho,
+    rejected int32 [1]|None, committed fp32 [E+2]|None) -> None``
+    (in place: bias, bounds; the histogram is left for the caller to zero). ``binning``
+    ``"uniform"`` or ``"log_margin"`` (``rho``: its margin scale, eps = rho * bias spread). A
+    candidate that is not finite (or has invalid bounds) is not committed, on the device: bias
+    and bounds keep their values and ``rejected`` gains one. ``committed`` (the last committed
+    bias then bounds): non-finite entries of bias / bounds are first restored from it, and it
+    receives the new state.
 ``route_rows(topk_ids [M,k] int32, num_experts, capacity|None, counters int32 [E] (zeroed by the
     op when the caller passed none), rows_out int32 [M,k], counts_out int32 [E] (zero-filled by
     the op), deterministic, impl "atomic"|"lds") -> None``
-``align_block_size(topk_ids [M,k] int32, block_size, num_experts, sorted_ids_out, expert_ids_out,
-    num_post_pad_out) -> None`` (``expert_map`` is applied by the op)
+``align_block_size(call: AlignCall, topk_ids (numel ids in memory order, int32/int64),
+    expert_map [map_len]|None, sorted_ids_out int32, expert_ids_out int32, num_post_pad_out
+    int32 [1]) -> None`` (``calls.ALIGN_TENSORS``; :class:`amdqb.backends.calls.AlignCall`:
+    vLLM's expert-map filter or block map and tail value, SGLang's shifted buckets)
 ``chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out int32,
     num_in_tokens) -> None`` (rows past ``num_in_tokens`` are never mapped)
 ``chunk_copy(src [N,H], row_map int32 [P], dst, reverse: bool) -> None``

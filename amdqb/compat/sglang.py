@@ -26,11 +26,12 @@ Semantics (SGLang's):
   multiplies the renormalized weights by ``routed_scaling_factor``.
 * ``kimi_k2_moe_fused_gate``: the same with one group and no shared experts.
 
-Differences from SGLang (README, "Serving: vLLM and SGLang"):
+Differences from SGLang (docs/serving.md):
 
 * precision: amdqb computes the sigmoid, the bias add and the weights in fp32 for every input
   dtype (its contract); SGLang's ``moe_fused_gate`` computes the sigmoid and the bias add in the
-  input dtype, so for bf16/fp16 logits its selection near ties and its weights (to ~1e-2) differ;
+  input dtype, so for bf16/fp16 logits its selection near ties and its weights (to ~1e-2) differ
+  -- ``moe_fused_gate(..., input_dtype_math=True)`` rounds them to the input dtype as SGLang does;
   ``renormalize`` divides by ``sum + 1e-20``;
 * order: ids in selection order (biased score descending, expert id ascending on ties); SGLang's
   torch paths use an unsorted top-k;
@@ -52,7 +53,7 @@ import torch
 
 from ..ops import layout as _layout
 from ..ops import router as _router
-from ..ops._checks import ID_DTYPES, check_int, check_tensor
+from ..ops._checks import ID_DTYPES, check_bool, check_float, check_int, check_tensor
 
 __all__ = [
     "biased_grouped_topk",
@@ -88,14 +89,19 @@ def moe_align_block_size(
             f"cumsum_buffer must hold num_experts + 1 = {num_experts + 1} ints, "
             f"got {cumsum_buffer.numel()}"
         )
-    # bucket id + 1: the EP-filtered routes (-1) become bucket 0, aligned first
+    # bucket id + 1: the EP-filtered routes (-1) become bucket 0, aligned first; blocks carry
+    # bucket - 1, 0 past the padded total; ids read in memory order, as SGLang's kernel does
     _layout.align_block_size_into(
-        topk_ids + 1, block_size, num_experts, sorted_token_ids, experts_ids, num_tokens_post_pad
+        topk_ids,
+        block_size,
+        num_experts,
+        sorted_token_ids,
+        experts_ids,
+        num_tokens_post_pad,
+        id_shift=1,
+        owner_shift=1,
+        raw_storage=True,
     )
-    starts = torch.arange(
-        0, experts_ids.numel() * block_size, block_size, device=experts_ids.device
-    )
-    experts_ids.sub_((starts < num_tokens_post_pad.view(1)).to(torch.int32))
 
 
 def _shared_and_routed(
@@ -108,40 +114,49 @@ def _shared_and_routed(
     num_fused_shared_experts: int,
     routed_scaling_factor: Optional[float],
     apply_routed_scaling_factor_on_output: bool,
+    num_token_non_padded=None,
+    input_dtype_math: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGLang's biased (grouped) gate: ``topk - n`` routed experts, then ``n`` shared slots."""
+    """SGLang's biased (grouped) gate: ``topk - n`` routed experts, then ``n`` shared slots, all
+    written by one kernel."""
     check_tensor("gating_output", gating_output, dim=2)
     check_tensor("bias", bias, dim=1)
     check_int("num_fused_shared_experts", num_fused_shared_experts, low=0, high=topk - 1)
-    scale = 1.0 if routed_scaling_factor is None else float(routed_scaling_factor)
+    scale = (
+        1.0
+        if routed_scaling_factor is None
+        else check_float("routed_scaling_factor", routed_scaling_factor, finite=True)
+    )
     if num_fused_shared_experts and scale == 0.0:
         raise ValueError("routed_scaling_factor must be non-zero with fused shared experts")
-    if bias.dtype != torch.float32 or not bias.is_contiguous():
-        bias = bias.to(torch.float32).contiguous()  # amdqb's correction bias is fp32 [E]
-    on_output = bool(renormalize) and bool(apply_routed_scaling_factor_on_output)
-    weights, ids = _router.biased_topk(
+    renormalize = check_bool("renormalize", renormalize)
+    on_output = renormalize and check_bool(
+        "apply_routed_scaling_factor_on_output", apply_routed_scaling_factor_on_output
+    )
+    # shared experts: (routed sum / scale) / routed sum after the renormalisation (times scale on
+    # the output), or the routed sum / scale without it
+    shared = {}
+    if num_fused_shared_experts:
+        if renormalize:
+            shared = dict(shared_weight=1.0 if on_output else 1.0 / scale)
+        else:
+            shared = dict(shared_div=scale)
+    weights, ids, _ = _router.serving_topk(
         gating_output,
         topk - num_fused_shared_experts,
         bias,
         score_function="sigmoid",
-        renormalize=bool(renormalize),
+        renormalize=renormalize,
         scaling_factor=scale if on_output else None,
         num_groups=num_groups,
         group_topk=group_topk,
+        num_shared=num_fused_shared_experts,
+        non_padded=num_token_non_padded,
+        input_dtype_math=input_dtype_math,
+        names=("gating_output", "bias"),
+        **shared,
     )
-    if not num_fused_shared_experts:
-        return weights, ids
-    t, e = gating_output.shape
-    shape = (t, num_fused_shared_experts)
-    if renormalize:  # (routed sum / scale) / routed sum, then * scale on the output
-        shared_w = torch.full(shape, 1.0 if on_output else 1.0 / scale, device=weights.device)
-    else:
-        shared_w = (weights.sum(-1, keepdim=True) / scale).expand(shape)
-    shared_ids = torch.arange(e, e + num_fused_shared_experts, dtype=torch.int32, device=ids.device)
-    return (
-        torch.cat([weights, shared_w], dim=1),
-        torch.cat([ids, shared_ids.expand(shape)], dim=1),
-    )
+    return weights, ids
 
 
 def moe_fused_gate(
@@ -153,9 +168,13 @@ def moe_fused_gate(
     num_fused_shared_experts: int = 0,
     routed_scaling_factor: float = 0,
     apply_routed_scaling_factor_on_output: bool = False,
+    *,
+    input_dtype_math: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sgl_kernel.moe_fused_gate``: DeepSeek-V3 grouped gate, renormalized;
-    ``(topk_weights fp32 [T, topk], topk_ids int32 [T, topk])``."""
+    ``(topk_weights fp32 [T, topk], topk_ids int32 [T, topk])``. ``input_dtype_math`` (beyond
+    SGLang's signature): SGLang's arithmetic for fp16 / bf16 logits -- the sigmoid, the bias, the
+    biased scores and the group sums rounded to the input dtype -- instead of amdqb's fp32."""
     check_int("num_expert_group", num_expert_group, low=1)
     check_int("topk", topk, low=1)
     grouped = num_expert_group > 1
@@ -169,6 +188,7 @@ def moe_fused_gate(
         num_fused_shared_experts,
         routed_scaling_factor,
         apply_routed_scaling_factor_on_output,
+        input_dtype_math=input_dtype_math,
     )
 
 
@@ -205,7 +225,7 @@ def biased_grouped_topk(
         )
     check_int("topk", topk, low=1)
     grouped = num_expert_group is not None and num_expert_group > 1
-    weights, ids = _shared_and_routed(
+    return _shared_and_routed(
         gating_output,
         correction_bias,
         topk,
@@ -215,11 +235,8 @@ def biased_grouped_topk(
         num_fused_shared_experts,
         routed_scaling_factor,
         bool(apply_routed_scaling_factor_on_output),
+        num_token_non_padded,
     )
-    if num_token_non_padded is not None:
-        rows = torch.arange(ids.shape[0], device=ids.device)
-        ids.masked_fill_((rows >= num_token_non_padded).unsqueeze(1), -1)
-    return weights, ids
 
 
 def kimi_k2_moe_fused_gate(

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import enum
 import math
-import numbers
 from typing import Optional, Union
 
 import torch
 
 from ..ops import aux_loss as _aux
 from ..ops import router as _router
+from ..ops._checks import check_enum
 from ..ops.router import mark_qb_bin_bounds_validated
-from ..ref.router import qb_cutoff_and_routes
 
 __all__ = [
     "QBHistogramMode",
@@ -58,32 +57,10 @@ class QBHistogramMode(enum.IntEnum):
     FUSED_ATOMIC = 1
 
 
-_FORMAT_STRINGS = {"bytemap": RoutingMapFormat.BYTEMAP, "bitmap_u8": RoutingMapFormat.BITMAP_U8}
-
-
-def _validate_routing_map_format(routing_map_format) -> int:
-    """TE's coercion of ``routing_map_format`` to 0 / 1."""
-    if isinstance(routing_map_format, bool):
-        raise TypeError(f"routing_map_format must not be a bool, got {routing_map_format!r}")
-    if isinstance(routing_map_format, numbers.Integral):  # the enum and NumPy ints included
-        if int(routing_map_format) in (0, 1):
-            return int(routing_map_format)
-        raise ValueError(
-            f"routing_map_format int must be one of [0, 1]; got {routing_map_format!r}"
-        )
-    if isinstance(routing_map_format, str):
-        if routing_map_format in _FORMAT_STRINGS:
-            return int(_FORMAT_STRINGS[routing_map_format])
-        raise ValueError(
-            "routing_map_format string must be 'bytemap' or 'bitmap_u8' (lowercase); "
-            f"got {routing_map_format!r}"
-        )
-    name = getattr(routing_map_format, "name", None)  # another binding's enum of the same name
-    if isinstance(name, str) and name in RoutingMapFormat.__members__:
-        return int(RoutingMapFormat[name])
-    raise TypeError(
-        "routing_map_format must be an int, a RoutingMapFormat enum, or 'bytemap' / 'bitmap_u8'; "
-        f"got {routing_map_format!r}"
+def _validate_routing_map_format(routing_map_format) -> str:
+    """TE's coercion of ``routing_map_format`` (``"bytemap"`` / ``"bitmap_u8"``)."""
+    return check_enum(
+        "routing_map_format", routing_map_format, _router.ROUTING_MAP_FORMATS, strict=True
     )
 
 
@@ -171,7 +148,8 @@ def fused_topk_with_score_function_qb_fwd(
     """TE's raw QB forward: ``(probs, routing_output, raw_scores, cutoff, histogram)``, no autograd.
 
     ``raw_scores`` are the fp32 sigmoid scores ``[..., E]`` and ``cutoff`` the fp32 (k+1)-th biased
-    score ``[...]`` of every token; ``histogram`` is accumulated in place and returned. Unless
+    score ``[...]`` of every token, both as the router kernel computed them (one pass: the scores it
+    ranked, the cutoff it binned); ``histogram`` is accumulated in place and returned. Unless
     ``bin_bounds_validated``, the bounds are read on the host first (a sync, like TE's checked
     entry point) and invalid ones raise a ``RuntimeError``; with it they are trusted unread.
     """
@@ -188,7 +166,7 @@ def fused_topk_with_score_function_qb_fwd(
             )
     mark_qb_bin_bounds_validated(bin_bounds)
     with torch.no_grad():
-        probs, routing_output = _router.fused_topk_with_score_function(
+        probs, routing_output, raw_scores, cutoff = _router.fused_topk_with_score_function(
             logits,
             topk,
             False,
@@ -202,8 +180,6 @@ def fused_topk_with_score_function_qb_fwd(
             histogram,
             bin_bounds,
             histogram_mode,
+            return_raw=True,
         )
-        num_experts = logits.shape[-1]
-        raw_scores = torch.sigmoid(logits.float())
-        _, cutoff, _ = qb_cutoff_and_routes(raw_scores.reshape(-1, num_experts), expert_bias, topk)
-    return probs, routing_output, raw_scores, cutoff.reshape(logits.shape[:-1]), histogram
+    return probs, routing_output, raw_scores, cutoff, histogram

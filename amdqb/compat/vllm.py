@@ -32,7 +32,12 @@ Semantics (vLLM's):
   (remote experts' blocks become -1; the tail reads ``expert_map[INACTIVE_EXPERT_ID]``, PyTorch
   indexing, which vLLM's kernels never read).
 
-Differences from vLLM (all documented in the README's "Serving: vLLM and SGLang"):
+Launches: on the hip backend every router is one kernel (``amdqb_topk``: ids, weights and
+``token_expert_indices`` together) and every align one kernel, two from
+``hip.align.single_block_routes`` routes on (docs/serving.md). ``indices_type`` int32 / int64 is
+written by the kernel; other integer types cost a conversion.
+
+Differences from vLLM (all documented in docs/serving.md):
 
 * precision: scores, biased scores and weights are fp32 whatever the logits' dtype (vLLM's torch
   paths, ``grouped_topk`` among them, compute the softmax / sigmoid in the logits' dtype);
@@ -42,8 +47,10 @@ Differences from vLLM (all documented in the README's "Serving: vLLM and SGLang"
   expert the aligned routes are in ascending route order (vLLM: any order);
 * vLLM's kernels clamp NaN / Inf logits to 0 before the selection; amdqb ranks NaN scores last
   and keeps them (a NaN logit gives a NaN weight);
-* ``fused_topk``'s third output (``token_expert_indices``, ``j * M + t``) costs an extra launch;
-  the hash-routing form of ``fused_topk_bias`` (``hash_indices_table``) runs in PyTorch.
+* the hash-routing form of ``fused_topk_bias`` (``hash_indices_table``) runs in PyTorch;
+* ``topk_ids`` of an align are read as its logical ids (a non-contiguous tensor is copied first),
+  where vLLM's kernel reads its storage in memory order; :data:`LEGACY_BUFFER_SIZES` selects
+  vLLM's older sorted-ids size rule.
 """
 
 from __future__ import annotations
@@ -54,12 +61,22 @@ import torch
 
 from ..ops import layout as _layout
 from ..ops import router as _router
-from ..ops._checks import ID_DTYPES, check_int, check_tensor
+from ..ops._checks import (
+    ID_DTYPES,
+    INT32_MAX,
+    MAX_ALLOCATED_EXPERTS,
+    check_bool,
+    check_float,
+    check_int,
+    check_tensor,
+)
+from ..ops.layout import MAX_ALIGN_PADDING
 from ..ref.layout import align_buffer_sizes
 from ..ref.router import activation, normalise
 
 __all__ = [
     "INACTIVE_EXPERT_ID",
+    "LEGACY_BUFFER_SIZES",
     "_custom_ops",
     "fused_topk",
     "fused_topk_bias",
@@ -71,8 +88,14 @@ __all__ = [
 #: vLLM since its PR #35161, 0 before. Read at every call.
 INACTIVE_EXPERT_ID = -1
 
+#: vLLM's buffer rule before its sizes were capped for decode: ``numel + E * (block_size - 1)``
+#: rows even when there are fewer routes than experts (``numel * block_size`` rows since). Set it
+#: to True for those releases (their tests check the sizes). Read at every call.
+LEGACY_BUFFER_SIZES = False
+
 _FUSED_TOPK_SCORES = ("softmax", "sigmoid")
 _BIAS_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
+_NAMES = ("gating_output", "e_score_correction_bias")
 
 
 def _check_scoring(scoring_func, allowed) -> str:
@@ -90,21 +113,16 @@ def _check_tokens(hidden_states, gating_output) -> None:
         )
 
 
-def _fp32_bias(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    # vLLM keeps e_score_correction_bias in the checkpoint's dtype; amdqb's bias is fp32 [E]
-    if bias is None:
-        return None
-    check_tensor("e_score_correction_bias", bias, dim=1)
-    if bias.dtype != torch.float32 or not bias.is_contiguous():
-        bias = bias.to(torch.float32).contiguous()
-    return bias
-
-
 def _scale(routed_scaling_factor) -> Optional[float]:
     if routed_scaling_factor is None:
         return None
-    value = float(routed_scaling_factor)
+    value = check_float("routed_scaling_factor", routed_scaling_factor, finite=True)
     return None if value == 1.0 else value
+
+
+def _ids_dtype(indices_type) -> torch.dtype:
+    """The kernel writes int32 or int64 ids itself; other integer types are converted after."""
+    return indices_type if indices_type in (torch.int32, torch.int64) else torch.int32
 
 
 def _ids_as(ids: torch.Tensor, indices_type) -> torch.Tensor:
@@ -120,18 +138,17 @@ def fused_topk(
     scoring_func: str = "softmax",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """vLLM's ``fused_topk``: ``(topk_weights fp32 [M, k], topk_ids [M, k], token_expert_indices
-    int32 [M, k])`` with ``token_expert_indices[t, j] = j * M + t``."""
+    int32 [M, k])`` with ``token_expert_indices[t, j] = j * M + t``, all from one kernel."""
     _check_tokens(hidden_states, gating_output)
     _check_scoring(scoring_func, _FUSED_TOPK_SCORES)
-    weights, ids = _router.biased_topk(
-        gating_output, topk, score_function=scoring_func, renormalize=bool(renormalize)
-    )
-    m = gating_output.size(0)
-    token_expert_indices = (
-        torch.arange(topk * m, dtype=torch.int32, device=gating_output.device)
-        .view(topk, m)
-        .t()
-        .contiguous()
+    weights, ids, token_expert_indices = _router.serving_topk(
+        gating_output,
+        topk,
+        score_function=scoring_func,
+        renormalize=check_bool("renormalize", renormalize),
+        token_expert_indices=True,
+        ids_dtype=_ids_dtype(indices_type),
+        names=_NAMES,
     )
     return weights, _ids_as(ids, indices_type), token_expert_indices
 
@@ -154,6 +171,7 @@ def fused_topk_bias(
     _check_tokens(hidden_states, gating_output)
     _check_scoring(scoring_func, _BIAS_SCORES)
     scale = _scale(routed_scaling_factor)
+    renormalize = check_bool("renormalize", renormalize)
     if hash_indices_table is not None:
         if input_tokens is None:
             raise ValueError("hash_indices_table needs input_tokens")
@@ -166,13 +184,15 @@ def fused_topk_bias(
         if scale is not None:
             weights = weights * scale
         return weights, _ids_as(ids.to(torch.int32), indices_type)
-    weights, ids = _router.biased_topk(
+    weights, ids, _ = _router.serving_topk(
         gating_output,
         topk,
-        _fp32_bias(e_score_correction_bias),
+        e_score_correction_bias,
         score_function=scoring_func,
-        renormalize=bool(renormalize),
+        renormalize=renormalize,
         scaling_factor=scale,
+        ids_dtype=_ids_dtype(indices_type),
+        names=_NAMES,
     )
     return weights, _ids_as(ids, indices_type)
 
@@ -196,16 +216,18 @@ def grouped_topk(
     groups = None if num_expert_group <= 1 else num_expert_group
     if groups is not None and topk_group < 1:
         raise ValueError(f"topk_group must be >= 1 with num_expert_group={num_expert_group}")
-    return _router.biased_topk(
+    weights, ids, _ = _router.serving_topk(
         gating_output,
         topk,
-        _fp32_bias(e_score_correction_bias),
+        e_score_correction_bias,
         score_function=scoring_func,
-        renormalize=bool(renormalize),
+        renormalize=check_bool("renormalize", renormalize),
         scaling_factor=_scale(routed_scaling_factor),
         num_groups=groups,
         group_topk=None if groups is None else topk_group,
+        names=_NAMES,
     )
+    return weights, ids
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,21 +240,15 @@ def _check_expert_map(expert_map, num_experts: int, device) -> torch.Tensor:
     return expert_map
 
 
-def _local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor, num_experts: int):
-    """Ids mapped global -> local; -1 for remote experts and for raw ids outside ``[0, E)``,
-    which the alignment then skips (vLLM's in-kernel ``expert_map`` filter)."""
-    valid = (topk_ids >= 0) & (topk_ids < num_experts)
-    local = expert_map[topk_ids.clamp(0, num_experts - 1).long()]
-    return torch.where(valid, local, torch.full_like(local, -1))
-
-
-def _inactive_tail(expert_ids: torch.Tensor, num_tokens_post_pad, block_size: int) -> None:
-    """:data:`INACTIVE_EXPERT_ID` in every block at or past the padded total (the kernels wrote
-    expert 0 there)."""
-    if INACTIVE_EXPERT_ID == 0:
-        return
-    starts = torch.arange(0, expert_ids.numel() * block_size, block_size, device=expert_ids.device)
-    expert_ids.masked_fill_(starts >= num_tokens_post_pad, INACTIVE_EXPERT_ID)
+def buffer_sizes(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool):
+    """``(rows of sorted_token_ids, blocks of expert_ids)`` by vLLM's rule (see
+    :data:`LEGACY_BUFFER_SIZES`)."""
+    if not LEGACY_BUFFER_SIZES:
+        return align_buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
+    rows = numel + num_experts * (block_size - 1)
+    if pad_sorted_ids:
+        rows = -(-rows // block_size) * block_size
+    return rows, -(-rows // block_size)
 
 
 def moe_align_block_size(
@@ -244,25 +260,40 @@ def moe_align_block_size(
     ignore_invalid_experts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """vLLM's functional ``moe_align_block_size``: ``(sorted_token_ids int32, expert_ids int32,
-    num_tokens_post_pad int32 [1])`` in buffers of vLLM's sizes (``num_experts`` global)."""
+    num_tokens_post_pad int32 [1])`` in buffers of vLLM's sizes (``num_experts`` global), written
+    by one kernel launch (two for large inputs); every argument is checked before anything is
+    allocated."""
     check_tensor("topk_ids", topk_ids, dtypes=ID_DTYPES, min_dim=1)
-    check_int("block_size", block_size, low=1)
-    check_int("num_experts", num_experts, low=1)
+    block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
+    pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)
+    ignore_invalid_experts = check_bool("ignore_invalid_experts", ignore_invalid_experts)
     device = topk_ids.device
     if expert_map is not None:
         _check_expert_map(expert_map, num_experts, device)
-    rows, blocks = align_buffer_sizes(topk_ids.numel(), num_experts, block_size, pad_sorted_ids)
+    if num_experts * (block_size - 1) > MAX_ALIGN_PADDING:
+        raise ValueError(
+            f"num_experts * (block_size - 1) = {num_experts * (block_size - 1)} padding rows "
+            f"exceed {MAX_ALIGN_PADDING} (block_size={block_size}, num_experts={num_experts})"
+        )
+    rows, blocks = buffer_sizes(topk_ids.numel(), num_experts, block_size, pad_sorted_ids)
+    if rows > INT32_MAX:
+        raise ValueError(f"aligned buffer of {rows} rows does not fit int32 indices")
     sorted_ids = torch.empty(rows, dtype=torch.int32, device=device)
     expert_ids = torch.empty(blocks, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
-    filtering = expert_map is not None and ignore_invalid_experts
-    ids = _local_ids(topk_ids, expert_map, num_experts) if filtering else topk_ids
+    mode = "none" if expert_map is None else "filter" if ignore_invalid_experts else "output"
     _layout.align_block_size_into(
-        ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad
+        topk_ids,
+        block_size,
+        num_experts,
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        expert_map=expert_map,
+        map_mode=mode,
+        tail_value=INACTIVE_EXPERT_ID,
     )
-    _inactive_tail(expert_ids, num_post_pad, block_size)
-    if expert_map is not None and not ignore_invalid_experts:
-        expert_ids = expert_map.to(torch.int32)[expert_ids.long()]  # vLLM's map, tail included
     return sorted_ids, expert_ids, num_post_pad
 
 
@@ -276,26 +307,31 @@ def _ops_moe_align_block_size(
     expert_map: Optional[torch.Tensor] = None,
 ) -> None:
     """``vllm._custom_ops.moe_align_block_size``: the layout written into the caller's int32
-    buffers. ``sorted_token_ids`` is filled whole (the sentinel past the routes); ``experts_ids``
-    over ``ceil(len(sorted_token_ids) / block_size)`` blocks, :data:`INACTIVE_EXPERT_ID` past the
-    padded total. An
-    ``expert_map`` filters remote experts (vLLM passes it here only with
-    ``ignore_invalid_experts``). The buffers must hold the padded total of any routing
-    (``numel + min(numel, E) * (block_size - 1)`` rows): checked from their shapes."""
+    buffers by one kernel launch (two for large inputs). ``sorted_token_ids`` is filled whole (the
+    sentinel past the routes); ``experts_ids`` over ``ceil(len(sorted_token_ids) / block_size)``
+    blocks, :data:`INACTIVE_EXPERT_ID` past the padded total. An ``expert_map`` filters remote
+    experts (vLLM passes it here only with ``ignore_invalid_experts``). The buffers must hold the
+    padded total of any routing (``numel + min(numel, E) * (block_size - 1)`` rows): checked from
+    their shapes."""
     check_tensor("topk_ids", topk_ids, dtypes=ID_DTYPES, min_dim=1)
-    check_int("num_experts", num_experts, low=1)
-    check_int("block_size", block_size, low=1)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
+    block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
     check_tensor("sorted_token_ids", sorted_token_ids, dtypes=(torch.int32,), dim=1)
     check_tensor("experts_ids", experts_ids, dtypes=(torch.int32,), dim=1)
-    ids = topk_ids
     if expert_map is not None:
         _check_expert_map(expert_map, num_experts, topk_ids.device)
-        ids = _local_ids(topk_ids, expert_map, num_experts)
     written = experts_ids[: -(-sorted_token_ids.numel() // block_size)]
     _layout.align_block_size_into(
-        ids, block_size, num_experts, sorted_token_ids, written, num_tokens_post_pad
+        topk_ids,
+        block_size,
+        num_experts,
+        sorted_token_ids,
+        written,
+        num_tokens_post_pad,
+        expert_map=expert_map,
+        map_mode="none" if expert_map is None else "filter",
+        tail_value=INACTIVE_EXPERT_ID,
     )
-    _inactive_tail(written, num_tokens_post_pad.view(1), block_size)
 
 
 class _custom_ops:  # noqa: N801 -- vLLM's module name, so ``_custom_ops as ops`` reads the same

@@ -5,7 +5,7 @@ auto-mode threshold, the route capacity gate, tile shapes, decode thresholds, re
 lives in ``amdqb/configs/<arch>.json`` as an entry::
 
     "hip.route.lds_block": {"value": 1024,
-                            "provenance": "measured: H200, 2026-11-30, python -m bench.tune ...",
+                            "provenance": "measured: H200, 2026-11-30, python -m amdqb.bench.tune ...",
                             "why": "1024 x 2 routes: 4.23 us vs 5.01 for 256 x 5 (M=8192)"}
 
 ``provenance`` says where the value comes from: ``"measured: <device>, <date>, <bench command>"``,
@@ -127,7 +127,7 @@ def override(arch: str, values: dict[str, Any], provenance: str = "override"):
     """Within the block, :func:`load` of ``arch`` returns its config with ``values`` replaced.
 
     Launchers read their config on every call, so a CUDA graph captured inside the block holds
-    the variant's kernels and launch shapes (how ``bench/tune.py`` compares variants)."""
+    the variant's kernels and launch shapes (how ``amdqb/bench/tune.py`` compares variants)."""
     previous = _OVERRIDES.get(arch)
     _OVERRIDES[arch] = load(arch).with_values(values, provenance)
     try:
@@ -137,13 +137,6 @@ def override(arch: str, values: dict[str, Any], provenance: str = "override"):
             _OVERRIDES.pop(arch, None)
         else:
             _OVERRIDES[arch] = previous
-
-
-def for_device(device) -> ArchConfig:
-    """The config of ``device``'s architecture family (``amdqb.dispatch.device_info``)."""
-    from ..dispatch import device_info
-
-    return load(device_info(device).arch_family)
 
 
 def write(arch: str, values: dict[str, tuple[Any, str, str]]) -> Path:

@@ -4,7 +4,7 @@ kernel launch and any allocation; none of these reads device memory.
 Integers: Python ints and NumPy integers (anything ``numbers.Integral``) are accepted and returned
 as ``int``; ``bool`` is rejected where an int is meant. Floats: any real number, returned as
 ``float``; ``finite=True`` rejects NaN and infinities. Sizes that allocate are bounded
-(``MAX_EXPERTS`` experts) so that an absurd value fails here, not in the allocator.
+(``MAX_ALLOCATED_EXPERTS`` experts) so that an absurd value fails here, not in the allocator.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ LOAD_DTYPES = (
     torch.float64,
 )
 INT32_MAX = 2**31 - 1
-MAX_EXPERTS = 1 << 16  # experts of an op that allocates per-expert buffers (route rows, align)
+# experts of an op or a balancer that allocates per-expert buffers (route rows, align, the
+# QuantileBalancer's state): an absurd E fails in the check, not in the allocator
+MAX_ALLOCATED_EXPERTS = 1 << 16
 
 
 def check_tensor(
@@ -148,3 +150,27 @@ def check_groups(
             f"got num_experts={num_experts}, num_groups={num_groups}"
         )
     return num_groups, group_topk
+
+
+def check_enum(name: str, value, names: tuple[str, ...], *, ints=None, strict=False) -> str:
+    """The one of ``names`` an enumerated argument means: the name itself (any case), an enum
+    member of that name (its ``.name``, any case), or an int -- a NumPy int or an IntEnum
+    member too -- indexing ``ints`` (default: ``names``). ``strict`` is TransformerEngine's
+    coercion: strings must match exactly, and a bool or a value of another type is a TypeError
+    (otherwise a ValueError, like every unknown value)."""
+    ints = names if ints is None else ints
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if 0 <= int(value) < len(ints):
+            return ints[int(value)]
+        raise ValueError(f"{name} int must be one of {list(range(len(ints)))}; got {value!r}")
+    if isinstance(value, str):
+        key = value if strict else value.lower()
+        if key in names:
+            return key
+        case = " (lowercase)" if strict else ""
+        raise ValueError(f"{name} must be one of {names}{case}; got {value!r}")
+    label = getattr(value, "name", None)  # an enum of another binding with the same names
+    if isinstance(label, str) and label.lower() in names and not isinstance(value, bool):
+        return label.lower()
+    message = f"{name} must be one of {names}, an enum of those names or its int; got {value!r}"
+    raise (TypeError if strict else ValueError)(message)

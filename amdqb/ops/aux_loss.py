@@ -40,7 +40,7 @@ from ._checks import (
     check_int,
     check_tensor,
 )
-from .router import _normalise_map_format
+from .router import _map_format
 
 TOKENS_PER_EXPERT_DTYPES = (torch.int32, torch.int64, torch.float32, torch.bfloat16)
 
@@ -197,7 +197,7 @@ def fused_compute_score_for_moe_aux_loss(
     topk = check_int("topk", topk, low=1, high=num_experts)
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
     check_backend(backend)
-    map_kind = "bitmap" if _normalise_map_format(routing_map_format) == "bitmap_u8" else "bytemap"
+    map_kind = "bitmap" if _map_format(routing_map_format) == "bitmap_u8" else "bytemap"
     lead = logits.shape[:-1]
     logits2d = logits.reshape(-1, num_experts)
     if not logits2d.is_contiguous():

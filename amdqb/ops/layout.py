@@ -30,13 +30,14 @@ from typing import Optional
 import torch
 
 from .. import configs, dispatch
-from .._library import impl, kernel_op
+from .._library import call_op, impl, kernel_op
+from ..backends.calls import ALIGN_MAP_MODES, ALIGN_TENSORS, AlignCall
 from ..dispatch import DeviceInfo
 from ..ref.layout import align_buffer_sizes
 from ._checks import (
     ID_DTYPES,
     INT32_MAX,
-    MAX_EXPERTS,
+    MAX_ALLOCATED_EXPERTS,
     check_backend,
     check_bool,
     check_choice,
@@ -100,21 +101,13 @@ def _route_rows(
     )
 
 
-@kernel_op(
-    "align_block_size", mutates_args=("sorted_ids_out", "expert_ids_out", "num_post_pad_out")
+# moe_align_block_size with the compat conventions, from one call (AlignCall).
+_align_block_size = call_op(
+    "align_block_size",
+    AlignCall,
+    ALIGN_TENSORS,
+    mutates_args=("sorted_ids_out", "expert_ids_out", "num_post_pad_out"),
 )
-def _align_block_size(
-    topk_ids: torch.Tensor,
-    block_size: int,
-    num_experts: int,
-    sorted_ids_out: torch.Tensor,
-    expert_ids_out: torch.Tensor,
-    num_post_pad_out: torch.Tensor,
-    backend: str,
-) -> None:
-    impl("align_block_size", backend)(
-        topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
-    )
 
 
 def _check_ids(topk_ids) -> None:
@@ -151,7 +144,7 @@ def moe_route_rows(
         call that received a row.
     """
     _check_ids(topk_ids)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
     device = topk_ids.device
     if capacity is not None:
         capacity = check_int("capacity", capacity, low=0, high=INT32_MAX)
@@ -178,7 +171,12 @@ def moe_route_rows(
     if chosen == "lds" and num_experts > LDS_MAX_EXPERTS:
         raise ValueError(f"impl='lds' supports num_experts <= {LDS_MAX_EXPERTS}, got {num_experts}")
     chosen_backend = dispatch.kernel_backend(
-        "route_rows", device, backend, num_experts=num_experts, impl=chosen
+        "route_rows",
+        device,
+        backend,
+        num_experts=num_experts,
+        impl=chosen,
+        deterministic=deterministic,
     )
     # counts arrive zero-filled at the backend (the lds kernels accumulate into them); with the
     # op's own counters both come from one fill
@@ -207,19 +205,31 @@ def align_min_rows(numel: int, num_experts: int, block_size: int) -> int:
     return numel + min(numel, num_experts) * (block_size - 1)
 
 
-def _check_align(topk_ids, block_size, num_experts, backend=None):
-    """(contiguous ids, block_size, num_experts) of an align call, every argument checked."""
+def _check_align(topk_ids, block_size, num_experts, backend=None, raw_storage=False):
+    """(flat ids, block_size, num_experts) of an align call, every argument checked. The ids are
+    the logical ones (a copy when ``topk_ids`` is not contiguous), or with ``raw_storage`` the
+    ``numel`` values from its first element on in memory order (SGLang's kernel reads them so)."""
     _check_ids(topk_ids)
     block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_EXPERTS)
+    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
     if num_experts * (block_size - 1) > MAX_ALIGN_PADDING:
         raise ValueError(
             f"num_experts * (block_size - 1) = {num_experts * (block_size - 1)} padding rows "
             f"exceed {MAX_ALIGN_PADDING} (block_size={block_size}, num_experts={num_experts})"
         )
     check_backend(backend)
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    return ids, block_size, num_experts
+    numel = topk_ids.numel()
+    if topk_ids.is_contiguous():
+        return topk_ids.reshape(-1), block_size, num_experts
+    if not raw_storage:
+        return topk_ids.contiguous().reshape(-1), block_size, num_experts
+    end = (topk_ids.storage_offset() + numel) * topk_ids.element_size()
+    if end > topk_ids.untyped_storage().nbytes():
+        raise ValueError(
+            f"topk_ids (non-contiguous, shape {tuple(topk_ids.shape)}) is read as its {numel} "
+            "values in memory order, which run past the end of its storage"
+        )
+    return topk_ids.as_strided((numel,), (1,)), block_size, num_experts
 
 
 def align_block_size_into(
@@ -230,14 +240,27 @@ def align_block_size_into(
     expert_ids: torch.Tensor,
     num_tokens_post_pad: torch.Tensor,
     *,
+    expert_map: Optional[torch.Tensor] = None,
+    map_mode: str = "none",
+    id_shift: int = 0,
+    owner_shift: int = 0,
+    tail_value: int = 0,
+    raw_storage: bool = False,
     backend: Optional[str] = None,
 ) -> None:
     """:func:`moe_align_block_size` into the caller's int32 buffers (the preallocated form of the
-    compatibility modules). Every entry of both buffers is written: the sentinel ``numel`` past the
-    routes, expert 0 past the used blocks. ``sorted_token_ids`` must hold :func:`align_min_rows`
-    entries (checked from the shapes: the padded total of any routing fits) and ``expert_ids`` at
-    least that many rows' blocks, so no routing can make a kernel write out of bounds."""
-    ids, block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
+    compatibility modules), in one kernel launch (two from ``hip.align.single_block_routes``
+    routes on): every entry of both buffers is written, the sentinel ``numel`` past the routes and
+    ``tail_value`` past the used blocks. The compat conventions (``id_shift``, ``expert_map`` with
+    ``map_mode`` "filter" or "output", ``owner_shift``, ``tail_value``) are those of
+    :class:`amdqb.backends.calls.AlignCall`; ``raw_storage``: a non-contiguous ``topk_ids`` is
+    read as its ``numel`` values in memory order (SGLang's kernel), not as its logical ids.
+    ``sorted_token_ids`` must hold :func:`align_min_rows` entries (checked from the shapes: the
+    padded total of any routing fits) and ``expert_ids`` at least that many rows' blocks, so no
+    routing can make a kernel write out of bounds."""
+    ids, block_size, num_experts = _check_align(
+        topk_ids, block_size, num_experts, backend, raw_storage
+    )
     device = ids.device
     for name, buf in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids)):
         check_tensor(name, buf, dtypes=(torch.int32,), dim=1, device=device, contiguous=True)
@@ -246,6 +269,20 @@ def align_block_size_into(
         raise ValueError(
             f"num_tokens_post_pad must hold one element, got shape {tuple(num_tokens_post_pad.shape)}"
         )
+    if not num_tokens_post_pad.is_contiguous():
+        raise ValueError("num_tokens_post_pad must be contiguous")
+    check_choice("map_mode", map_mode, ALIGN_MAP_MODES)
+    if (expert_map is None) != (map_mode == "none"):
+        raise ValueError("expert_map and map_mode ('filter' or 'output') go together")
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, dtypes=ID_DTYPES, dim=1, device=device)
+        if not expert_map.is_contiguous():
+            expert_map = expert_map.contiguous()
+        if expert_map.numel() > INT32_MAX:
+            raise ValueError(f"expert_map of {expert_map.numel()} entries exceeds int32")
+    for name, v in (("id_shift", id_shift), ("owner_shift", owner_shift)):
+        check_int(name, v, low=-INT32_MAX, high=INT32_MAX)
+    check_int("tail_value", tail_value, low=-INT32_MAX, high=INT32_MAX)
     rows = align_min_rows(ids.numel(), num_experts, block_size)
     if sorted_token_ids.numel() < rows:
         raise ValueError(
@@ -259,17 +296,18 @@ def align_block_size_into(
         )
     if sorted_token_ids.numel() > INT32_MAX:
         raise ValueError(f"aligned buffer of {sorted_token_ids.numel()} rows exceeds int32")
-    chosen_backend = dispatch.kernel_backend(
-        "align_block_size", device, backend, num_experts=num_experts
+    call = AlignCall(
+        num_experts, block_size, int(id_shift), map_mode, int(owner_shift), int(tail_value)
     )
+    chosen_backend = dispatch.kernel_backend("align_block_size", device, backend, call)
     _align_block_size(
+        call,
         ids,
-        block_size,
-        num_experts,
+        expert_map,
         sorted_token_ids,
         expert_ids,
         num_tokens_post_pad.view(1),
-        chosen_backend,
+        backend=chosen_backend,
     )
 
 
@@ -292,7 +330,8 @@ def moe_align_block_size(
     order inside an expert is ascending (deterministic). Ids outside ``[0, E)`` are dropped. Unused
     tail blocks have expert 0; every block is then mapped through ``expert_map`` (global -> local,
     -1 for remote experts) when given, as vLLM's ``ignore_invalid_experts=False`` path does
-    (``amdqb.compat.vllm`` has the filtering path and vLLM's -1 tail).
+    (``amdqb.compat.vllm`` has the filtering path and vLLM's -1 tail). One kernel launch (two from
+    ``hip.align.single_block_routes`` routes on).
     """
     ids, block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
     pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)
@@ -309,15 +348,18 @@ def moe_align_block_size(
     max_padded, max_blocks = align_buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
     if max_padded > INT32_MAX:
         raise ValueError(f"aligned buffer of {max_padded} rows does not fit int32 indices")
-    chosen_backend = dispatch.kernel_backend(
-        "align_block_size", device, backend, num_experts=num_experts
-    )
     sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=device)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_post_pad = torch.empty(1, dtype=torch.int32, device=device)
-    _align_block_size(
-        ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad, chosen_backend
+    align_block_size_into(
+        ids,
+        block_size,
+        num_experts,
+        sorted_ids,
+        expert_ids,
+        num_post_pad,
+        expert_map=expert_map,
+        map_mode="none" if expert_map is None else "output",
+        backend=backend,
     )
-    if expert_map is not None:
-        expert_ids = expert_map.to(torch.int32)[expert_ids.long()]
     return sorted_ids, expert_ids, num_post_pad

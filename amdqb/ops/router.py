@@ -22,20 +22,31 @@ still gains exactly T counts inside its ``[E, B]`` buffer.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Optional
 
 import torch
 
 from .. import dispatch
-from .._library import impl, kernel_op
-from ..ref.router import BINNINGS, SCORE_FUNCTIONS, SELECTIONS, unpack_bitmap
+from .._library import call_op
+from ..backends.calls import (
+    BINNINGS,
+    QB_MODES,
+    ROUTER_BWD_TENSORS,
+    ROUTER_FWD_TENSORS,
+    SCORE_FUNCTIONS,
+    SELECTIONS,
+    TOPK_TENSORS,
+    RouterCall,
+    TopkCall,
+)
+from ..ref.router import unpack_bitmap
 from ._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     check_backend,
     check_bool,
     check_choice,
+    check_enum,
     check_float,
     check_groups,
     check_int,
@@ -44,7 +55,6 @@ from ._checks import (
 
 ROUTING_MAP_FORMATS = ("bytemap", "bitmap_u8")
 MAX_MARGIN_BINS = 256  # log_margin bins fit a byte (the two-kernel mode stores them per element)
-QB_MODES = ("two_kernel", "fused_atomic", "auto")
 _VALIDATED_ATTR = "_amdqb_qb_bounds_validated_version"
 
 
@@ -105,100 +115,21 @@ def check_qb_bounds_values(lower: float, upper: float, binning: str, name="qb_bi
 # --------------------------------------------------------------------------------------------
 # Kernel-level ops (custom ops under torch.compile, direct calls in eager mode).
 # --------------------------------------------------------------------------------------------
-@kernel_op("router_fwd", mutates_args=("probs_out", "map_out", "qb_histogram"))
-def _router_fwd(
-    logits: torch.Tensor,
-    topk: int,
-    score_function: str,
-    use_pre_softmax: bool,
-    num_groups: Optional[int],
-    group_topk: Optional[int],
-    scaling_factor: Optional[float],
-    expert_bias: Optional[torch.Tensor],
-    probs_out: torch.Tensor,
-    map_out: torch.Tensor,
-    map_kind: str,
-    qb_histogram: Optional[torch.Tensor],
-    qb_bin_bounds: Optional[torch.Tensor],
-    qb_mode: Optional[str],
-    selection: str,
-    qb_binning: str,
-    approximate: bool,
-    backend: str,
-) -> None:
-    impl("router_fwd", backend)(
-        logits,
-        topk,
-        score_function,
-        use_pre_softmax,
-        num_groups,
-        group_topk,
-        scaling_factor,
-        expert_bias,
-        probs_out,
-        map_out,
-        map_kind,
-        qb_histogram,
-        qb_bin_bounds,
-        qb_mode,
-        selection,
-        qb_binning,
-        approximate,
-    )
+_router_fwd = call_op(
+    "router_fwd",
+    RouterCall,
+    ROUTER_FWD_TENSORS,
+    mutates_args=("probs_out", "map_out", "qb_histogram", "scores_out", "cutoff_out"),
+)
+_router_bwd = call_op(
+    "router_bwd", RouterCall, ROUTER_BWD_TENSORS, mutates_args=("grad_logits_out",)
+)
 
 
-@kernel_op("router_bwd", mutates_args=("grad_logits_out",))
-def _router_bwd(
-    grad_probs: torch.Tensor,
-    logits: torch.Tensor,
-    routed: torch.Tensor,
-    topk: int,
-    score_function: str,
-    use_pre_softmax: bool,
-    scaling_factor: Optional[float],
-    grad_logits_out: torch.Tensor,
-    backend: str,
-) -> None:
-    impl("router_bwd", backend)(
-        grad_probs,
-        logits,
-        routed,
-        topk,
-        score_function,
-        use_pre_softmax,
-        scaling_factor,
-        grad_logits_out,
-    )
-
-
-@kernel_op("biased_topk", mutates_args=("weights_out", "ids_out"))
-def _biased_topk(
-    logits: torch.Tensor,
-    topk: int,
-    expert_bias: Optional[torch.Tensor],
-    score_function: str,
-    renormalize: bool,
-    scaling_factor: Optional[float],
-    num_groups: Optional[int],
-    group_topk: Optional[int],
-    weights_out: torch.Tensor,
-    ids_out: torch.Tensor,
-    approximate: bool,
-    backend: str,
-) -> None:
-    impl("biased_topk", backend)(
-        logits,
-        topk,
-        expert_bias,
-        score_function,
-        renormalize,
-        scaling_factor,
-        num_groups,
-        group_topk,
-        weights_out,
-        ids_out,
-        approximate,
-    )
+# The serving top-k: every output of the peers' fused gates from one call (TopkCall).
+_biased_topk = call_op(
+    "biased_topk", TopkCall, TOPK_TENSORS, mutates_args=("weights_out", "ids_out", "tei_out")
+)
 
 
 def _routed_mask(map_out: torch.Tensor, map_kind: str, num_experts: int) -> torch.Tensor:
@@ -212,33 +143,15 @@ def _routed_mask(map_out: torch.Tensor, map_kind: str, num_experts: int) -> torc
 
 class _RouterFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits2d, cfg, user_indices, qb):
-        topk, score_function, use_pre_softmax, groups, scaling_factor, bias, map_kind, backends = (
-            cfg[:8]
-        )
-        selection, qb_binning, approximate = cfg[8]
-        backend = backends[0]  # (forward, backward)
-        probs, map_out = _alloc_outputs(logits2d, topk, map_kind, user_indices)
+    def forward(ctx, logits2d, call, backends, user_indices, inputs):
+        bias, hist, bounds = inputs  # not differentiated: bias and bounds read, hist accumulated
+        probs, map_out = _alloc_outputs(logits2d, call, user_indices)
         _router_fwd(
-            logits2d,
-            topk,
-            score_function,
-            use_pre_softmax,
-            groups[0],
-            groups[1],
-            scaling_factor,
-            bias,
-            probs,
-            map_out,
-            map_kind,
-            *qb,
-            selection,
-            qb_binning,
-            approximate,
-            backend,
+            call, logits2d, bias, probs, map_out, hist, bounds, None, None, backend=backends[0]
         )
         ctx.save_for_backward(logits2d, map_out)
-        ctx.cfg = cfg
+        ctx.call = call
+        ctx.bwd_backend = backends[1]
         if user_indices is not None:
             ctx.mark_dirty(user_indices)
             map_out = user_indices
@@ -248,65 +161,32 @@ class _RouterFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_probs, _grad_map):
         logits2d, map_out = ctx.saved_tensors
-        topk, score_function, use_pre_softmax, _groups, scaling_factor, _b, map_kind, backends = (
-            ctx.cfg[:8]
-        )
-        backend = backends[1]
-        routed = _routed_mask(map_out, map_kind, logits2d.shape[1])
+        call = ctx.call
+        routed = _routed_mask(map_out, call.map_kind, call.num_experts)
         grad = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
-        _router_bwd(
-            grad_probs.contiguous(),
-            logits2d,
-            routed,
-            topk,
-            score_function,
-            use_pre_softmax,
-            scaling_factor,
-            grad,
-            backend,
-        )
-        return grad.to(logits2d.dtype), None, None, None
+        _router_bwd(call, grad_probs.contiguous(), logits2d, routed, grad, backend=ctx.bwd_backend)
+        return grad.to(logits2d.dtype), None, None, None, None
 
 
-def _alloc_outputs(logits2d, topk, map_kind, user_indices):
+def _alloc_outputs(logits2d, call: RouterCall, user_indices):
     tokens, num_experts = logits2d.shape
     probs = torch.empty_like(logits2d)
-    if map_kind == "indices":
-        return probs, user_indices.view(tokens, topk)
-    if map_kind == "bitmap":
+    if call.map_kind == "indices":
+        return probs, user_indices.view(tokens, call.topk)
+    if call.map_kind == "bitmap":
         nbytes = (num_experts + 7) // 8
         return probs, torch.empty(tokens, nbytes, dtype=torch.uint8, device=logits2d.device)
     return probs, torch.empty(tokens, num_experts, dtype=torch.bool, device=logits2d.device)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def _map_format(routing_map_format) -> str:
+    """``routing_map_format`` from a string, TE's ``RoutingMapFormat`` or its int (0 / 1)."""
+    return check_enum("routing_map_format", routing_map_format, ROUTING_MAP_FORMATS)
 
 
-def _normalise_map_format(routing_map_format) -> str:
-    if _is_int(routing_map_format):
-        if int(routing_map_format) in (0, 1):
-            return ROUTING_MAP_FORMATS[int(routing_map_format)]
-    name = getattr(routing_map_format, "name", routing_map_format)
-    if isinstance(name, str) and name.lower() in ROUTING_MAP_FORMATS:
-        return name.lower()
-    raise ValueError(
-        f"routing_map_format must be one of {ROUTING_MAP_FORMATS} (or 0/1), got {routing_map_format!r}"
-    )
-
-
-def _normalise_qb_mode(qb_histogram_mode) -> str:
+def _qb_mode(qb_histogram_mode) -> str:
     """``qb_histogram_mode`` from a string, TE's ``QBHistogramMode`` or its int (0 / 1)."""
-    if _is_int(qb_histogram_mode):
-        if int(qb_histogram_mode) in (0, 1):
-            return QB_MODES[int(qb_histogram_mode)]
-    name = getattr(qb_histogram_mode, "name", qb_histogram_mode)
-    if isinstance(name, str) and name.lower() in QB_MODES:
-        return name.lower()
-    raise ValueError(
-        f"qb_histogram_mode must be one of {QB_MODES} (or TE's QBHistogramMode / 0 / 1), "
-        f"got {qb_histogram_mode!r}"
-    )
+    return check_enum("qb_histogram_mode", qb_histogram_mode, QB_MODES, ints=QB_MODES[:2])
 
 
 def fused_topk_with_score_function(
@@ -328,7 +208,8 @@ def fused_topk_with_score_function(
     qb_binning: str = "uniform",
     approximate_activation: bool = False,
     backend: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    return_raw: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Fused score function + Top-k (+ opt-in QB histogram), TransformerEngine-compatible.
 
     Args:
@@ -362,10 +243,16 @@ def fused_topk_with_score_function(
             scores, routes and histograms are no longer torch's / TE's bits (the oracles stay
             exact). Off by default.
         backend: force ``"hip"``, ``"triton"`` or ``"torch"`` (default: the dispatcher's choice).
+        return_raw: also return the fp32 scores the kernel ranked ``[..., E]`` (before the bias;
+            softmax: over E with ``use_pre_softmax``, else the logits) and, under QB, each token's
+            cutoff ``[...]`` (the (k+1)-th selection value; None without QB), both from the one
+            kernel pass -- TE's raw QB forward. No autograd: call it with gradients off. Beyond
+            TE's signature.
 
     Returns:
         ``(probs, routing_output)``: ``probs [..., E]`` in the logits dtype, zero off the selected
-        experts; ``routing_output`` as chosen by ``routing_map_format`` / ``topk_indices``.
+        experts; ``routing_output`` as chosen by ``routing_map_format`` / ``topk_indices``. With
+        ``return_raw``: ``(probs, routing_output, scores, cutoff)``.
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
     num_experts = logits.shape[-1]
@@ -378,8 +265,11 @@ def fused_topk_with_score_function(
     num_groups, group_topk = check_groups(num_groups, group_topk, topk, num_experts)
     if scaling_factor is not None:
         scaling_factor = check_float("scaling_factor", scaling_factor, finite=True)
-    map_format = _normalise_map_format(routing_map_format)
+    map_format = _map_format(routing_map_format)
     check_backend(backend)
+    raw = check_bool("return_raw", return_raw)
+    if raw and torch.is_grad_enabled() and logits.requires_grad:
+        raise ValueError("return_raw has no autograd: call it with gradients off (torch.no_grad)")
     check_choice("selection", selection, SELECTIONS)
     check_choice("qb_binning", qb_binning, BINNINGS)
     if selection == "tie_free" and (score_function != "sigmoid" or expert_bias is None):
@@ -416,7 +306,7 @@ def fused_topk_with_score_function(
                 f"Quantile Balancing only supports 0 < topk < num_experts, got topk={topk}, "
                 f"num_experts={num_experts}"
             )
-        qb_histogram_mode = _normalise_qb_mode(qb_histogram_mode)
+        qb_histogram_mode = _qb_mode(qb_histogram_mode)
         check_tensor(
             "qb_histogram",
             qb_histogram,
@@ -468,61 +358,63 @@ def fused_topk_with_score_function(
     else:
         map_kind = "bitmap" if map_format == "bitmap_u8" else "bytemap"
 
-    chosen_backend = dispatch.kernel_backend(
-        "router_fwd",
-        device,
-        backend,
+    call = RouterCall(
         num_experts=num_experts,
         topk=topk,
         score_function=score_function,
-        grouped=num_groups is not None,
-        qb=use_qb,
-        num_bins=qb_histogram.shape[1] if use_qb else 0,
+        use_pre_softmax=bool(use_pre_softmax),
+        num_groups=num_groups,
+        group_topk=group_topk,
+        scaling_factor=scaling_factor,
+        map_kind=map_kind,
         selection=selection,
+        approximate=bool(approximate_activation),
+        qb_mode=qb_histogram_mode if use_qb else None,
         qb_binning=qb_binning if use_qb else "uniform",
+        num_bins=qb_histogram.shape[1] if use_qb else 0,
+        write_scores=raw,
+        write_cutoff=raw and use_qb,
     )
-    qb = (qb_histogram, qb_bin_bounds, qb_histogram_mode) if use_qb else (None, None, None)
+    if not use_qb:
+        qb_histogram = qb_bin_bounds = None
+    chosen_backend = dispatch.kernel_backend("router_fwd", device, backend, call)
+    scores = cutoff = None
+    if raw:
+        scores = torch.empty(logits2d.shape, dtype=torch.float32, device=device)
+        if use_qb:
+            cutoff = torch.empty(logits2d.shape[0], dtype=torch.float32, device=device)
     if torch.is_grad_enabled() and logits.requires_grad:
-        # the backward runs on the forward's backend when it has a backward kernel (hip has none)
+        # the backward runs on the forward's backend when that backend can run it
         bwd_backend = dispatch.kernel_backend(
-            "router_bwd", device, prefer=chosen_backend, num_experts=num_experts, topk=topk
+            "router_bwd", device, call=call, prefer=chosen_backend
         )
-        cfg = (
-            topk,
-            score_function,
-            bool(use_pre_softmax),
-            (num_groups, group_topk),
-            scaling_factor,
-            expert_bias,
-            map_kind,
-            (chosen_backend, bwd_backend),
-            (selection, qb_binning, bool(approximate_activation)),
-        )
-        probs, map_out = _RouterFunction.apply(logits2d, cfg, topk_indices, qb)
-    else:
-        probs, map_out = _alloc_outputs(logits2d, topk, map_kind, topk_indices)
-        _router_fwd(
+        probs, map_out = _RouterFunction.apply(
             logits2d,
-            topk,
-            score_function,
-            bool(use_pre_softmax),
-            num_groups,
-            group_topk,
-            scaling_factor,
+            call,
+            (chosen_backend, bwd_backend),
+            topk_indices,
+            (expert_bias, qb_histogram, qb_bin_bounds),
+        )
+    else:
+        probs, map_out = _alloc_outputs(logits2d, call, topk_indices)
+        _router_fwd(
+            call,
+            logits2d,
             expert_bias,
             probs,
             map_out,
-            map_kind,
-            *qb,
-            selection,
-            qb_binning,
-            bool(approximate_activation),
-            chosen_backend,
+            qb_histogram,
+            qb_bin_bounds,
+            scores,
+            cutoff,
+            backend=chosen_backend,
         )
     probs = probs.view(*lead, num_experts)
-    if map_kind == "indices":
-        return probs, topk_indices
-    return probs, map_out.view(*lead, map_out.shape[-1])
+    out = topk_indices if map_kind == "indices" else map_out.view(*lead, map_out.shape[-1])
+    if raw:
+        cutoff = None if cutoff is None else cutoff.view(lead)
+        return probs, out, scores.view(*lead, num_experts), cutoff
+    return probs, out
 
 
 def biased_topk(
@@ -563,13 +455,69 @@ def biased_topk(
         score descending, expert id ascending).
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    num_experts = logits.shape[-1]
-    if num_experts < 1:
+    if logits.shape[-1] < 1:
         raise ValueError("logits must have at least one expert (last dim >= 1)")
+    if expert_bias is not None:
+        check_tensor("expert_bias", expert_bias, dtypes=(torch.float32,))
+    lead = logits.shape[:-1]
+    weights, ids, _ = serving_topk(
+        logits.reshape(-1, logits.shape[-1]) if logits.dim() != 2 else logits,
+        topk,
+        expert_bias,
+        score_function=score_function,
+        renormalize=renormalize,
+        scaling_factor=scaling_factor,
+        num_groups=num_groups,
+        group_topk=group_topk,
+        approximate_activation=approximate_activation,
+        backend=backend,
+    )
+    return weights.view(*lead, topk), ids.view(*lead, topk)
+
+
+def serving_topk(
+    logits: torch.Tensor,
+    topk: int,
+    expert_bias: Optional[torch.Tensor] = None,
+    *,
+    score_function: str = "sigmoid",
+    renormalize: bool = True,
+    scaling_factor: Optional[float] = None,
+    num_groups: Optional[int] = None,
+    group_topk: Optional[int] = None,
+    approximate_activation: bool = False,
+    num_shared: int = 0,
+    shared_weight: float = 0.0,
+    shared_div: Optional[float] = None,
+    non_padded=None,
+    token_expert_indices: bool = False,
+    ids_dtype: torch.dtype = torch.int32,
+    input_dtype_math: bool = False,
+    backend: Optional[str] = None,
+    names: tuple[str, str] = ("logits", "expert_bias"),
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The serving top-k with every output of the peers' fused gates, in one kernel launch on the
+    hip backend (:class:`amdqb.backends.calls.TopkCall`): ``(weights fp32 [T, topk + num_shared],
+    ids [T, topk + num_shared] in ids_dtype, token_expert_indices int32 [T, topk] or None)``.
+
+    ``logits [T, E]`` may have strided rows (its experts contiguous); ``expert_bias`` may be
+    fp32, fp16 or bf16 (read in its dtype, converted to fp32). ``num_shared`` / ``shared_weight``
+    / ``shared_div``: SGLang's fused shared experts (``shared_div`` needs ``renormalize=False``
+    and no scaling factor); ``non_padded``: an int or a device int32 / int64 scalar, rows at or
+    past it get ids -1. ``input_dtype_math`` (sigmoid, fp16 / bf16 logits): SGLang's
+    ``moe_fused_gate`` arithmetic in the logits' dtype (hip and torch backends). ``names``: the
+    caller's names of the logits and the bias, for errors.
+    """
+    logits_name, bias_name = names
+    check_tensor(logits_name, logits, dtypes=FLOAT_DTYPES, dim=2)
+    tokens, num_experts = logits.shape
+    if num_experts < 1:
+        raise ValueError(f"{logits_name} must have at least one expert (last dim >= 1)")
     device = logits.device
     topk = check_int("topk", topk, low=1, high=num_experts)
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
     renormalize = check_bool("renormalize", renormalize)
+    approximate_activation = check_bool("approximate_activation", approximate_activation)
     num_groups, group_topk = check_groups(
         num_groups,
         group_topk,
@@ -581,43 +529,66 @@ def biased_topk(
     if scaling_factor is not None:
         scaling_factor = check_float("scaling_factor", scaling_factor, finite=True)
     check_backend(backend)
+    num_shared = check_int("num_shared", num_shared, low=0)
+    if shared_div is not None:
+        shared_div = check_float("shared_div", shared_div, finite=True)
+        if renormalize or scaling_factor is not None:
+            raise ValueError("shared_div needs renormalize=False and no scaling_factor")
+    if ids_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids_dtype must be torch.int32 or torch.int64, got {ids_dtype}")
+    input_dtype_math = check_bool("input_dtype_math", input_dtype_math)
+    if input_dtype_math and score_function != "sigmoid":
+        raise ValueError(
+            "input_dtype_math (SGLang's moe_fused_gate arithmetic) needs sigmoid scores"
+        )
     if expert_bias is not None:
         check_tensor(
-            "expert_bias",
-            expert_bias,
-            dtypes=(torch.float32,),
-            shape=(num_experts,),
-            device=device,
-            contiguous=True,
+            bias_name, expert_bias, dtypes=FLOAT_DTYPES, shape=(num_experts,), device=device
         )
-    lead = logits.shape[:-1]
-    logits2d = logits.reshape(-1, num_experts)
-    if not logits2d.is_contiguous():
-        logits2d = logits2d.contiguous()
-    tokens = logits2d.shape[0]
-    chosen_backend = dispatch.kernel_backend(
-        "biased_topk",
-        device,
-        backend,
-        num_experts=num_experts,
-        topk=topk,
-        score_function=score_function,
-        grouped=num_groups is not None,
-    )
-    weights = torch.empty(tokens, topk, dtype=torch.float32, device=device)
-    ids = torch.empty(tokens, topk, dtype=torch.int32, device=device)
-    _biased_topk(
-        logits2d,
+        if not expert_bias.is_contiguous():
+            expert_bias = expert_bias.contiguous()
+    non_padded_rows = None
+    if isinstance(non_padded, torch.Tensor):
+        check_tensor(
+            "num_token_non_padded",
+            non_padded,
+            dtypes=(torch.int32, torch.int64),
+            device=device,
+        )
+        if non_padded.numel() != 1:
+            raise ValueError(
+                f"num_token_non_padded must hold one value, got shape {tuple(non_padded.shape)}"
+            )
+    elif non_padded is not None:
+        non_padded_rows = check_int("num_token_non_padded", non_padded, low=0)
+        non_padded = None
+    if token_expert_indices and topk * tokens > 2**31 - 1:
+        raise ValueError(f"token_expert_indices of {tokens} tokens x {topk} do not fit int32")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    call = TopkCall(
+        num_experts,
         topk,
-        expert_bias,
         score_function,
         bool(renormalize),
         scaling_factor,
         num_groups,
         group_topk,
-        weights,
-        ids,
         bool(approximate_activation),
-        chosen_backend,
+        num_shared,
+        float(shared_weight),
+        shared_div,
+        non_padded_rows,
+        input_dtype_math and logits.dtype != torch.float32,
     )
-    return weights.view(*lead, topk), ids.view(*lead, topk)
+    chosen_backend = dispatch.kernel_backend("biased_topk", device, backend, call)
+    out_k = call.out_k
+    weights = torch.empty(tokens, out_k, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, out_k, dtype=ids_dtype, device=device)
+    tei = (
+        torch.empty(tokens, topk, dtype=torch.int32, device=device)
+        if token_expert_indices
+        else None
+    )
+    _biased_topk(call, logits, expert_bias, weights, ids, tei, non_padded, backend=chosen_backend)
+    return weights, ids, tei

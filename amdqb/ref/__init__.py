@@ -26,6 +26,8 @@ from .router import (
     qb_bin_index,
     qb_cutoff_and_routes,
     qb_histogram_counts,
+    serving_topk,
+    token_expert_indices,
     unpack_bitmap,
 )
 

@@ -25,9 +25,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends.calls import BINNINGS as BINNINGS
+from ..backends.calls import SCORE_FUNCTIONS as SCORE_FUNCTIONS
+from ..backends.calls import SELECTIONS as SELECTIONS
 from .ordering import ranked_indices
 
-SCORE_FUNCTIONS = ("sigmoid", "softmax", "sqrtsoftplus")
 NORM_EPS = 1e-20
 WARP = 32
 
@@ -90,14 +92,21 @@ def group_scores(scores: torch.Tensor, topk: int, num_groups: int, group_topk: i
 
 
 def _group_limited_candidates(
-    scores: torch.Tensor, topk: int, num_groups: int, group_topk: int, rule: str
+    scores: torch.Tensor,
+    topk: int,
+    num_groups: int,
+    group_topk: int,
+    rule: str,
+    group_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Mask (True = eligible) of experts inside the ``group_topk`` best groups (:func:`group_scores`;
-    groups ranked with the experts' order: score descending, group id ascending)."""
+    groups ranked with the experts' order: score descending, group id ascending). ``group_dtype``:
+    the group scores rounded to it (SGLang's moe_fused_gate sums in the input dtype)."""
     t, e = scores.shape
-    best_groups = ranked_indices(
-        group_scores(scores, topk, num_groups, group_topk, rule), group_topk
-    )
+    gs = group_scores(scores, topk, num_groups, group_topk, rule)
+    if group_dtype is not None:
+        gs = gs.to(group_dtype).float()
+    best_groups = ranked_indices(gs, group_topk)
     group_mask = torch.zeros(t, num_groups, dtype=torch.bool, device=scores.device)
     group_mask.scatter_(1, best_groups, True)
     return group_mask.repeat_interleave(e // num_groups, dim=1)
@@ -110,11 +119,14 @@ def select_experts(
     group_topk: int | None = None,
     topk: int | None = None,
     group_rule: str = "te",
+    group_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Indices ``[T, n]`` in selection order, optionally restricted to the best groups."""
     scores = selection_scores.detach()
     if num_groups is not None and group_topk is not None:
-        eligible = _group_limited_candidates(scores, topk or n, num_groups, group_topk, group_rule)
+        eligible = _group_limited_candidates(
+            scores, topk or n, num_groups, group_topk, group_rule, group_dtype
+        )
         # Ineligible experts can never be chosen: there are always >= topk eligible ones.
         ranked = ranked_indices(scores, scores.shape[-1])
         keep = eligible.gather(1, ranked)
@@ -136,10 +148,6 @@ def qb_bin_index(
     x = torch.where(torch.isnan(x), torch.zeros_like(x), x)
     x = torch.clamp(x, 0.0, float(num_bins - 1))
     return x.to(torch.int64)
-
-
-SELECTIONS = ("te", "tie_free")
-BINNINGS = ("uniform", "log_margin")
 
 
 def sigmoid_complement(logits: torch.Tensor) -> torch.Tensor:
@@ -330,6 +338,73 @@ def biased_topk(
     if scaling_factor is not None:
         w = w * scaling_factor
     return w, idx.to(torch.int32)
+
+
+def serving_topk(
+    logits: torch.Tensor,
+    topk: int,
+    expert_bias: torch.Tensor | None = None,
+    score_function: str = "sigmoid",
+    renormalize: bool = True,
+    scaling_factor: float | None = None,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    *,
+    num_shared: int = 0,
+    shared_weight: float = 0.0,
+    shared_div: float | None = None,
+    non_padded=None,
+    input_dtype_math: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`biased_topk` with the outputs of the peers' fused gates (amdqb.backends.calls.TopkCall):
+    ``(weights fp32 [T, topk + num_shared], ids int64 [T, topk + num_shared])``.
+
+    The last ``num_shared`` slots are the fused shared experts ``E .. E + num_shared - 1`` with
+    weight ``shared_weight``, or ``routed_sum / shared_div`` (``routed_sum`` the
+    :func:`routes_sum` of the routed weights before renormalisation); rows at or past
+    ``non_padded`` (an int or a device scalar) get ids -1. The bias may be fp16 / bf16: it is
+    converted to fp32 first. ``input_dtype_math``: SGLang's moe_fused_gate arithmetic for fp16 /
+    bf16 logits -- the scores, the bias, the biased scores and the group sums rounded to the
+    logits' dtype (the weights are the rounded scores)."""
+    z = logits.float()
+    s = activation(z, score_function)
+    bias = None if expert_bias is None else expert_bias.float()
+    low = logits.dtype if input_dtype_math and logits.dtype != torch.float32 else None
+    if low is not None:
+        s = s.to(low).float()
+        bias = None if bias is None else bias.to(low).float()
+    sel_scores = s if bias is None else s + bias
+    if low is not None:
+        sel_scores = sel_scores.to(low).float()
+    rule = "serving" if bias is None else "serving_biased"
+    idx = select_experts(
+        sel_scores, topk, num_groups, group_topk, topk, group_rule=rule, group_dtype=low
+    )
+    w = s.gather(1, idx)
+    routed_sum = routes_sum(w)
+    if renormalize:
+        w = w / (routed_sum + NORM_EPS)
+    if scaling_factor is not None:
+        w = w * scaling_factor
+    ids = idx
+    if num_shared:
+        t, e = z.shape
+        if shared_div is not None:
+            shared_w = (routed_sum / shared_div).expand(t, num_shared)
+        else:
+            shared_w = torch.full((t, num_shared), shared_weight, device=z.device)
+        shared_ids = torch.arange(e, e + num_shared, device=z.device).expand(t, num_shared)
+        w = torch.cat([w, shared_w], dim=1)
+        ids = torch.cat([ids, shared_ids], dim=1)
+    if non_padded is not None:
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        ids = ids.masked_fill((rows >= non_padded).unsqueeze(1), -1)
+    return w, ids
+
+
+def token_expert_indices(tokens: int, topk: int, device=None) -> torch.Tensor:
+    """vLLM's ``token_expert_indices`` int32 ``[T, k]``: ``j * T + t``."""
+    return torch.arange(topk * tokens, dtype=torch.int32, device=device).view(topk, tokens).t()
 
 
 def pack_bitmap(routing_map: torch.Tensor) -> torch.Tensor:

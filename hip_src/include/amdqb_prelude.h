@@ -510,12 +510,16 @@ AMDQB_DEVICE int shfl_xor_i32(int v, int mask) {
 #endif
 }
 
-// Value of `v` held by logical lane `src` (0..31) of the caller's logical warp.
+// Value of `v` held by logical lane `src` (0..31) of the caller's logical warp. AMD: a source lane
+// the compiler knows (a constant after unrolling) is read with v_readlane, else ds_bpermute.
 AMDQB_DEVICE int shfl_i32(int v, int src) {
 #if defined(AMDQB_CUDA)
   return __shfl_sync(0xffffffffu, v, src, 32);
 #else
   AMDQB_LANES(32);
+#if defined(AMDQB_AMDGCN)
+  if (__builtin_constant_p(src)) return gcn::read_lane<32>(v, src & 31);
+#endif
   return raw_bpermute((hw_lane() & ~31) | (src & 31), v);
 #endif
 }

@@ -466,17 +466,26 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
 }
 
 // ---- moe_align_block_size -------------------------------------------------------------------------
-// vLLM's layout with a deterministic order (amdqb.ref.layout.moe_align_block_size): each expert's
-// routes, ascending flat index, start at the exclusive cumsum of the padded counts
+// vLLM's layout with a deterministic order (amdqb.ref.layout.moe_align_block_size), plus the
+// conventions of the compat modules (amdqb.backends.calls.AlignCall): each bucket's routes,
+// ascending flat index, start at the exclusive cumsum of the padded counts
 // ceil(count / block_size) * block_size; sorted_ids holds flat route indices and the sentinel n
-// elsewhere; expert_ids[j] is the expert owning rows [j * block_size, (j + 1) * block_size), 0 past
-// the padded total; post_pad[0] is the padded total. Pass 1 = amdqb_route_det_hist_* (with the
-// sentinel fill), pass 2 = amdqb_route_det_scan (start 0, totals), pass 3 = amdqb_align_rank_*:
-// one block of W = blockDim.x / 32 logical warps per 32 * AMDQB_DET_ITEMS-route tile, warp w taking
-// the w-th run of AMDQB_DET_ITEMS / W chunks, so the tile's routes are ranked W runs at a time
-// instead of one 32-route chunk at a time. The tile's experts are staged in LDS first (every load
-// in flight at once: the ranking walk is sequential per warp and would otherwise wait for one
-// global load per chunk). Dynamic shared memory: (W + 1) * num_experts + 32 * AMDQB_DET_ITEMS ints.
+// elsewhere; expert_ids[j] is the bucket owning rows [j * block_size, (j + 1) * block_size)
+// (minus owner_shift, or through the expert map), tail_value past the padded total; post_pad[0]
+// is the padded total.
+//
+// Bucket of a route with id v: v + id_shift (SGLang's -1 .. E - 2 ids in buckets 0 .. E - 1), or
+// expert_map[v] (map_mode 1: vLLM's global -> local filter); outside [0, E) it is skipped.
+//
+// amdqb_align: one block per tile of routes. tiles == 1 (small M): the block counts the buckets
+// itself -- the whole op is one launch. tiles > 1: amdqb_align_hist counts every tile first
+// (tile_counts [tiles, E]) and each rank block sums the columns for the totals and its tile's
+// base (launched as the histogram's dependent). The block then scans the padded counts, writes
+// the padding slots and the tail (sentinel) and its slice of expert_ids, and ranks its tile's
+// routes: warp w owns a contiguous run of chunks of 32 routes, counts them per bucket, and walks
+// them in flat order claiming slots (warp_claim_slot). Route slots, padding slots and the tail are
+// disjoint, so no write is ordered after another. Dynamic shared memory: (1 + warps) * E ints.
+//
 // ceil(count / block_size) * block_size in u32 (the op checked that the padded total fits int32),
 // a mask for the usual power-of-two block sizes: the rank pass computes it for every expert, and
 // the 64-bit division it replaced is a long software routine on GPUs.
@@ -485,116 +494,215 @@ AMDQB_DEVICE u32 padded_count(int count, int block_size) {
   return (b & (b - 1)) == 0 ? (c + b - 1) & ~(b - 1) : (c + b - 1) / b * b;
 }
 
-template <typename IdT>
-AMDQB_DEVICE void align_rank(const IdT* ids, i64 n, int num_experts, int block_size,
-                             const int* tile_base, const int* totals, int* sorted_ids,
-                             int* expert_ids, int num_blocks_out, int* post_pad) {
+// Arguments of amdqb_align_hist / amdqb_align (amdqb.backends.hip.layout.AlignParams mirrors it).
+struct AlignParams {
+  const void* ids;         // n ids in memory order, int32 (or int64: flags bit 0)
+  const void* expert_map;  // map_mode != 0: [map_len] int32 (or int64: flags bit 1)
+  int* tile_counts;        // [tiles, num_experts] (tiles > 1)
+  int* sorted_ids;         // [sorted_len]
+  int* expert_ids;         // [num_blocks]
+  int* post_pad;           // [1]
+  i64 n;
+  i64 sorted_len;
+  i32 num_experts;  // buckets
+  i32 block_size;
+  i32 tile;  // routes per tile, a multiple of 32 * warps
+  i32 tiles;
+  i32 num_blocks;
+  i32 id_shift;
+  i32 map_len;
+  i32 map_mode;  // 0 none, 1 filter ids through the map, 2 map the blocks' experts
+  i32 owner_shift;
+  i32 tail_value;
+  i32 flags;
+  i32 rank_warps;  // warps that rank (the first ones); the others help count and fill
+};
+
+namespace {
+
+AMDQB_DEVICE i64 load_id(const void* p, i64 i, bool wide) {
+  return wide ? static_cast<const i64*>(p)[i] : (i64) static_cast<const i32*>(p)[i];
+}
+
+// Bucket of route i, or -1 (skipped). 64-bit compares: an int64 id of 2^32 + 3 must skip, not
+// alias bucket 3.
+AMDQB_DEVICE int bucket_of(const AlignParams& p, i64 i) {
+  i64 v = load_id(p.ids, i, p.flags & 1);
+  if (p.map_mode == 1)
+    v = v >= 0 && v < p.map_len ? load_id(p.expert_map, v, p.flags & 2) : -1;
+  else
+    v += p.id_shift;
+  return v >= 0 && v < p.num_experts ? (int)v : -1;
+}
+
+}  // namespace
+
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
+  AMDQB_DYN_SHARED(hist);
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  allow_dependent_launch();  // the rank pass is launched as this pass's dependent
+  for (int e = tid; e < p.num_experts; e += nt) hist[e] = 0;
+  // the sentinel over sorted_ids; the rank pass, which waits for this grid, writes the routes
+  const i64 stride = (i64)gridDim.x * nt;
+  for (i64 s = (i64)blockIdx.x * nt + tid; s < p.sorted_len; s += stride)
+    p.sorted_ids[s] = (int)p.n;
+  block_sync();
+  const i64 t0 = (i64)blockIdx.x * p.tile;
+  const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
+  // 8 ids per thread loaded before any is counted (a load per LDS atomic would leave each thread
+  // one L2 round trip at a time)
+  constexpr int BATCH = 8;
+  for (i64 k0 = t0 + tid; k0 < t1; k0 += (i64)BATCH * nt) {
+    int b[BATCH];
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const i64 i = k0 + (i64)u * nt;
+      b[u] = i < t1 ? bucket_of(p, i) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u)
+      if (b[u] >= 0) atomic_add_shared(&hist[b[u]], 1);
+  }
+  block_sync();
+  int* out = p.tile_counts + (i64)blockIdx.x * p.num_experts;
+  for (int e = tid; e < p.num_experts; e += nt) out[e] = hist[e];
+}
+
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   AMDQB_DYN_SHARED(lds);
   AMDQB_SHARED(u32, warp_sums, 32);
+  constexpr int MAX_PER_THREAD = 16;  // the op keeps E <= 16 * blockDim.x
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int lane = lane_id();
   const int w = warp_in_block();
-  const int warps = nt >> 5;
-  constexpr int TILE = 32 * AMDQB_DET_ITEMS;
-  int* start = lds;                           // [E]: padded start of each expert
-  int* next = lds + num_experts;              // [W][E]: per-warp counts, then running slots
-  int* tile_ex = next + warps * num_experts;  // [TILE]: expert of each route (-1: dropped)
-  const i64 tile0 = (i64)blockIdx.x * TILE;
-  // The tile's experts first: the ids come from earlier kernels, so they load while the scan this
-  // pass is launched after (as its dependent) finishes; its outputs (tile_base, totals) after the
-  // wait. The tile's first slots of this thread's first PF experts load now with everything else
-  // rather than after three barriers (the rest, E > PF * blockDim.x, load where they are used).
-  for (int k = tid; k < TILE; k += nt)
-    tile_ex[k] = tile0 + k < n ? expert_of(ids, tile0 + k, num_experts) : -1;
-  wait_for_prior_grid();
-  constexpr int PF = 4;
-  const int* my_base = tile_base + (i64)blockIdx.x * num_experts;
-  int tb[PF];
+  const int warps = p.rank_warps;  // the first ones rank; the others help count and fill
+  const int E = p.num_experts;
+  int* start = lds;     // [E]: padded start of each bucket
+  int* next = lds + E;  // [warps][E]: the counts first, then per-warp counts and running slots
+  int* count = next;    // [E] (aliases next until the ranking)
+  const i64 t0 = (i64)blockIdx.x * p.tile;
+  const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
+
+  // 1. Bucket counts (and this tile's base in registers: thread tid holds e = tid + u * nt).
+  int base[MAX_PER_THREAD];
 #pragma unroll
-  for (int u = 0; u < PF; ++u) tb[u] = tid + u * nt < num_experts ? my_base[tid + u * nt] : 0;
-
-  // Padded starts (the op checked that the padded total fits int32): the padded counts staged in
-  // LDS with every load in flight at once, then scanned in place (each thread's run of experts read
-  // from LDS, not one global round trip per expert and pass).
-  for (int e = tid; e < num_experts; e += nt) start[e] = (int)padded_count(totals[e], block_size);
-  block_sync();
-  block_exclusive_cumsum(num_experts, [=](int e) { return (u32)start[e]; }, start, warp_sums);
-  for (int i = tid; i < warps * num_experts; i += nt) next[i] = 0;
-  block_sync();
-  const i64 total = (i64)start[num_experts - 1] + padded_count(totals[num_experts - 1], block_size);
-
-  // Per-warp counts of the warp's run of the tile.
-  const int chunks = AMDQB_DET_ITEMS / warps;
-  const int run0 = w * chunks * 32;  // the warp's run inside the tile
-  int* mine = next + w * num_experts;
-  for (int c = 0; c < chunks; ++c) {
-    const int e = tile_ex[run0 + c * 32 + lane];
-    if (e >= 0) atomic_add_shared(&mine[e], 1);
+  for (int u = 0; u < MAX_PER_THREAD; ++u) base[u] = 0;
+  if (p.tiles == 1) {  // uniform
+    for (int e = tid; e < E; e += nt) count[e] = 0;
+    block_sync();
+    for (i64 i = t0 + tid; i < t1; i += nt) {
+      const int b = bucket_of(p, i);
+      if (b >= 0) atomic_add_shared(&count[b], 1);
+    }
+  } else {
+    wait_for_prior_grid();  // tile_counts (and the sentinel fill) are amdqb_align_hist's
+#pragma unroll
+    for (int u = 0; u < MAX_PER_THREAD; ++u) {
+      const int e = tid + u * nt;
+      if (e < E) {
+        // the column in batches of COLS independent loads (one at a time, each add would wait
+        // for its own L2 round trip)
+        constexpr int COLS = 8;
+        int total = 0, before = 0;
+        for (int t0c = 0; t0c < p.tiles; t0c += COLS) {
+          int c[COLS];
+#pragma unroll
+          for (int q = 0; q < COLS; ++q)
+            c[q] = t0c + q < p.tiles ? p.tile_counts[(i64)(t0c + q) * E + e] : 0;
+#pragma unroll
+          for (int q = 0; q < COLS; ++q) {
+            before += t0c + q < (int)blockIdx.x ? c[q] : 0;
+            total += c[q];
+          }
+        }
+        count[e] = total;
+        base[u] = before;
+      }
+    }
   }
   block_sync();
 
-  // First slot of every (warp, expert): padded start + earlier tiles + earlier warps of the tile
-  // (the warp loop unrolled so that its LDS loads go out together).
-  auto first_slots = [&](int e, int base) {
-    int r = start[e] + base;
+  // 2. Padded starts.
+  for (int e = tid; e < E; e += nt) start[e] = (int)padded_count(count[e], p.block_size);
+  block_sync();
+  block_exclusive_cumsum(E, [=](int e) { return (u32)start[e]; }, start, warp_sums);
+  block_sync();
+  const i64 total = (i64)start[E - 1] + padded_count(count[E - 1], p.block_size);
+
+  // 3. The sentinel over sorted_ids (one block: all of it, before the ranks below overwrite the
+  // route slots after the barrier; several: amdqb_align_hist wrote it), this block's slice of
+  // expert_ids, the padded total.
+  {
+    if (p.tiles == 1)
+      for (i64 s = tid; s < p.sorted_len; s += nt) p.sorted_ids[s] = (int)p.n;
+    const int jper = (p.num_blocks + p.tiles - 1) / p.tiles;
+    const int j0 = (int)blockIdx.x * jper;
+    const int j1 = j0 + jper < p.num_blocks ? j0 + jper : p.num_blocks;
+    for (int j = j0 + tid; j < j1; j += nt) {
+      const i64 row = (i64)j * p.block_size;
+      int value;
+      if (row < total) {
+        int a = 0, b = E - 1;  // start[0] == 0 <= row: the owner lies in [a, b]
+        while (a < b) {
+          const int mid = (a + b + 1) >> 1;
+          if (start[mid] <= row)
+            a = mid;
+          else
+            b = mid - 1;
+        }
+        value = p.map_mode == 2 ? (int)load_id(p.expert_map, a, p.flags & 2) : a - p.owner_shift;
+      } else {
+        value = p.tail_value;
+        if (p.map_mode == 2) {  // the map read at the tail value, PyTorch's negative indexing
+          const int at = value < 0 ? value + p.map_len : value;
+          if (at >= 0 && at < p.map_len) value = (int)load_id(p.expert_map, at, p.flags & 2);
+        }
+      }
+      p.expert_ids[j] = value;
+    }
+    if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;
+  }
+  block_sync();  // count[] (aliasing next[]) is read above
+
+  // 4. Per-warp counts of the warp's run of the tile, then the first slot of every (warp, bucket):
+  // padded start + earlier tiles + earlier warps of the tile.
+  for (int i = tid; i < warps * E; i += nt) next[i] = 0;
+  block_sync();
+  const i64 span = t1 > t0 ? t1 - t0 : 0;
+  const i64 run = ((span + warps - 1) / warps + 31) / 32 * 32;  // whole chunks per warp
+  const i64 r0 = t0 + (i64)w * run;
+  const i64 r1 = w >= warps ? r0 : r0 + run < t1 ? r0 + run : t1;  // no run past the ranking warps
+  int* mine = next + (w < warps ? w : 0) * E;
+  for (i64 i = r0 + lane; i < r1; i += 32) {
+    const int b = bucket_of(p, i);
+    if (b >= 0) atomic_add_shared(&mine[b], 1);
+  }
+  block_sync();
 #pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      if (v < warps) {
-        const int c = next[v * num_experts + e];
-        next[v * num_experts + e] = r;
+  for (int u = 0; u < MAX_PER_THREAD; ++u) {
+    const int e = tid + u * nt;
+    if (e < E) {
+      int r = start[e] + base[u];
+      for (int v = 0; v < warps; ++v) {
+        const int c = next[v * E + e];
+        next[v * E + e] = r;
         r += c;
       }
     }
-  };
-#pragma unroll
-  for (int u = 0; u < PF; ++u)
-    if (tid + u * nt < num_experts) first_slots(tid + u * nt, tb[u]);
-  for (int e = tid + PF * nt; e < num_experts; e += nt) first_slots(e, my_base[e]);
+  }
   block_sync();
 
-  // Ranks in flat order, 32 routes at a time: the lowest peer advances the expert's slot. (Finding
-  // the peer sets of 4 chunks ahead of the slot updates was slower on the H200: 2.9 vs 1.9 us for
-  // this stage at M = 8192 -- match_any is costly, and interleaved with the LDS chain it hides.)
-  for (int c = 0; c < chunks; ++c) {
-    const int k = run0 + c * 32 + lane;
-    const int e = tile_ex[k];
-    const int slot = warp_claim_slot(mine, e, lane, num_experts);
-    if (e >= 0) sorted_ids[slot] = (int)(tile0 + k);
+  // 5. Ranks in flat order, 32 routes at a time: the lowest peer advances the bucket's slot. The
+  // next chunk's bucket is loaded before this chunk is ranked (the walk is sequential).
+  i64 i = r0 + lane;
+  int b_next = r0 < r1 && i < r1 ? bucket_of(p, i) : -1;
+  for (i64 c0 = r0; c0 < r1; c0 += 32, i += 32) {  // uniform across the warp
+    const int b = b_next;
+    b_next = i + 32 < r1 ? bucket_of(p, i + 32) : -1;
+    const int slot = warp_claim_slot(mine, b, lane, p.num_experts);
+    if (b >= 0 && slot < p.sorted_len) p.sorted_ids[slot] = (int)i;
     warp_sync();  // mine[] updates visible to the next chunk's leaders
   }
-
-  // This block's slice of expert_ids: the last expert whose padded start is at or before the
-  // block's first row (empty experts share the next one's start, so the last is the owner).
-  const int jper = (num_blocks_out + (int)gridDim.x - 1) / (int)gridDim.x;
-  const int j0 = (int)blockIdx.x * jper;
-  const int j1 = j0 + jper < num_blocks_out ? j0 + jper : num_blocks_out;
-  for (int j = j0 + tid; j < j1; j += nt) {
-    const i64 row = (i64)j * block_size;
-    int owner = 0;
-    if (row < total) {
-      int a = 0, b = num_experts - 1;  // start[0] == 0 <= row: the answer lies in [a, b]
-      while (a < b) {
-        const int mid = (a + b + 1) >> 1;
-        if (start[mid] <= row)
-          a = mid;
-        else
-          b = mid - 1;
-      }
-      owner = a;
-    }
-    expert_ids[j] = owner;
-  }
-  if (blockIdx.x == 0 && tid == 0) post_pad[0] = (int)total;
 }
-
-#define AMDQB_ALIGN_KERNEL(SUFFIX, IdT)                                                            \
-  AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(256) amdqb_align_rank_##SUFFIX(                            \
-      const IdT* ids, i64 n, int num_experts, int block_size, const int* tile_base,                \
-      const int* totals, int* sorted_ids, int* expert_ids, int num_blocks_out, int* post_pad) {    \
-    align_rank<IdT>(ids, n, num_experts, block_size, tile_base, totals, sorted_ids, expert_ids,    \
-                    num_blocks_out, post_pad);                                                     \
-  }
-
-AMDQB_ALIGN_KERNEL(i32, i32)
-AMDQB_ALIGN_KERNEL(i64, i64)

@@ -35,6 +35,7 @@
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
 #include "amdqb_qb_bins.h"
+#include "amdqb_router_params.h"
 #include "amdqb_select.h"
 
 using namespace amdqb;
@@ -290,16 +291,34 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
 
 }  // namespace
 
+// The fields of a RouterParams as the kernels' local names (the logits dtype's pointers typed).
+#define AMDQB_ROUTER_PARAMS(p)                                                                     \
+  const in_t* const logits = static_cast<const in_t*>((p).logits);                                 \
+  const float* const bias = (p).bias;                                                              \
+  in_t* const probs = static_cast<in_t*>((p).probs);                                               \
+  void* const map = (p).map;                                                                       \
+  int* const hist = (p).hist;                                                                      \
+  const float* const bounds = (p).bounds;                                                          \
+  float* const alpha_out = (p).alpha_out;                                                          \
+  float* const w_out = (p).w_out;                                                                  \
+  int* const id_out = (p).id_out;                                                                  \
+  u8* const bins_out = (p).bins_out;                                                               \
+  float* const scores_out = (p).scores_out;                                                        \
+  const int num_tokens = (p).num_tokens, topk = (p).topk, nsel = (p).nsel;                         \
+  const int normalize = (p).normalize, softmax_pre = (p).softmax_pre, map_kind = (p).map_kind;     \
+  const int qb_mode = (p).qb_mode, num_bins = (p).num_bins, qb_binning = (p).qb_binning;           \
+  const int margin_bits = (p).margin_bits;                                                         \
+  const float scale = (p).scale
+
 // One logical warp per token, WARPS tokens per block, persistent grid-stride loop over tokens.
 //   nsel = topk (+1 under QB); normalize: p = s / (sum_selected s + 1e-20); softmax_pre: scores are
 //   the softmax over E (else, for AMDQB_SCORE softmax, the selected logits are softmax-ed);
 //   probs (nullable) [T, E] in the logits dtype; map (nullable) per map_kind; hist/bounds for
-//   qb_mode 1, alpha_out for qb_mode 2; w_out/id_out (nullable) [T, topk] fp32 / int32.
+//   qb_mode 1, alpha_out for qb_mode 2 (and, nullable, the caller's cutoffs in any QB mode);
+//   w_out/id_out (nullable) [T, topk] fp32 / int32; scores_out (nullable) [T, E] fp32.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
-    amdqb_router(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
-                 int normalize, int softmax_pre, float scale, in_t* probs, void* map, int map_kind,
-                 int qb_mode, int* hist, const float* bounds, int num_bins, float* alpha_out,
-                 float* w_out, int* id_out, int qb_binning, int margin_bits, u8* bins_out) {
+    amdqb_router(const RouterParams params) {
+  AMDQB_ROUTER_PARAMS(params);
   AMDQB_SHARED(i32, sh_ckey, WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, WARPS * CAP);
   AMDQB_SHARED(i32, sh_skey, WARPS * CAP);
@@ -365,6 +384,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
         }
       }
 #endif
+      if (scores_out != nullptr)
+#pragma unroll
+        for (int j = 0; j < VPL; ++j)
+          if (valid_slot(j, lane)) scores_out[t * E + j * 32 + lane] = s[j];
     }
     select_top<CAP>(key, nsel, lane, b);
 #pragma unroll
@@ -406,13 +429,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     }
 
     if (qb_mode != kQbNone) {
-      const float alpha = key_value(b.skey[topk]);  // the (k+1)-th selection value
+      const float alpha = key_value(b.skey[topk]);                  // the (k+1)-th selection value
+      if (alpha_out != nullptr && lane == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
       if (qb_binning == kLogMargin) {
         margin_bins_out(key, base, valid, lane, t, alpha, margin_inv, num_bins, margin_bits,
                         qb_mode, hist, bins_out);
-      } else if (qb_mode == kQbAlpha) {
-        if (lane == 0) alpha_out[t] = alpha;
-      } else {
+      } else if (qb_mode == kQbFused) {
         const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
         in_t raw[VPL];  // QB is sigmoid-only: the bin needs the logit alone
         load_row(row, lane, raw);
@@ -471,13 +493,9 @@ AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int 
 // The router in its decode form: amdqb_router's arguments and outputs (probs, every routing map,
 // weights/ids, QB cutoff or fused histogram), bit for bit, for the element-wise scores (the op
 // sends softmax to amdqb_router).
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
-    amdqb_router_decode(const in_t* logits, int num_tokens, const float* bias, int topk, int nsel,
-                        int normalize, int softmax_pre, float scale, in_t* probs, void* map,
-                        int map_kind, int qb_mode, int* hist, const float* bounds, int num_bins,
-                        float* alpha_out, float* w_out, int* id_out, int qb_binning,
-                        int margin_bits, u8* bins_out) {
-  (void)softmax_pre;  // amdqb_router's signature; the op sends softmax scores to amdqb_router
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const RouterParams params) {
+  AMDQB_ROUTER_PARAMS(params);
+  (void)softmax_pre;  // amdqb_router's parameters; the op sends softmax scores to amdqb_router
   AMDQB_SHARED(i32, sh_ckey, DEC_WARPS * CAP);
   AMDQB_SHARED(i32, sh_cid, DEC_WARPS * CAP);
   AMDQB_SHARED(i32, sh_skey, DEC_WARPS * CAP);  // each warp's Top-n (local ids)
@@ -521,6 +539,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
     if (valid(j)) {
       sh_score[e] = s[j];
       sh_biased[e] = biased;  // the cutoffs below read it instead of reloading the bias
+      if (scores_out != nullptr) scores_out[t * E + e] = s[j];
     }
   }
 
@@ -632,13 +651,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS)
   }
 
   if (qb_mode != kQbNone) {
-    const float alpha = sh_biased[sh_top[topk]];  // the (k+1)-th: the cutoff alpha
+    const float alpha = sh_biased[sh_top[topk]];                 // the (k+1)-th: the cutoff alpha
+    if (alpha_out != nullptr && tid == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
     if (qb_binning == kLogMargin) {
       margin_bins_out(key, base, valid, lane, t, alpha, bounds[1], num_bins, margin_bits, qb_mode,
                       hist, bins_out);
-    } else if (qb_mode == kQbAlpha) {
-      if (tid == 0) alpha_out[t] = alpha;
-    } else {
+    } else if (qb_mode == kQbFused) {
       const float lower = bounds[0];
       const float qscale = (float)num_bins / (bounds[1] - lower);
       add_fused_bins(raw, base, valid, lane, qb_cut(alpha, lower, qscale), lower, qscale, num_bins,
@@ -828,32 +846,5 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
   for (int i = tid; i < ne * num_bins; i += nt) {
     const int c = lh[(i / num_bins) * stride + i % num_bins];
     if (c != 0) atomic_add_global(block_hist + i, c);
-  }
-}
-
-// fp32 scores exactly as amdqb_router computes them (softmax: over E), for tests and the oracle
-// comparison; complement != 0 (sigmoid): the tie-free selection's c = sigmoid(-z) instead. One
-// logical warp per token.
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(ROUTER_BLOCK)
-    amdqb_scores(const in_t* logits, int num_tokens, float* out, int complement) {
-  const int lane = lane_id();
-  const auto valid = [&](int j) { return valid_slot(j, lane); };
-  for (i64 t = (i64)blockIdx.x * WARPS + warp_in_block(); t < num_tokens;
-       t += (i64)gridDim.x * WARPS) {
-    float s[VPL];
-    in_t raw[VPL];
-    RowStats st;
-    load_row(logits + t * E, lane, raw);
-    if (complement) {
-      float v[VPL];
-      activate_tie_free(raw, valid, [](int) { return 0.0f; }, s, v);
-#pragma unroll
-      for (int j = 0; j < VPL; ++j) s[j] = -v[j];  // v = 0 - c
-    } else {
-      scores_from_raw(raw, lane, s, 1, st);
-    }
-#pragma unroll
-    for (int j = 0; j < VPL; ++j)
-      if (valid(j)) out[t * E + j * 32 + lane] = s[j];
   }
 }

@@ -55,8 +55,11 @@ def _poison(t: torch.Tensor | None) -> None:
 def _poisoning(op: str, fn):
     """``fn`` with its fully-written outputs poisoned first (positions of amdqb.backends' API)."""
     outputs = {
-        "router_fwd": (8, 9),  # probs_out, map_out (the QB histogram accumulates)
-        "biased_topk": (8, 9),  # weights_out, ids_out
+        # (call, logits, bias, probs_out, map_out, hist, bounds, scores_out, cutoff_out): the QB
+        # histogram accumulates
+        "router_fwd": (3, 4, 7, 8),
+        "router_bwd": (4,),  # (call, grad_probs, logits, routed, grad_logits_out)
+        "biased_topk": (3, 4, 5),  # (call, logits, bias, weights_out, ids_out, tei_out, ...)
         "route_rows": (4,),  # rows_out (counts_out arrives zero-filled, counters are inputs)
         "align_block_size": (3, 4, 5),  # sorted_ids_out, expert_ids_out, num_post_pad_out
     }[op]
@@ -91,7 +94,7 @@ def emulated_hip_backend(wave: int = 32, arch: str | None = None):
     hip_backend.availability = availability
     for op, fn in saved_ops.items():
         hip_backend.OPS[op] = _poisoning(op, fn)
-    dispatch._select_cached.cache_clear()
+    dispatch._select.cache_clear()
     _ACTIVE.append(rt)
     try:
         yield rt
@@ -100,4 +103,4 @@ def emulated_hip_backend(wave: int = 32, arch: str | None = None):
         hip_backend._rt, hip_backend.availability = saved_rt, saved_availability
         hip_backend.OPS.clear()
         hip_backend.OPS.update(saved_ops)
-        dispatch._select_cached.cache_clear()
+        dispatch._select.cache_clear()

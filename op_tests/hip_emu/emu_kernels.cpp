@@ -14,7 +14,12 @@ AMDQB_EMU_REGISTER(amdqb_router)
 AMDQB_EMU_REGISTER(amdqb_qb_hist)
 AMDQB_EMU_REGISTER(amdqb_qb_hist_bins)
 AMDQB_EMU_REGISTER(amdqb_router_decode)
-AMDQB_EMU_REGISTER(amdqb_scores)
+#elif defined(AMDQB_EMU_ROUTER_BWD)
+#include "router_bwd.hip"
+AMDQB_EMU_REGISTER(amdqb_router_bwd)
+#elif defined(AMDQB_EMU_TOPK)
+#include "topk.hip"
+AMDQB_EMU_REGISTER(amdqb_topk)
 #elif defined(AMDQB_EMU_ROUTE)
 #include "layout.hip"
 AMDQB_EMU_REGISTER(amdqb_route_atomic_i32)
@@ -29,8 +34,8 @@ AMDQB_EMU_REGISTER(amdqb_route_compact_i32)
 AMDQB_EMU_REGISTER(amdqb_route_compact_i64)
 AMDQB_EMU_REGISTER(amdqb_route_det_scan)
 AMDQB_EMU_REGISTER(amdqb_route_finalize)
-AMDQB_EMU_REGISTER(amdqb_align_rank_i32)
-AMDQB_EMU_REGISTER(amdqb_align_rank_i64)
+AMDQB_EMU_REGISTER(amdqb_align_hist)
+AMDQB_EMU_REGISTER(amdqb_align)
 #elif defined(AMDQB_EMU_CONVERT)
 // The prelude's scalar helpers, called directly from Python.
 #include "amdqb_prelude.h"
@@ -176,8 +181,7 @@ extern "C" void amdqb_emu_warp_op(const int* in, const int* aux, int* out, int* 
 }
 AMDQB_EMU_REGISTER(amdqb_emu_warp_op)
 #else
-#error                                                                                             \
-    "define AMDQB_EMU_ROUTER, AMDQB_EMU_ROUTE, AMDQB_EMU_CONVERT, AMDQB_EMU_LANES or AMDQB_EMU_PRIMS"
+#error "define AMDQB_EMU_<ROUTER | ROUTER_BWD | TOPK | ROUTE | CONVERT | LANES | PRIMS>"
 #endif
 
 AMDQB_EMU_RUNTIME_DEFINITIONS

@@ -77,9 +77,12 @@ class EmuRuntime:
 
     def _library(self, spec: _spec.ModuleSpec, which: str | None = None):
         if which is None:
-            which = {"router.hip": "AMDQB_EMU_ROUTER", "layout.hip": "AMDQB_EMU_ROUTE"}[
-                spec.kernel_file
-            ]
+            which = {
+                "router.hip": "AMDQB_EMU_ROUTER",
+                "router_bwd.hip": "AMDQB_EMU_ROUTER_BWD",
+                "topk.hip": "AMDQB_EMU_TOPK",
+                "layout.hip": "AMDQB_EMU_ROUTE",
+            }[spec.kernel_file]
         lib = self._libs.get((spec, which))
         if lib is not None:
             return lib

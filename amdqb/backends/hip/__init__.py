@@ -1,11 +1,15 @@
 """The ``hip`` backend: ``hip_src`` kernels compiled at run time (hiprtc via hip-python on ROCm,
 NVRTC via cuda-python on NVIDIA), cached on disk, launched on torch's current stream.
 
-Ops: ``router_fwd`` and ``biased_topk`` (``router.py``), ``route_rows`` and ``align_block_size``
-(``layout.py``). Declined through :func:`unsupported` (the dispatcher falls back to triton/torch):
-grouped Top-k, more than 4096 experts in a router or an align, Top-n above ``hip.router.cap``
-(n = k, or k + 1 under QB), QB with more than 12288 bins. ``router_bwd``, the QB updates and the
-chunk ops are left to the other backends.
+Ops: ``router_fwd`` (``router.py``; grouped: amdqb_topk's dense form, ``topk.py``),
+``router_bwd`` (``router_bwd.py``), ``biased_topk`` (``topk.py``: amdqb_topk, or the router
+kernels where it has no row plan), ``route_rows`` and ``align_block_size`` (``layout.py``). Capability limits, declared next to each op's launcher (``LIMITS``: the
+dispatcher passes the backend over, another runs the call; ``backend="hip"`` raises naming the
+limit): grouped Top-k without an amdqb_topk row plan (topk.py; in the TE router also under QB or
+the tie-free selection), more than 4096 experts in a router or an align, more than 1024 in the
+router's backward, Top-n above ``hip.router.cap`` (n = k, or k + 1 under QB), QB with more than
+12288 bins, deterministic routes with more than 12288 experts. The QB updates and the chunk ops
+are left to the other backends. Nothing here runs another backend.
 
 Build failures: a module is compiled and loaded at the first kernel request of an op on a device
 (nothing is compiled at import or by ``availability``). When that fails -- hiprtc rejects the
@@ -15,7 +19,6 @@ the next backend of its order (one warning, remembered per op and device; ``amdq
 Launch errors are not build failures: they raise.
 
 Precision and tie-break contract: the one of ``amdqb.ref`` (see ``router.py`` and ``layout.py``).
-:func:`score_values` returns the fp32 activations exactly as the router kernels compute them.
 
 Verification without a device: every kernel compiles for the AMD targets and for sm_90 (nvcc) and
 through NVRTC with the runtime's own flags (op_tests/test_hip_compile.py), and runs on the CPU under
@@ -26,11 +29,12 @@ has not executed anything: no ROCm device exists where this is developed.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
-from ... import configs
-from . import layout, router
+from ..calls import RouterCall
+from . import layout, router, router_bwd, topk
 from ._runtime import HipBuildError
 
 BACKEND = "hip"
@@ -62,76 +66,59 @@ def availability(info) -> tuple[bool, str]:
     return True, f"{rt.toolchain.compiler_id()} on {info.arch} (wave{info.wave_size})"
 
 
-def unsupported(op: str, info, features: dict):
-    """Reason this backend declines a configuration, or None."""
-    if op == "align_block_size":
-        num_experts = int(features.get("num_experts", 0))
-        if num_experts > layout.MAX_ALIGN_EXPERTS:
-            return f"align with num_experts={num_experts} > {layout.MAX_ALIGN_EXPERTS} (LDS rows)"
-        return None
-    if op not in ("router_fwd", "biased_topk"):
-        return None
-    if features.get("grouped"):
-        return "grouped Top-k is not implemented"
-    num_experts = int(features.get("num_experts", 0))
-    if num_experts > router.MAX_ROUTER_EXPERTS:
-        return (
-            f"num_experts={num_experts} > {router.MAX_ROUTER_EXPERTS} " "(register-resident rows)"
-        )
-    qb = bool(features.get("qb"))
-    n = int(features.get("topk", 0)) + (1 if qb else 0)
-    cap = router.max_select(configs.load(info.arch_family))
-    if n > cap:
-        return f"selecting {n} experts per token > {cap}"
-    if qb and int(features.get("num_bins", 0)) > router.MAX_QB_BINS:
-        return f"QB num_bins={features.get('num_bins')} > {router.MAX_QB_BINS} (LDS row)"
-    return None
-
-
 def _on_runtime(op):
-    """The launcher ``op`` with the process runtime as its first argument."""
+    """The launcher ``op`` with the process runtime as its first argument (its signature: the
+    launcher's without ``rt``)."""
 
     @functools.wraps(op)
     def call(*args):
         return op(_rt(), *args)
 
+    sig = inspect.signature(op)
+    call.__signature__ = sig.replace(parameters=list(sig.parameters.values())[1:])
     return call
 
 
-router_fwd = _on_runtime(router.router_fwd)
-biased_topk = _on_runtime(router.biased_topk)
+LIMITS = {**router.LIMITS, **router_bwd.LIMITS, **layout.LIMITS, **topk.LIMITS}
+
+
+def router_fwd(
+    call: RouterCall,
+    logits,
+    expert_bias,
+    probs_out,
+    map_out,
+    qb_histogram,
+    qb_bin_bounds,
+    scores_out,
+    cutoff_out,
+):
+    """amdqb_router (router.py), or for grouped calls amdqb_topk's dense form (topk.py)."""
+    launcher = topk.router_fwd_grouped if call.grouped else router.router_fwd
+    launcher(
+        _rt(),
+        call,
+        logits,
+        expert_bias,
+        probs_out,
+        map_out,
+        qb_histogram,
+        qb_bin_bounds,
+        scores_out,
+        cutoff_out,
+    )
+
+
+biased_topk = _on_runtime(topk.biased_topk)
 align_block_size = _on_runtime(layout.align_block_size)
 
 
-def route_rows(
-    topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
-):
-    if deterministic and num_experts > layout.MAX_DET_EXPERTS:
-        # Beyond the LDS budget of the deterministic kernels: the oracle (eager only).
-        from ..torch import route_rows as torch_route_rows
-
-        torch_route_rows(
-            topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
-        )
-        return
-    layout.route_rows(
-        _rt(), topk_ids, num_experts, capacity, counters, rows_out, counts_out, deterministic, impl
-    )
-
-
-def score_values(
-    logits2d: torch.Tensor, score_function: str, complement=False, approximate=False
-) -> torch.Tensor:
-    """fp32 ``[T, E]`` activations exactly as the router kernel computes them (softmax: over E);
-    ``complement``: the tie-free selection's ``sigmoid(-z)``; ``approximate``: the opt-in
-    approximate activation's."""
-    return router.score_values(
-        _rt(), logits2d.contiguous(), score_function, complement=complement, approximate=approximate
-    )
+route_rows = _on_runtime(layout.route_rows)
 
 
 OPS = {
     "router_fwd": router_fwd,
+    "router_bwd": _on_runtime(router_bwd.router_bwd),
     "biased_topk": biased_topk,
     "route_rows": route_rows,
     "align_block_size": align_block_size,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import configs
+from ...devices import arch_config
 from ._spec import arg_ptr
 
 _STATIC_LDS_LIMIT = 48 * 1024  # dynamic + static LDS of a launch without an opt-in
@@ -33,4 +33,4 @@ def cdiv(a: int, b: int) -> int:
 
 def config(t: torch.Tensor):
     """The architecture config (``amdqb/configs``) of ``t``'s device."""
-    return configs.for_device(t.device)
+    return arch_config(t.device)

@@ -25,9 +25,19 @@ PACKAGED_SRC = _HERE.parent.parent / "_hip_src"  # amdqb/_hip_src (non-editable 
 PREBUILT_DIR = _HERE.parent.parent / "_hip_prebuilt"  # setup.py AOT code objects (optional)
 REPO_SRC = _HERE.parents[2] / "hip_src"  # <repo>/hip_src (editable / source tree)
 
-# Router kernels: compile-time codes.
+try:
+    from ..calls import SCORE_CODES
+except ImportError:  # loaded from its file by setup.py (no package): calls.py, from its file too
+    import importlib.util as _util
+    import sys as _sys
+
+    _calls = _util.spec_from_file_location("_amdqb_calls", _HERE.parent / "calls.py")
+    _module = _sys.modules[_calls.name] = _util.module_from_spec(_calls)  # for the dataclasses
+    _calls.loader.exec_module(_module)
+    SCORE_CODES = _module.SCORE_CODES
+
+# Router kernels: compile-time codes (the score codes are every backend's: amdqb.backends.calls).
 DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-SCORE_CODES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
 
 
 def source_root() -> Path:
@@ -122,6 +132,66 @@ def router_module(
             ("AMDQB_QB_HIST_BLOCK", str(int(cfg["hip.qb_hist.block"]))),
             ("AMDQB_QB_HIST_UNROLL", str(int(cfg["hip.qb_hist.unroll"]))),
             ("AMDQB_QB_HIST_MIN_BLOCKS", str(int(cfg["hip.qb_hist.min_blocks"]))),
+        ),
+    )
+
+
+def router_bwd_module(
+    num_experts: int, dtype_name: str, grad_dtype_name: str, score_function: str
+) -> ModuleSpec:
+    """router_bwd.hip for one expert count, logits / grad dtype and score function (rows of
+    min(32, next_pow2(E)) lanes)."""
+    lanes = 1
+    while lanes < min(32, num_experts):
+        lanes *= 2
+    return ModuleSpec(
+        "router_bwd.hip",
+        (
+            ("AMDQB_NUM_EXPERTS", str(int(num_experts))),
+            ("AMDQB_IN_DTYPE", str(DTYPE_CODES[dtype_name])),
+            ("AMDQB_GRAD_DTYPE", str(DTYPE_CODES[grad_dtype_name])),
+            ("AMDQB_SCORE", str(SCORE_CODES[score_function])),
+            ("AMDQB_APPROX_ACTIVATION", "0"),
+            ("AMDQB_ROW_LANES", str(lanes)),
+            ("AMDQB_SLOTS", str(-(-int(num_experts) // lanes))),
+        ),
+    )
+
+
+def topk_module(
+    plan,
+    dtype_name: str,
+    bias_dtype_name: str | None,
+    score_function: str,
+    cfg,
+    approximate: bool = False,
+    dense: bool = False,
+    input_dtype_math: bool = False,
+) -> ModuleSpec:
+    """topk.hip for one row plan (amdqb.backends.hip.topk.TopkPlan), logits / bias dtype and
+    score function; ``dense``: the TransformerEngine router's outputs over every expert."""
+    return ModuleSpec(
+        "topk.hip",
+        (
+            ("AMDQB_NUM_EXPERTS", str(int(plan.num_experts))),
+            ("AMDQB_IN_DTYPE", str(DTYPE_CODES[dtype_name])),
+            (
+                "AMDQB_BIAS_DTYPE",
+                str(-1 if bias_dtype_name is None else DTYPE_CODES[bias_dtype_name]),
+            ),
+            ("AMDQB_SCORE", str(SCORE_CODES[score_function])),
+            ("AMDQB_APPROX_ACTIVATION", "1" if approximate else "0"),
+            ("AMDQB_TOPK", str(int(plan.topk))),
+            ("AMDQB_ROW_LANES", str(int(plan.lanes))),
+            ("AMDQB_SLOTS", str(int(plan.slots))),
+            ("AMDQB_CONTIGUOUS", "1" if plan.contiguous else "0"),
+            ("AMDQB_GROUPS", str(int(plan.groups))),
+            ("AMDQB_GROUP_LANES", str(int(plan.group_lanes))),
+            ("AMDQB_TOPK_GROUP", str(int(plan.topk_group))),
+            ("AMDQB_GROUP_BEST", str(int(plan.group_best))),
+            ("AMDQB_DENSE", "1" if dense else "0"),
+            ("AMDQB_IN_DTYPE_MATH", "1" if input_dtype_math else "0"),
+            ("AMDQB_TOPK_BLOCK", str(int(cfg["hip.topk.block"]))),
         ),
     )
 
@@ -245,15 +315,76 @@ def arg_ptr(address: int | None) -> ctypes.c_void_p:
     return ctypes.c_void_p(int(address) if address else None)
 
 
+class RouterParams(ctypes.Structure):
+    """The by-value parameter of ``amdqb_router`` / ``amdqb_router_decode``: field for field
+    ``amdqb::RouterParams`` of ``hip_src/include/amdqb_router_params.h`` (natural alignment, as
+    the host and both GPU ABIs lay it out; op_tests/test_router_abi.py checks the offsets)."""
+
+    _fields_ = [
+        ("logits", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("probs", ctypes.c_void_p),
+        ("map", ctypes.c_void_p),
+        ("hist", ctypes.c_void_p),
+        ("bounds", ctypes.c_void_p),
+        ("alpha_out", ctypes.c_void_p),
+        ("w_out", ctypes.c_void_p),
+        ("id_out", ctypes.c_void_p),
+        ("bins_out", ctypes.c_void_p),
+        ("scores_out", ctypes.c_void_p),
+        ("num_tokens", ctypes.c_int32),
+        ("topk", ctypes.c_int32),
+        ("nsel", ctypes.c_int32),
+        ("normalize", ctypes.c_int32),
+        ("softmax_pre", ctypes.c_int32),
+        ("map_kind", ctypes.c_int32),
+        ("qb_mode", ctypes.c_int32),
+        ("num_bins", ctypes.c_int32),
+        ("qb_binning", ctypes.c_int32),
+        ("margin_bits", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+    ]
+
+    @classmethod
+    def of(cls, **values) -> RouterParams:
+        """Every field given (addresses as ints or None, ints range-checked as arg_i32 does)."""
+        names = [name for name, _ in cls._fields_]
+        if sorted(values) != sorted(names):
+            missing, extra = set(names) - set(values), set(values) - set(names)
+            raise TypeError(
+                f"RouterParams fields missing {sorted(missing)}, unknown {sorted(extra)}"
+            )
+        out = cls()
+        for name, ctype in cls._fields_:
+            value = values[name]
+            if ctype is ctypes.c_int32:
+                value = arg_i32(value).value
+            elif ctype is ctypes.c_float:
+                value = float(value)
+            else:
+                value = int(value) if value else None
+            setattr(out, name, value)
+        return out
+
+
+# Exact-width scalars and by-value structures (RouterParams here, TopkParams and AlignParams beside
+# their launchers) a kernel parameter may be.
+_ARG_TYPES = (ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p, ctypes.Structure)
+
+
 class KernelParams:
-    """``void*[n]`` whose entries point at the ctypes argument values; keeps them alive."""
+    """``void*[n]`` whose entries point at the ctypes argument values (scalars or by-value
+    structures); keeps them alive."""
 
     __slots__ = ("values", "array")
 
     def __init__(self, values):
         for v in values:
-            if not isinstance(v, (ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p)):
-                raise TypeError(f"kernel arguments must be exact-width ctypes values, got {v!r}")
+            if not isinstance(v, _ARG_TYPES):
+                raise TypeError(
+                    "kernel arguments must be exact-width ctypes values or a by-value parameter "
+                    f"structure, got {v!r}"
+                )
         self.values = tuple(values)
         self.array = (ctypes.c_void_p * max(1, len(self.values)))(
             *[ctypes.addressof(v) for v in self.values]

@@ -19,14 +19,18 @@ runs, and with a tile per CU some CUs got two (the serial ranking walk doubled).
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from ..calls import AlignCall, RouteRowsRequest
 from . import _spec
 from ._common import _STATIC_LDS_LIMIT, cdiv, config, dev, ptr
 from ._spec import arg_i32, arg_i64
 
+# Capability limits (declared in LIMITS below: the dispatcher passes this backend over beyond them).
 MAX_DET_EXPERTS = 12288  # deterministic route kernels keep E ints in LDS
-MAX_ALIGN_EXPERTS = 4096  # the align rank kernel keeps (warps + 1) * E + tile ints in LDS
+MAX_ALIGN_EXPERTS = 4096  # the align kernel keeps (1 + warps) * E ints in LDS
 
 
 def _id_suffix(topk_ids) -> str:
@@ -157,29 +161,79 @@ def route_rows(
         )
 
 
-def align_warps(num_experts: int, cfg) -> int:
-    """Logical warps per tile of the align rank kernel: the most (<= 8, a power of two) whose
-    per-warp slot rows fit the LDS of a launch without an opt-in."""
-    warps = 8
-    while warps > 1 and align_smem(num_experts, warps, cfg) + 128 > _STATIC_LDS_LIMIT:
+class AlignParams(ctypes.Structure):
+    """``struct AlignParams`` of layout.hip, field for field."""
+
+    _fields_ = [
+        ("ids", ctypes.c_void_p),
+        ("expert_map", ctypes.c_void_p),
+        ("tile_counts", ctypes.c_void_p),
+        ("sorted_ids", ctypes.c_void_p),
+        ("expert_ids", ctypes.c_void_p),
+        ("post_pad", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+        ("sorted_len", ctypes.c_int64),
+        ("num_experts", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+        ("tile", ctypes.c_int32),
+        ("tiles", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int32),
+        ("id_shift", ctypes.c_int32),
+        ("map_len", ctypes.c_int32),
+        ("map_mode", ctypes.c_int32),
+        ("owner_shift", ctypes.c_int32),
+        ("tail_value", ctypes.c_int32),
+        ("flags", ctypes.c_int32),
+        ("rank_warps", ctypes.c_int32),
+    ]
+
+
+_MAP_MODES = {"none": 0, "filter": 1, "output": 2}
+_BASES_PER_THREAD = (
+    16  # the rank kernel's per-thread registers for the tile bases (E <= 16 * threads)
+)
+
+
+def align_rank_warps(num_experts: int) -> int:
+    """Warps that rank in amdqb_align: the most (<= 32, a power of two) whose per-warp slot rows
+    fit the LDS of a launch without an opt-in, (1 + warps) * E ints."""
+    warps = 32
+    while warps > 1 and 4 * (1 + warps) * num_experts + 128 > _STATIC_LDS_LIMIT:
         warps //= 2
     return warps
 
 
-def align_smem(num_experts: int, warps: int, cfg) -> int:
-    """Dynamic LDS bytes of the align rank kernel: starts, per-warp slots, the tile's experts."""
-    return 4 * ((warps + 1) * num_experts + _spec.det_tile(cfg))
+def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
+    """(tiles, routes per tile, threads, ranking warps) of an align call. Up to
+    ``hip.align.single_block_routes`` routes one block does everything (one launch), with as many
+    ranking warps as give each two or more chunks of 32 routes; beyond, tiles of at least
+    ``hip.align.min_tile_routes`` routes, at most ``hip.align.max_tiles`` of them and at most
+    ``hip.align.colsum_budget`` column entries (tiles * E) for every rank block to sum."""
+    lds_warps = align_rank_warps(num_experts)
+    if n <= cfg["hip.align.single_block_routes"]:
+        warps = 1
+        while warps < lds_warps and 64 * warps < n:
+            warps *= 2
+        return 1, max(n, 1), max(256, 32 * warps), warps
+    tiles = min(
+        cfg["hip.align.max_tiles"],
+        max(1, cfg["hip.align.colsum_budget"] // num_experts),
+        cdiv(n, cfg["hip.align.min_tile_routes"]),
+    )
+    per = cdiv(n, max(1, tiles))
+    threads = 32 * lds_warps
+    while threads * _BASES_PER_THREAD < num_experts:  # each thread holds its experts' tile bases
+        threads *= 2
+    return cdiv(n, per), per, threads, lds_warps
 
 
 def align_block_size(
-    rt, topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
+    rt, call: AlignCall, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
+    """amdqb_align (one launch up to hip.align.single_block_routes routes), else
+    amdqb_align_hist + amdqb_align (its dependent)."""
     n = topk_ids.numel()
-    if n == 0:
-        sorted_ids_out.fill_(0)  # the sentinel is numel = 0
-        expert_ids_out.zero_()
-        num_post_pad_out.zero_()
-        return
+    num_experts = call.num_experts
     if num_experts > MAX_ALIGN_EXPERTS:
         raise ValueError(
             f"hip align supports num_experts <= {MAX_ALIGN_EXPERTS}, got {num_experts}"
@@ -187,29 +241,61 @@ def align_block_size(
     cfg = config(topk_ids)
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
-    suffix = _id_suffix(topk_ids)
-    ids, n_arg, e_arg = ptr(topk_ids), arg_i64(n), arg_i32(num_experts)
-    totals = torch.empty(num_experts, dtype=torch.int32, device=topk_ids.device)
-    tiles, tile_counts = _tile_slot_bases(
-        rt, cfg, topk_ids, num_experts, None, totals, fill=(sorted_ids_out, n)
+    tiles, per, threads, warps = align_plan(n, num_experts, cfg)
+    tile_counts = None
+    if tiles > 1:
+        tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
+    flags = (1 if topk_ids.dtype == torch.int64 else 0) | (
+        2 if expert_map is not None and expert_map.dtype == torch.int64 else 0
     )
-    warps = align_warps(num_experts, cfg)
-    k = rt.kernel(device, spec, f"amdqb_align_rank_{suffix}")
-    _det_launch(rt, cfg, tiles, device)(
-        k,
+    params = AlignParams(
+        topk_ids.data_ptr() if n else None,
+        None if expert_map is None else expert_map.data_ptr(),
+        None if tile_counts is None else tile_counts.data_ptr(),
+        sorted_ids_out.data_ptr() if sorted_ids_out.numel() else None,
+        expert_ids_out.data_ptr() if expert_ids_out.numel() else None,
+        num_post_pad_out.data_ptr(),
+        n,
+        sorted_ids_out.numel(),
+        num_experts,
+        call.block_size,
+        per,
         tiles,
-        32 * warps,
-        align_smem(num_experts, warps, cfg),
-        [
-            ids,
-            n_arg,
-            e_arg,
-            arg_i32(block_size),
-            ptr(tile_counts),
-            ptr(totals),
-            ptr(sorted_ids_out),
-            ptr(expert_ids_out),
-            arg_i32(expert_ids_out.numel()),
-            ptr(num_post_pad_out),
-        ],
+        expert_ids_out.numel(),
+        call.id_shift,
+        0 if expert_map is None else expert_map.numel(),
+        _MAP_MODES[call.map_mode],
+        call.owner_shift,
+        call.tail_value,
+        flags,
+        warps,
     )
+    smem = 4 * (1 + warps) * num_experts
+    if tiles > 1:
+        k = rt.kernel(device, spec, "amdqb_align_hist")
+        rt.launch(k, tiles, 1024, 4 * num_experts, [params])
+        launch = rt.launch_dependent if cfg["hip.route.det_dependent_launch"] else rt.launch
+    else:
+        launch = rt.launch
+    launch(rt.kernel(device, spec, "amdqb_align"), tiles, threads, smem, [params])
+
+
+# ------------------------------------------------------------------------------------------------
+# Capability checks (the dispatcher's: a reason passes this backend over, the next one runs)
+# ------------------------------------------------------------------------------------------------
+def route_rows_limits(info, request: RouteRowsRequest) -> str | None:
+    if request.deterministic and request.num_experts > MAX_DET_EXPERTS:
+        return (
+            f"deterministic routes with num_experts={request.num_experts} > {MAX_DET_EXPERTS} "
+            "(the kernels keep E counters in LDS)"
+        )
+    return None
+
+
+def align_block_size_limits(info, request: AlignCall) -> str | None:
+    if request.num_experts > MAX_ALIGN_EXPERTS:
+        return f"align with num_experts={request.num_experts} > {MAX_ALIGN_EXPERTS} (LDS rows)"
+    return None
+
+
+LIMITS = {"route_rows": route_rows_limits, "align_block_size": align_block_size_limits}

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import torch
 
+from ... import configs
 from ...ref.router import margin_octave_bits
+from ..calls import RouterCall
 from . import _spec
 from ._common import cdiv, config, dev, ptr
-from ._spec import arg_f32, arg_i32
+from ._spec import arg_i32
 
-# Limits of this backend (``unsupported`` declines beyond them; the next backend runs the op).
+# Capability limits (declared in LIMITS below: the dispatcher passes this backend over beyond them).
 MAX_ROUTER_EXPERTS = 4096  # experts per lane live in registers (spills beyond ~2048)
 MAX_QB_BINS = 12288  # one LDS histogram row of the two-kernel mode within 48 KiB
 
@@ -115,69 +117,77 @@ def decode_threads(num_experts: int, cfg) -> int:
     return 32 * min(8, warps)
 
 
+def _addr(t) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _launch_router(
     rt,
     cfg,
     logits,
     score_function,
-    expert_bias,
+    *,
+    bias=None,
     topk,
     nsel,
     normalize,
     softmax_pre,
     scale,
-    probs,
-    map_out,
-    map_kind,
-    qb_mode,
-    hist,
-    bounds,
-    num_bins,
-    alpha,
-    w_out,
-    id_out,
-    decode_max_tokens=0,
-    tie_free=False,
+    probs=None,
+    map_out=None,
+    map_kind=0,
+    qb_mode=0,
+    hist=None,
+    bounds=None,
+    num_bins=0,
+    alpha=None,
+    w_out=None,
+    id_out=None,
     margin=False,
     bins_out=None,
+    scores=None,
+    decode_max_tokens=0,
+    tie_free=False,
     approximate=False,
 ):
     """amdqb_router (one warp per token), or its decode form amdqb_router_decode (one block per
     token) for element-wise scores and at most ``decode_max_tokens`` tokens; same outputs, bit
-    for bit. Returns the module spec it launched from (the QB histogram pass comes from it too)."""
+    for bit. Both take one :class:`~._spec.RouterParams` by value. Returns the module spec it
+    launched from (the QB histogram pass comes from it too)."""
     tokens, num_experts = logits.shape
     _check_selection(topk, nsel, num_experts, cfg)
     device = dev(logits)
     spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free, approximate)
-    args = [
-        ptr(logits),
-        arg_i32(tokens),
-        ptr(expert_bias),
-        arg_i32(topk),
-        arg_i32(nsel),
-        arg_i32(1 if normalize else 0),
-        arg_i32(1 if softmax_pre else 0),
-        arg_f32(scale),
-        ptr(probs),
-        ptr(map_out),
-        arg_i32(map_kind),
-        arg_i32(qb_mode),
-        ptr(hist),
-        ptr(bounds),
-        arg_i32(num_bins),
-        ptr(alpha),
-        ptr(w_out),
-        ptr(id_out),
-        arg_i32(1 if margin else 0),
-        arg_i32(margin_octave_bits(num_bins) if margin else 0),
-        ptr(bins_out),
-    ]
+    params = _spec.RouterParams.of(
+        logits=_addr(logits),
+        bias=_addr(bias),
+        probs=_addr(probs),
+        map=_addr(map_out),
+        hist=_addr(hist),
+        bounds=_addr(bounds),
+        alpha_out=_addr(alpha),
+        w_out=_addr(w_out),
+        id_out=_addr(id_out),
+        bins_out=_addr(bins_out),
+        scores_out=_addr(scores),
+        num_tokens=tokens,
+        topk=topk,
+        nsel=nsel,
+        normalize=1 if normalize else 0,
+        softmax_pre=1 if softmax_pre else 0,
+        map_kind=map_kind,
+        qb_mode=qb_mode,
+        num_bins=num_bins,
+        qb_binning=1 if margin else 0,
+        margin_bits=margin_octave_bits(num_bins) if margin else 0,
+        scale=scale,
+    )
     if score_function != "softmax" and tokens <= decode_max_tokens:
         k = rt.kernel(device, spec, "amdqb_router_decode")
-        rt.launch(k, tokens, decode_threads(num_experts, cfg), 0, args)
+        rt.launch(k, tokens, decode_threads(num_experts, cfg), 0, [params])
     else:
         k = rt.kernel(device, spec, "amdqb_router")
-        rt.launch(k, _router_grid(rt, cfg, k, device, tokens), router_block(cfg), 0, args)
+        rt.launch(k, _router_grid(rt, cfg, k, device, tokens), router_block(cfg), 0, [params])
     return spec
 
 
@@ -208,59 +218,56 @@ def qb_hist_vec(logits, epb: int, cfg) -> int:
 
 def router_fwd(
     rt,
+    call: RouterCall,
     logits,
-    topk,
-    score_function,
-    use_pre_softmax,
-    num_groups,
-    group_topk,
-    scaling_factor,
     expert_bias,
     probs_out,
     map_out,
-    map_kind,
     qb_histogram,
     qb_bin_bounds,
-    qb_mode,
-    selection="te",
-    qb_binning="uniform",
-    approximate=False,
+    scores_out,
+    cutoff_out,
 ):
-    if num_groups is not None:
-        raise NotImplementedError("hip router: grouped Top-k is declined via unsupported()")
+    call.check_forward(logits, qb_histogram)
+    if call.grouped:
+        raise NotImplementedError("hip router: grouped Top-k is a declared capability limit")
     tokens, num_experts = logits.shape
     if tokens == 0:
         return
     cfg = config(logits)
-    qb = qb_histogram is not None
-    if qb and score_function != "sigmoid":  # the op refuses it; this guards direct calls
-        raise ValueError(f"hip router: QB supports sigmoid only, got {score_function!r}")
-    if qb and qb_mode == "auto":
+    qb = call.qb
+    if qb and call.score_function != "sigmoid":  # the op refuses it; this guards direct calls
+        raise ValueError(f"hip router: QB supports sigmoid only, got {call.score_function!r}")
+    qb_mode = call.qb_mode
+    if qb_mode == "auto":
         qb_mode = auto_qb_mode(tokens, num_experts, cfg)
     if qb and not qb_bin_bounds.is_contiguous():  # the kernels read bounds[0], bounds[1]
         qb_bin_bounds = qb_bin_bounds.contiguous()
-    kind = _INDEX_KINDS[map_out.dtype] if map_kind == "indices" else _MAP_KINDS[map_kind]
-    softmax = score_function == "softmax"
-    num_bins = qb_histogram.shape[1] if qb else 0
-    margin = qb and qb_binning == "log_margin"
-    alpha = bins = None
+    if call.map_kind == "indices":
+        kind = _INDEX_KINDS[map_out.dtype]
+    else:
+        kind = _MAP_KINDS[call.map_kind]
+    softmax = call.score_function == "softmax"
+    num_bins = call.num_bins
+    margin = qb and call.qb_binning == "log_margin"
+    alpha, bins = cutoff_out, None
     if qb and qb_mode == "two_kernel":
         if margin:  # the router's bin of every (token, expert)
             bins = torch.empty(tokens, num_experts, dtype=torch.uint8, device=logits.device)
-        else:  # the router's cutoff alpha of every token
+        elif alpha is None:  # the router's cutoff alpha of every token
             alpha = torch.empty(tokens, dtype=torch.float32, device=logits.device)
     fused = qb and qb_mode == "fused_atomic"
     spec = _launch_router(
         rt,
         cfg,
         logits,
-        score_function,
-        expert_bias,
-        topk,
-        topk + 1 if qb else topk,
-        normalize=(not softmax) and topk > 1,
-        softmax_pre=softmax and bool(use_pre_softmax),
-        scale=1.0 if scaling_factor is None else scaling_factor,
+        call.score_function,
+        bias=expert_bias,
+        topk=call.topk,
+        nsel=call.num_selected,
+        normalize=(not softmax) and call.topk > 1,
+        softmax_pre=softmax and call.use_pre_softmax,
+        scale=1.0 if call.scaling_factor is None else call.scaling_factor,
         probs=probs_out,
         map_out=map_out,
         map_kind=kind,
@@ -269,19 +276,18 @@ def router_fwd(
         bounds=qb_bin_bounds,
         num_bins=num_bins,
         alpha=alpha,
-        w_out=None,
-        id_out=None,
+        margin=margin,
+        bins_out=bins,
+        scores=scores_out,
         decode_max_tokens=cfg[
             "hip.router.decode_max_tokens_fused" if fused else "hip.router.decode_max_tokens"
         ],
-        tie_free=selection == "tie_free",
-        margin=margin,
-        bins_out=bins,
-        approximate=approximate,
+        tie_free=call.selection == "tie_free",
+        approximate=call.approximate,
     )
     if bins is not None:
         _count_margin_bins(rt, cfg, spec, bins, num_bins, qb_histogram)
-    if alpha is not None:
+    elif qb and qb_mode == "two_kernel":
         device = dev(logits)
         epb, slices, per = qb_hist_config(
             num_experts, num_bins, tokens, rt.smem_budget(device), rt.num_cus(device), cfg
@@ -361,7 +367,7 @@ def biased_topk(
     approximate=False,
 ):
     if num_groups is not None:
-        raise NotImplementedError("hip biased_topk: grouped Top-k is declined via unsupported()")
+        raise NotImplementedError("hip biased_topk: grouped Top-k is a declared capability limit")
     if logits.shape[0] == 0:
         return
     cfg = config(logits)
@@ -370,20 +376,12 @@ def biased_topk(
         cfg,
         logits,
         score_function,
-        expert_bias,
-        topk,
-        topk,
+        bias=expert_bias,
+        topk=topk,
+        nsel=topk,
         normalize=bool(renormalize),
         softmax_pre=True,  # serving softmax: over all experts, then Top-k
         scale=1.0 if scaling_factor is None else scaling_factor,
-        probs=None,
-        map_out=None,
-        map_kind=0,
-        qb_mode=0,
-        hist=None,
-        bounds=None,
-        num_bins=0,
-        alpha=None,
         w_out=weights_out,
         id_out=ids_out,
         decode_max_tokens=cfg["hip.biased_topk.decode_max_tokens"],
@@ -391,25 +389,26 @@ def biased_topk(
     )
 
 
-def score_values(
-    rt, logits2d, score_function, extra_defines=(), complement=False, approximate=False
-):
-    """fp32 ``[T, E]`` scores exactly as the router kernel computes them (softmax: over E);
-    ``complement`` (sigmoid): the tie-free selection's ``c = sigmoid(-z)`` instead.
-    ``extra_defines``: more ``(name, value)`` compile-time constants (tests build variants)."""
-    tokens = logits2d.shape[0]
-    out = torch.empty(logits2d.shape, dtype=torch.float32, device=logits2d.device)
-    if tokens:
-        cfg = config(logits2d)
-        device = dev(logits2d)
-        spec = router_spec(logits2d, score_function, cfg, approximate=approximate)
-        spec = spec.with_defines(*extra_defines)
-        k = rt.kernel(device, spec, "amdqb_scores")
-        rt.launch(
-            k,
-            _router_grid(rt, cfg, k, device, tokens),
-            router_block(cfg),
-            0,
-            [ptr(logits2d), arg_i32(tokens), ptr(out), arg_i32(1 if complement else 0)],
-        )
-    return out
+# ------------------------------------------------------------------------------------------------
+# Capability checks (the dispatcher's: a reason passes this backend over, the next one runs)
+# ------------------------------------------------------------------------------------------------
+def topk_limits(info, num_experts: int, grouped: bool, num_selected: int) -> str | None:
+    """The router kernels' limits (biased_topk's fallback in topk.py shares them)."""
+    if grouped:
+        return "grouped Top-k is not implemented"
+    if num_experts > MAX_ROUTER_EXPERTS:
+        return f"num_experts={num_experts} > {MAX_ROUTER_EXPERTS} (register-resident rows)"
+    cap = max_select(configs.load(info.arch_family))
+    if num_selected > cap:
+        return f"selecting {num_selected} experts per token > {cap}"
+    return None
+
+
+def router_fwd_limits(info, call: RouterCall) -> str | None:
+    why = topk_limits(info, call.num_experts, call.grouped, call.num_selected)
+    if why is None and call.qb and call.num_bins > MAX_QB_BINS:
+        why = f"QB num_bins={call.num_bins} > {MAX_QB_BINS} (LDS row)"
+    return why
+
+
+LIMITS = {"router_fwd": router_fwd_limits}

@@ -11,72 +11,80 @@ import torch
 from ... import ref
 from ...ref import aux_loss as ref_aux
 from ...ref.qb import LOG_MARGIN_RHO
-from ...ref.router import NORM_EPS, activation
+from ...ref.router import NORM_EPS, activation, qb_cutoff_and_routes, sigmoid_complement
+from .. import _serving
+from ..calls import AlignCall, RouterCall, TopkCall
 
 
 def availability(info) -> tuple[bool, str]:
     return True, "pure PyTorch, always available"
 
 
+def _router_scores(logits, call: RouterCall) -> torch.Tensor:
+    """The fp32 scores the oracle ranks, before the bias (``RouterCall.write_scores``)."""
+    z = logits.float()
+    if call.score_function != "softmax":
+        return activation(z, call.score_function)
+    return torch.softmax(z, dim=-1) if call.use_pre_softmax else z
+
+
 def router_fwd(
+    call: RouterCall,
     logits,
-    topk,
-    score_function,
-    use_pre_softmax,
-    num_groups,
-    group_topk,
-    scaling_factor,
     expert_bias,
     probs_out,
     map_out,
-    map_kind,
     qb_histogram,
     qb_bin_bounds,
-    qb_mode,
-    selection="te",
-    qb_binning="uniform",
-    approximate=False,  # the oracle is exact: the approximation is a kernel opt-in
+    scores_out,
+    cutoff_out,
 ):
+    call.check_forward(logits, qb_histogram)
+    # call.approximate is ignored: the oracle is exact (the approximation is a kernel opt-in)
     with torch.no_grad():
         probs, idx, routing_map = ref.fused_topk_with_score_function(
             logits,
-            topk,
-            use_pre_softmax=use_pre_softmax,
-            num_groups=num_groups,
-            group_topk=group_topk,
-            scaling_factor=scaling_factor,
-            score_function=score_function,
+            call.topk,
+            use_pre_softmax=call.use_pre_softmax,
+            num_groups=call.num_groups,
+            group_topk=call.group_topk,
+            scaling_factor=call.scaling_factor,
+            score_function=call.score_function,
             expert_bias=expert_bias,
             qb_histogram=qb_histogram,
             qb_bin_bounds=qb_bin_bounds,
-            selection=selection,
-            qb_binning=qb_binning,
+            selection=call.selection,
+            qb_binning=call.qb_binning,
         )
+        if call.write_scores or call.write_cutoff:
+            scores = _router_scores(logits, call)
+        if call.write_cutoff:
+            complements = sigmoid_complement(logits) if call.selection == "tie_free" else None
+            _, alpha, _ = qb_cutoff_and_routes(
+                scores, expert_bias, call.topk, call.selection, complements
+            )
+            cutoff_out.copy_(alpha)
+        if call.write_scores:
+            scores_out.copy_(scores)
     probs_out.copy_(probs)
-    if map_kind == "bytemap":
+    if call.map_kind == "bytemap":
         map_out.copy_(routing_map)
-    elif map_kind == "bitmap":
+    elif call.map_kind == "bitmap":
         map_out.copy_(ref.pack_bitmap(routing_map))
     else:
         map_out.copy_(idx)
 
 
-def router_bwd(
-    grad_probs,
-    logits,
-    routed,
-    topk,
-    score_function,
-    use_pre_softmax,
-    scaling_factor,
-    grad_logits_out,
-):
+def router_bwd(call: RouterCall, grad_probs, logits, routed, grad_logits_out):
     """TE's backward formulas, written out (the routed set is given, not re-selected)."""
+    call.check(logits)
+    score_function, topk = call.score_function, call.topk
     z = logits.float()
+    scaling_factor = call.scaling_factor
     g = grad_probs.float() * (1.0 if scaling_factor is None else scaling_factor)
     mask = routed
     if score_function == "softmax":
-        if use_pre_softmax:
+        if call.use_pre_softmax:
             act = torch.softmax(z, dim=-1)
             g = torch.where(mask, g, 0.0)
             grad = act * (g - (g * act).sum(-1, keepdim=True))
@@ -101,31 +109,27 @@ def router_bwd(
     grad_logits_out.copy_(g)
 
 
-def biased_topk(
-    logits,
-    topk,
-    expert_bias,
-    score_function,
-    renormalize,
-    scaling_factor,
-    num_groups,
-    group_topk,
-    weights_out,
-    ids_out,
-    approximate=False,  # the oracle is exact: the approximation is a kernel opt-in
-):
-    w, ids = ref.biased_topk(
+def biased_topk(call: TopkCall, logits, expert_bias, weights_out, ids_out, tei_out, non_padded):
+    # the oracle is exact: call.approximate (a kernel opt-in) does not apply
+    w, ids = ref.serving_topk(
         logits,
-        topk,
+        call.topk,
         expert_bias,
-        score_function=score_function,
-        renormalize=renormalize,
-        scaling_factor=scaling_factor,
-        num_groups=num_groups,
-        group_topk=group_topk,
+        score_function=call.score_function,
+        renormalize=call.renormalize,
+        scaling_factor=call.scaling_factor,
+        num_groups=call.num_groups,
+        group_topk=call.group_topk,
+        num_shared=call.num_shared,
+        shared_weight=call.shared_weight,
+        shared_div=call.shared_div,
+        non_padded=non_padded if non_padded is not None else call.non_padded_rows,
+        input_dtype_math=call.input_dtype_math,
     )
     weights_out.copy_(w)
     ids_out.copy_(ids)
+    if tei_out is not None:
+        tei_out.copy_(ref.token_expert_indices(logits.shape[0], call.topk, logits.device))
 
 
 def qb_recover(histogram, bin_bounds, topk, out, binning="uniform", expert_bias=None):
@@ -164,11 +168,12 @@ def route_rows(
 
 
 def align_block_size(
-    topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
+    call: AlignCall, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
     # The layout of any buffer length is a prefix of the oracle's, the rest sentinel / expert 0:
     # the op checked that the buffers hold the padded total, so only those fill values are cut.
-    sorted_ids, expert_ids, post = ref.moe_align_block_size(topk_ids, block_size, num_experts)
+    ids = _serving.align_buckets(call, topk_ids, expert_map)
+    sorted_ids, expert_ids, post = ref.moe_align_block_size(ids, call.block_size, call.num_experts)
     n = min(sorted_ids.numel(), sorted_ids_out.numel())
     sorted_ids_out.fill_(topk_ids.numel())
     sorted_ids_out[:n].copy_(sorted_ids[:n])
@@ -176,6 +181,7 @@ def align_block_size(
     expert_ids_out.zero_()
     expert_ids_out[:nb].copy_(expert_ids[:nb])
     num_post_pad_out.copy_(post)
+    _serving.align_finish(call, expert_map, expert_ids_out, num_post_pad_out)
 
 
 def chunk_row_map(split_sizes, sorted_indices, output_split_sizes, row_map_out, num_in_tokens):

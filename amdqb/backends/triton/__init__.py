@@ -12,12 +12,10 @@ from __future__ import annotations
 from . import aux_loss, chunks, layout, qb, router
 from ._common import interpreting
 
-# the router's own activations (tests compare on them)
-from .router import score_values as score_values
-
 _MODULES = (router, layout, chunks, qb, aux_loss)
 OPS = {name: fn for module in _MODULES for name, fn in module.OPS.items()}
-_UNSUPPORTED = {name: fn for module in _MODULES for name, fn in module.UNSUPPORTED.items()}
+# the capability checks, declared next to each op's launcher
+LIMITS = {name: fn for module in _MODULES for name, fn in getattr(module, "LIMITS", {}).items()}
 
 
 def availability(info) -> tuple[bool, str]:
@@ -30,9 +28,3 @@ def availability(info) -> tuple[bool, str]:
             return True, "TRITON_INTERPRET=1 (CPU interpreter)"
         return False, "no GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)"
     return True, f"triton {triton.__version__} on {info.arch}"
-
-
-def unsupported(op: str, info, features: dict):
-    """Reason this backend declines a configuration, or None."""
-    hook = _UNSUPPORTED.get(op)
-    return hook(info, features) if hook else None

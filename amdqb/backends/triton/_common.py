@@ -19,6 +19,11 @@ def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
+def floor_pow2(n: int) -> int:
+    """The largest power of two <= ``n`` (1 for ``n <= 1``)."""
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
 def compile_options(device: torch.device) -> dict:
     """Options of launches that must compute torch's bits: no FMA contraction, and on NVIDIA
     libdevice without flush-to-zero (Triton links it with denormals flushed unless told

@@ -242,6 +242,8 @@ def _router_fwd_kernel(
     cut_ptr,
     scratch_ptr,
     bytes_ptr,
+    scores_ptr,
+    cutoff_ptr,
     T,
     scaling,
     E: tl.constexpr,
@@ -275,6 +277,8 @@ def _router_fwd_kernel(
     TIE_FREE: tl.constexpr,  # select by b - sigmoid(-z) instead of s + b (sigmoid with a bias)
     MARGIN: tl.constexpr,  # QB binning: False uniform (r = alpha - s), True log_margin (d)
     MBITS: tl.constexpr,  # log_margin: 2^MBITS bins per octave
+    SCORES: tl.constexpr,  # write the scores before the bias (scores_ptr, fp32 [T, E])
+    CUTOFF: tl.constexpr,  # QB: write the cutoff alpha (cutoff_ptr, fp32 [T])
 ):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -326,6 +330,8 @@ def _router_fwd_kernel(
             else:
                 sel = wv
     key = tl.where(valid[None, :], _order_key(sel), INT32_MIN)
+    if SCORES:
+        tl.store((scores_ptr + rbase)[:, None] + col[None, :], wv, mask=mask2)
 
     # ---- grouped Top-k: keep the GT groups whose best GN selection values sum highest ----------
     if NG > 1:
@@ -521,6 +527,8 @@ def _router_fwd_kernel(
     # ---- Quantile Balancing -------------------------------------------------------------------
     if QB > 0:
         alpha = _key_value(kc)  # the (k+1)-th selection value
+        if CUTOFF:
+            tl.store(cutoff_ptr + rows, alpha, mask=row_ok)
         if MARGIN:
             # log_margin: d = alpha - (the selection value), binned by the router itself; the
             # two-kernel mode stores the bins ([T, E] bytes) for the counting pass
@@ -589,40 +597,6 @@ def _qb_hist_kernel(
         h = tl.arange(0, NB)
         ok = (acc > 0) & (h < EPP * NBINS) & (pe * EPP * NBINS + h < E * NBINS)
         tl.atomic_add(hbase + h, acc, mask=ok, sem="relaxed")
-
-
-# --------------------------------------------------------------------------------------------
-# Activations alone (tests evaluate the oracle on the kernels' own fp32 scores).
-# --------------------------------------------------------------------------------------------
-@triton.jit
-def _scores_kernel(
-    logits_ptr,
-    out_ptr,
-    T,
-    E: tl.constexpr,
-    W: tl.constexpr,
-    BT: tl.constexpr,
-    SCORE: tl.constexpr,
-    APPROX: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rows = pid * BT + tl.arange(0, BT)
-    row_ok = rows < T
-    p = tl.arange(0, W)
-    valid = p < E
-    mask2 = row_ok[:, None] & valid[None, :]
-    rbase = rows.to(tl.int64) * E
-    offs = rbase[:, None] + p[None, :]
-    z = tl.load(logits_ptr + offs, mask=mask2, other=0.0).to(tl.float32)
-    if SCORE == 2:
-        zm = tl.where(valid[None, :], z, float("-inf"))
-        m = tl.max(zm, axis=1)
-        ex = tl.where(valid[None, :], _exp(zm - m[:, None], APPROX), 0.0)
-        ssum = _softmax_row_sum(logits_ptr, rbase, row_ok, m, E, BT, APPROX)
-        s = tl.math.div_rn(ex, ssum[:, None])
-    else:
-        s = _score(z, SCORE, APPROX)
-    tl.store(out_ptr + offs, s, mask=mask2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,21 +24,13 @@ import torch
 import triton
 
 from ... import configs
+from ...devices import device_info
 from ...ref.router import pack_bitmap
+from ..calls import SCORE_CODES, AuxScoresRequest
 from . import _aux_loss_kernels as K
-from ._common import compile_options, on_device
+from ._common import compile_options, floor_pow2, on_device, pow2
 
-MAX_EXPERTS = 8192
-
-_SCORES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
-
-
-def _floor_pow2(x: int) -> int:
-    return 1 << (max(1, int(x)).bit_length() - 1)
+MAX_ROW_EXPERTS = 8192
 
 
 def _config_of(family: str) -> dict:
@@ -49,14 +41,12 @@ def _config_of(family: str) -> dict:
 
 
 def _config(device: torch.device) -> dict:
-    from ... import dispatch
-
-    return _config_of(dispatch.device_info(device).arch_family)
+    return _config_of(device_info(device).arch_family)
 
 
 def _tile(E: int, cfg: dict) -> tuple[int, int, int]:
-    W = max(16, _next_pow2(E))
-    BT = _floor_pow2(max(1, cfg["row_elems"] // W))
+    W = max(16, pow2(E))
+    BT = floor_pow2(max(1, cfg["row_elems"] // W))
     warps = max(1, min(cfg["max_warps"], BT * W // cfg["elems_per_warp"]))
     return W, BT, warps
 
@@ -87,7 +77,7 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
             K=topk,
             W=W,
             BT=BT,
-            SCORE=_SCORES[score_function],
+            SCORE=SCORE_CODES[score_function],
             EXTRACT=topk <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
             num_warps=warps,
@@ -112,7 +102,7 @@ def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
             E=E,
             W=W,
             BT=BT,
-            SCORE=_SCORES[score_function],
+            SCORE=SCORE_CODES[score_function],
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -128,7 +118,7 @@ def activation_values(logits: torch.Tensor, score_function: str) -> torch.Tensor
     block = 1024
     with on_device(x):
         K._activation_kernel[(triton.cdiv(n, block),)](
-            x, out, n, BLOCK=block, SCORE=_SCORES[score_function], **compile_options(x.device)
+            x, out, n, BLOCK=block, SCORE=SCORE_CODES[score_function], **compile_options(x.device)
         )
     return out
 
@@ -137,8 +127,8 @@ def activation_values(logits: torch.Tensor, score_function: str) -> torch.Tensor
 # Aux loss.
 # --------------------------------------------------------------------------------------------
 def _loss_tile(C: int, cfg: dict) -> tuple[int, int]:
-    BC = min(_next_pow2(C), 1024)
-    BR = _floor_pow2(max(1, cfg["loss_tile_elems"] // BC))
+    BC = min(pow2(C), 1024)
+    BR = floor_pow2(max(1, cfg["loss_tile_elems"] // BC))
     return BC, BR
 
 
@@ -175,7 +165,7 @@ def aux_loss_fwd(
             progs,
             float(coeff_host),
             float(coeff_prefix),
-            PB=max(16, _next_pow2(progs)),
+            PB=max(16, pow2(progs)),
             HAS_T=has_t,
             num_warps=1,
             **opts,
@@ -204,12 +194,14 @@ def aux_loss_bwd(coeff_buf, tokens_per_expert, grad_loss, grad_probs_out):
 
 
 # --------------------------------------------------------------------------------------------
-# Dispatcher hooks.
+# Capability checks (the dispatcher's: a reason passes this backend over, the next one runs).
 # --------------------------------------------------------------------------------------------
-def _scores_unsupported(info, features):
-    e = features.get("num_experts", 0)
-    if e > MAX_EXPERTS:
-        return f"E > {MAX_EXPERTS} (num_experts={e}): a whole row is kept in registers"
+def aux_scores_limits(info, request: AuxScoresRequest) -> str | None:
+    if request.num_experts > MAX_ROW_EXPERTS:
+        return (
+            f"E > {MAX_ROW_EXPERTS} (num_experts={request.num_experts}): a whole row is kept in "
+            "registers"
+        )
     return None
 
 
@@ -219,4 +211,4 @@ OPS = {
     "aux_loss_fwd": aux_loss_fwd,
     "aux_loss_bwd": aux_loss_bwd,
 }
-UNSUPPORTED = {"aux_scores_fwd": _scores_unsupported, "aux_scores_bwd": _scores_unsupported}
+LIMITS = {"aux_scores_fwd": aux_scores_limits, "aux_scores_bwd": aux_scores_limits}

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ... import configs
+from ...devices import arch_config
 from . import _chunk_kernels as K
 from ._common import on_device, pow2
 
@@ -61,7 +61,7 @@ def chunk_copy(src, row_map, dst, reverse):
         hidden *= size
     if p == 0 or hidden == 0:
         return
-    cfg = configs.for_device(src.device)
+    cfg = arch_config(src.device)
     br, bh = _copy_tiles(p, hidden, cfg)
     with on_device(src):
         K._chunk_copy_kernel[(triton.cdiv(p, br), triton.cdiv(hidden, bh))](
@@ -72,4 +72,3 @@ def chunk_copy(src, row_map, dst, reverse):
 
 
 OPS = {"chunk_row_map": chunk_row_map, "chunk_copy": chunk_copy}
-UNSUPPORTED: dict = {}

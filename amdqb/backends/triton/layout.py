@@ -30,7 +30,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from ... import configs
+from ...devices import arch_config
+from .. import _serving
+from ..calls import AlignCall, RouteRowsRequest
 from . import _layout_kernels as K
 from ._common import on_device, pow2
 
@@ -119,7 +121,7 @@ def route_rows(
     ids = topk_ids.reshape(-1)
     rows = rows_out.view(-1)
     cap = 0 if capacity is None else capacity
-    cfg = configs.for_device(ids.device)
+    cfg = arch_config(ids.device)
     with on_device(ids):
         if deterministic:
             _route_deterministic(ids, num_experts, capacity, counters, rows, counts_out, n, cfg)
@@ -192,6 +194,16 @@ def _align_wide(ids, block_size, num_experts, sorted_ids, expert_ids, num_post_p
 
 
 def align_block_size(
+    call: AlignCall, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
+):
+    ids = _serving.align_buckets(call, topk_ids, expert_map)
+    _align_block_size(
+        ids, call.block_size, call.num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
+    )
+    _serving.align_finish(call, expert_map, expert_ids_out, num_post_pad_out)
+
+
+def _align_block_size(
     topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
     n = topk_ids.numel()
@@ -201,7 +213,7 @@ def align_block_size(
         num_post_pad_out.zero_()
         return
     ids = topk_ids.reshape(-1)
-    cfg = configs.for_device(ids.device)
+    cfg = arch_config(ids.device)
     if num_experts > LDS_MAX_EXPERTS:
         with on_device(ids):
             _align_wide(
@@ -242,10 +254,14 @@ def align_block_size(
 OPS = {"route_rows": route_rows, "align_block_size": align_block_size}
 
 
-def _route_unsupported(info, features):
-    if features.get("impl") == "lds" and features.get("num_experts", 0) > LDS_MAX_EXPERTS:
-        return f"impl='lds' supports E <= {LDS_MAX_EXPERTS} (LDS histogram), got {features['num_experts']}"
+def route_rows_limits(info, request: RouteRowsRequest) -> str | None:
+    """A capability check of the dispatcher's: a reason passes this backend over."""
+    if request.impl == "lds" and request.num_experts > LDS_MAX_EXPERTS:
+        return (
+            f"impl='lds' supports E <= {LDS_MAX_EXPERTS} (LDS histogram), got "
+            f"{request.num_experts}"
+        )
     return None
 
 
-UNSUPPORTED = {"route_rows": _route_unsupported}
+LIMITS = {"route_rows": route_rows_limits}

@@ -78,4 +78,3 @@ def qb_step(
 
 
 OPS = {"qb_recover": qb_recover, "qb_step": qb_step}
-UNSUPPORTED: dict = {}

@@ -6,7 +6,7 @@ the (k+1)-th of that order, histogram ``clamp(floor((alpha - s - L) * (B / (U - 
 with a correctly rounded ``B / (U - L)``). The selection is exact for every input; weights and
 probabilities agree with the oracle to fp32 rounding (the kernels' ``exp`` / division may differ
 from PyTorch's by an ulp), and the QB histogram is bitwise the oracle's when the oracle is evaluated
-on :func:`score_values` (the kernels' own activations). ``two_kernel`` and ``fused_atomic`` give
+on the kernels' own activations (``RouterCall.write_scores``). ``two_kernel`` and ``fused_atomic`` give
 bitwise-identical histograms (same jit helpers, integer counts).
 
 Launch knobs are the ``triton.router.*`` entries of ``amdqb/configs`` (per architecture family):
@@ -49,24 +49,18 @@ import torch
 import triton
 
 from ... import configs
+from ...devices import device_info
 from ...ref.router import margin_octave_bits
+from .. import _serving
+from ..calls import SCORE_CODES, RouterCall, TopkCall
 from . import _router_kernels as K
-from ._common import compile_options, interpreting, on_device
+from ._common import compile_options, floor_pow2, interpreting, on_device, pow2
 
-MAX_EXPERTS = 4096
-
-_SCORES = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
-_MAPS = {"bytemap": 1, "bitmap": 2, "indices": 3}
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (int(x) - 1).bit_length()
+MAX_ROW_EXPERTS = 4096  # experts of one router row held in registers (a capability limit)
 
 
 def _family(device: torch.device) -> str:
-    from ... import dispatch
-
-    return dispatch.device_info(device).arch_family
+    return device_info(device).arch_family
 
 
 def config(family: str) -> dict:
@@ -135,19 +129,19 @@ def plan_router(
     """Every constexpr of a router specialisation. ``group_scores``: how many of a group's best
     scores make its group score (0: TransformerEngine's ``K // group_topk``)."""
     cfg = config(family)
-    EP = max(16, _next_pow2(E))
+    EP = max(16, pow2(E))
     if num_groups is not None and num_groups > 1:
         NG, GT = num_groups, group_topk
         GS = E // NG
-        GSP = _next_pow2(GS)
-        NGP = max(_next_pow2(NG), 16 // GSP if GSP < 16 else 1)
+        GSP = pow2(GS)
+        NGP = max(pow2(NG), 16 // GSP if GSP < 16 else 1)
     else:
         NG, GT, GS, GSP, NGP = 1, 1, E, EP, 1
     GN = group_scores or max(1, K // GT)
     W = NGP * GSP
     R = K if qb else K - 1
-    CAP = max(16, _next_pow2(math.ceil(1.5 * (R + 1))))
-    G = min(W, max(cfg["tau_groups_min"], _next_pow2(R + 1)))
+    CAP = max(16, pow2(math.ceil(1.5 * (R + 1))))
+    G = min(W, max(cfg["tau_groups_min"], pow2(R + 1)))
     if W <= CAP and W <= cfg["max_cap"]:
         # Everything is a candidate: no lower bound needed, no overflow possible.
         CAP, G, use_tau, fast = W, W, False, True
@@ -158,7 +152,7 @@ def plan_router(
     bt = max(1, cfg["row_elems"] // W)
     if pair:
         bt = min(bt, max(1, cfg["pair_elems"] // (pair * pair)))
-    BT = 1 << (bt.bit_length() - 1)
+    BT = floor_pow2(bt)
     warps = max(
         _warps(BT * W, cfg), min(cfg["max_warps"], BT * pair * pair // cfg["pairs_per_warp"])
     )
@@ -183,11 +177,11 @@ def plan_histogram(E: int, B: int, T: int, family: str, lds_ok: bool) -> HistPla
     cfg = config(family)
     budget = cfg["hist_lds_bytes"]
     epp = 1
-    while epp < 32 and _next_pow2(2 * epp * B) * 4 <= budget and 2 * epp <= _next_pow2(E):
+    while epp < 32 and pow2(2 * epp * B) * 4 <= budget and 2 * epp <= pow2(E):
         epp *= 2
-    lds = lds_ok and _next_pow2(epp * B) * 4 <= budget
+    lds = lds_ok and pow2(epp * B) * 4 <= budget
     if not lds:  # direct global atomics: no private histogram, take a wider expert slice
-        epp = min(8, _next_pow2(E))
+        epp = min(8, pow2(E))
     # A private histogram amortises its zero/read-back over big token blocks; global atomics
     # gain nothing from them (and big blocks cost layout-conversion scratch).
     iter_elems = cfg["hist_iter_elems"] if lds else cfg["hist_global_iter_elems"]
@@ -196,7 +190,7 @@ def plan_histogram(E: int, B: int, T: int, family: str, lds_ok: bool) -> HistPla
     per = -(-T // slices)
     per = -(-per // bt) * bt
     slices = max(1, -(-T // per))
-    return HistPlan(epp, bt, _next_pow2(epp * B), lds, per, slices, cfg["hist_warps"])
+    return HistPlan(epp, bt, pow2(epp * B), lds, per, slices, cfg["hist_warps"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,7 +228,7 @@ def lds_histogram_is_per_element(device: torch.device) -> bool:
 # --------------------------------------------------------------------------------------------
 def _scratch_per_row(plan: RouterPlan) -> int:
     """int32 scratch per row: candidate keys and ids, a slot counter, the k values by rank."""
-    return 2 * plan.CAP + 1 + _next_pow2(plan.K)
+    return 2 * plan.CAP + 1 + pow2(plan.K)
 
 
 def _launch_router(
@@ -259,6 +253,8 @@ def _launch_router(
     approx=False,
     tie_free=False,
     margin=False,
+    scores=None,
+    cutoff=None,
 ):
     T = logits.shape[0]
     grid = (triton.cdiv(T, plan.BT),)
@@ -282,6 +278,8 @@ def _launch_router(
         cut if cut is not None else dummy,
         scratch,
         bytes_scratch,
+        scores if scores is not None else dummy,
+        cutoff if cutoff is not None else dummy,
         T,
         float(1.0 if scaling is None else scaling),
         **plan.constexprs(),
@@ -294,11 +292,13 @@ def _launch_router(
         MAP=map_code,
         DENSE=probs is not None,
         COMPACT_W=weights is not None,
-        KP=_next_pow2(plan.K),
+        KP=pow2(plan.K),
         APPROX=bool(approx),
         TIE_FREE=bool(tie_free),
         MARGIN=bool(margin),
         MBITS=margin_octave_bits(nbins),
+        SCORES=scores is not None,
+        CUTOFF=cutoff is not None,
         num_warps=plan.num_warps,
         **compile_options(logits.device),
     )
@@ -313,69 +313,63 @@ def _resolve_qb_mode(mode: str, T: int, device: torch.device, family: str) -> tu
 
 
 def router_fwd(
+    call: RouterCall,
     logits,
-    topk,
-    score_function,
-    use_pre_softmax,
-    num_groups,
-    group_topk,
-    scaling_factor,
     expert_bias,
     probs_out,
     map_out,
-    map_kind,
     qb_histogram,
     qb_bin_bounds,
-    qb_mode,
-    selection="te",
-    qb_binning="uniform",
-    approximate=False,
+    scores_out,
+    cutoff_out,
 ):
+    call.check_forward(logits, qb_histogram)
     T, E = logits.shape
     if T == 0:
         return
     family = _family(logits.device)
-    use_qb = qb_histogram is not None
-    plan = plan_router(E, topk, use_qb, num_groups, group_topk, family)
-    score = _SCORES[score_function]
-    pre = bool(use_pre_softmax) and score == 2
-    renorm = score != 2 and topk > 1
-    map_code = _MAPS[map_kind]
-    if map_kind == "bytemap":
+    plan = plan_router(E, call.topk, call.qb, call.num_groups, call.group_topk, family)
+    score = SCORE_CODES[call.score_function]
+    if call.map_kind == "bytemap":
         map_kwargs = {"map_out": map_out.view(torch.uint8), "map_code": 1}
-    elif map_kind == "bitmap":
+    elif call.map_kind == "bitmap":
         map_kwargs = {"map_out": map_out, "map_code": 2}
     else:
-        map_kwargs = {"ids": map_out, "map_code": map_code}
+        map_kwargs = {"ids": map_out, "map_code": 3}
     common = dict(
         score=score,
-        pre=pre,
-        renorm=renorm,
+        pre=call.use_pre_softmax and score == 2,
+        renorm=score != 2 and call.topk > 1,
         bias=expert_bias,
-        scaling=scaling_factor,
-        tie_free=selection == "tie_free",
-        approx=approximate,
+        scaling=call.scaling_factor,
+        tie_free=call.selection == "tie_free",
+        approx=call.approximate,
+        probs=probs_out,
+        scores=scores_out,
+        **map_kwargs,
     )
     with on_device(logits):
-        if not use_qb:
-            _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common)
+        if not call.qb:
+            _launch_router(logits, plan, **common)
             return
-        B = qb_histogram.shape[1]
-        margin = qb_binning == "log_margin"
+        B = call.num_bins
+        margin = call.qb_binning == "log_margin"
         qb = dict(nbins=B, hist=qb_histogram, bounds=qb_bin_bounds, margin=margin)
-        mode, lds_ok = _resolve_qb_mode(qb_mode, T, logits.device, family)
+        mode, lds_ok = _resolve_qb_mode(call.qb_mode, T, logits.device, family)
         if mode == "fused_atomic":
-            _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common, qb=1, **qb)
+            _launch_router(logits, plan, **common, qb=1, cutoff=cutoff_out, **qb)
             return
         # two kernels: the router writes each token's cutoff (uniform) or every bin (log_margin,
         # uint8 [T, E]); the second kernel counts
         if margin:
             cut = torch.empty(T, E, dtype=torch.uint8, device=logits.device)
+        elif cutoff_out is not None:
+            cut, cutoff_out = cutoff_out, None  # the cutoffs the second kernel reads
         else:
             cut = torch.empty(T, dtype=torch.float32, device=logits.device)
-        _launch_router(logits, plan, probs=probs_out, **map_kwargs, **common, qb=2, cut=cut, **qb)
+        _launch_router(logits, plan, **common, qb=2, cut=cut, cutoff=cutoff_out, **qb)
         _launch_histogram(
-            logits, cut, qb_bin_bounds, qb_histogram, family, lds_ok, margin, approximate
+            logits, cut, qb_bin_bounds, qb_histogram, family, lds_ok, margin, call.approximate
         )
 
 
@@ -404,66 +398,52 @@ def _launch_histogram(logits, cut, bounds, hist, family, lds_ok, from_bins=False
     )
 
 
-def biased_topk(
-    logits,
-    topk,
-    expert_bias,
-    score_function,
-    renormalize,
-    scaling_factor,
-    num_groups,
-    group_topk,
-    weights_out,
-    ids_out,
-    approximate=False,
-):
+def biased_topk(call: TopkCall, logits, expert_bias, weights_out, ids_out, tei_out, non_padded):
     T, E = logits.shape
     if T == 0:
         return
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    if expert_bias is not None and expert_bias.dtype != torch.float32:
+        expert_bias = expert_bias.float()
     # the serving rule: a group's best score, or the sum of its best two with a correction bias
     group_scores = 2 if expert_bias is not None else 1
     family = _family(logits.device)
-    plan = plan_router(E, topk, False, num_groups, group_topk, family, group_scores)
-    score = _SCORES[score_function]
+    plan = plan_router(E, call.topk, False, call.num_groups, call.group_topk, family, group_scores)
+    score = SCORE_CODES[call.score_function]
+    routed_w, routed_ids = _serving.routed_buffers(call, weights_out, ids_out)
     with on_device(logits):
         _launch_router(
             logits,
             plan,
             score=score,
             pre=score == 2,  # serving form: softmax over all experts, then Top-k
-            renorm=bool(renormalize),
+            renorm=bool(call.renormalize),
             bias=expert_bias,
-            scaling=scaling_factor,
-            ids=ids_out,
-            weights=weights_out,
+            scaling=call.scaling_factor,
+            ids=routed_ids,
+            weights=routed_w,
             map_code=3,
-            approx=approximate,
+            approx=call.approximate,
         )
+    _serving.finish(call, E, routed_w, routed_ids, weights_out, ids_out, tei_out, non_padded)
 
 
 def _bwd_tile(E: int, family: str) -> tuple[int, int, int]:
     cfg = config(family)
-    W = max(16, _next_pow2(E))
+    W = max(16, pow2(E))
     bt = max(1, cfg["bwd_row_elems"] // W)
-    BT = 1 << (bt.bit_length() - 1)
+    BT = floor_pow2(bt)
     return W, BT, _warps(BT * W, cfg)
 
 
-def router_bwd(
-    grad_probs,
-    logits,
-    routed,
-    topk,
-    score_function,
-    use_pre_softmax,
-    scaling_factor,
-    grad_logits_out,
-):
+def router_bwd(call: RouterCall, grad_probs, logits, routed, grad_logits_out):
+    call.check(logits)
     T, E = logits.shape
     if T == 0:
         return
     W, BT, warps = _bwd_tile(E, _family(logits.device))
-    score = _SCORES[score_function]
+    score = SCORE_CODES[call.score_function]
     with on_device(logits):
         K._router_bwd_kernel[(triton.cdiv(T, BT),)](
             grad_probs,
@@ -471,69 +451,50 @@ def router_bwd(
             routed.view(torch.uint8),
             grad_logits_out,
             T,
-            float(1.0 if scaling_factor is None else scaling_factor),
+            float(1.0 if call.scaling_factor is None else call.scaling_factor),
             E=E,
             W=W,
             BT=BT,
             SCORE=score,
-            PRE=bool(use_pre_softmax) and score == 2,
-            NORM=topk > 1,
+            PRE=call.use_pre_softmax and score == 2,
+            NORM=call.topk > 1,
             num_warps=warps,
             **compile_options(logits.device),
         )
 
 
-def score_values(
-    logits2d: torch.Tensor, score_function: str, approximate: bool = False
-) -> torch.Tensor:
-    """fp32 ``[T, E]`` activations computed by exactly the router kernels' activation code.
-
-    Bitwise the router's for every score function: the same jit helpers, and the softmax row sum in
-    the same fixed order (the QB tests rely on this).
-    """
-    T, E = logits2d.shape
-    out = torch.empty(T, E, dtype=torch.float32, device=logits2d.device)
-    if T == 0:
-        return out
-    plan = plan_router(E, 1, False, None, None, _family(logits2d.device))
-    with on_device(logits2d):
-        K._scores_kernel[(triton.cdiv(T, plan.BT),)](
-            logits2d.contiguous(),
-            out,
-            T,
-            E=E,
-            W=plan.W,
-            BT=plan.BT,
-            SCORE=_SCORES[score_function],
-            APPROX=bool(approximate),
-            num_warps=plan.num_warps,
-            **compile_options(logits2d.device),
+# --------------------------------------------------------------------------------------------
+# Capability checks (the dispatcher's: a reason passes this backend over, the next one runs).
+# --------------------------------------------------------------------------------------------
+def _row_limit(num_experts: int) -> str | None:
+    if num_experts > MAX_ROW_EXPERTS:
+        return (
+            f"E > {MAX_ROW_EXPERTS} (num_experts={num_experts}): the router keeps a whole row in "
+            "registers"
         )
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Dispatcher hooks.
-# --------------------------------------------------------------------------------------------
-def _router_unsupported(info, features):
-    e = features.get("num_experts", 0)
-    if e > MAX_EXPERTS:
-        return f"E > {MAX_EXPERTS} (num_experts={e}): the router keeps a whole row in registers"
-    if features.get("qb") and e * features.get("num_bins", 0) >= 2**31:
-        return "E * B >= 2^31 histogram bins (32-bit histogram offsets)"
     return None
 
 
-def _topk_unsupported(info, features):
-    e = features.get("num_experts", 0)
-    if e > MAX_EXPERTS:
-        return f"E > {MAX_EXPERTS} (num_experts={e}): the router keeps a whole row in registers"
-    return None
+def router_fwd_limits(info, call: RouterCall) -> str | None:
+    why = _row_limit(call.num_experts)
+    if why is None and call.qb and call.num_experts * call.num_bins >= 2**31:
+        why = "E * B >= 2^31 histogram bins (32-bit histogram offsets)"
+    return why
+
+
+def router_bwd_limits(info, call: RouterCall) -> str | None:
+    return _row_limit(call.num_experts)
+
+
+def biased_topk_limits(info, call: TopkCall) -> str | None:
+    if call.input_dtype_math:
+        return "input_dtype_math (SGLang's fp16 / bf16 arithmetic) is not implemented"
+    return _row_limit(call.num_experts)
 
 
 OPS = {"router_fwd": router_fwd, "router_bwd": router_bwd, "biased_topk": biased_topk}
-UNSUPPORTED = {
-    "router_fwd": _router_unsupported,
-    "router_bwd": _topk_unsupported,
-    "biased_topk": _topk_unsupported,
+LIMITS = {
+    "router_fwd": router_fwd_limits,
+    "router_bwd": router_bwd_limits,
+    "biased_topk": biased_topk_limits,
 }

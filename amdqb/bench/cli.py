@@ -15,9 +15,8 @@ import traceback
 
 import torch
 
-from amdqb.cli import BENCH_SUITES
-
-from . import balance, chunks, common, route, router, serving
+from ..devices import as_device
+from . import SUITE_HELP, balance, chunks, common, compat, route, router, serving
 from .common import TimingConfig, quick_config, write_json
 
 SUITES = {
@@ -26,10 +25,8 @@ SUITES = {
     "chunks": chunks.run,
     "balance": balance.run,
     "serving": serving.run,
+    "compat": compat.run,
 }
-
-# One description per suite, shared with ``amdqb --help`` (which runs without bench installed).
-SUITE_HELP = BENCH_SUITES
 
 # What --tokens / --experts / --topk set in each suite (None: the flag does not apply).
 FLAG_KEYS = {
@@ -38,6 +35,7 @@ FLAG_KEYS = {
     "chunks": ("tokens", "experts", None),
     "balance": ("tokens", "num_experts", "topk"),
     "serving": ("buckets", "num_experts", "topk"),
+    "compat": (None, None, None),
 }
 
 
@@ -104,6 +102,7 @@ def _shapes(args, small: bool, names: list[str]) -> dict:
         "chunks": dict(tokens=(512,), hidden=256) if small else {},
         "balance": dict(num_experts=128, num_bins=64) if small else {},
         "serving": dict(buckets=(1, 8), config="small") if small else {},
+        "compat": {},
     }
     for name in names:
         for key, value in zip(FLAG_KEYS[name], (args.tokens, args.experts, args.topk)):
@@ -136,11 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.experts is not None and args.topk is not None and args.topk >= args.experts:
         parser.error(f"--topk must be below --experts, got {args.topk} >= {args.experts}")
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        parser.error(f"--device: not a torch device: {args.device!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA/ROCm device is available")
+        device = as_device(args.device, name="--device")
+    except ValueError as exc:
+        parser.error(str(exc))
     cfg = quick_config() if args.quick or device.type == "cpu" else TimingConfig()
     if args.samples:
         cfg.samples = args.samples

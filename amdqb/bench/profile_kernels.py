@@ -1,7 +1,7 @@
 """Launch each hot kernel once inside a profiler range, for ``ncu --profile-from-start off``.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight ... \
-        python -m bench.profile_kernels
+        python -m amdqb.bench.profile_kernels
 
 Everything is compiled and warmed up before ``cudaProfilerStart`` so that only the timed kernels of
 the docs/targets.md shapes are profiled: the QB router (E=896, k=16, T=16384; B=1000 in both

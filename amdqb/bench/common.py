@@ -8,8 +8,11 @@ median). On the CPU (no graphs) a sample is the wall time of ``calls`` eager cal
 intra-op threads pinned by the CLI (1 unless ``--threads``). Every case is checked for
 correctness before it is timed.
 
-Targets and peer anchors (docs/targets.md) were measured on an H200: they appear only in rows measured on
-an H200 (:func:`is_h200`).
+Every figure a row prints is measured in the same run: the floors beside the rows (a device copy
+of the same bytes for bandwidth-bound ops, a one-element add -- one kernel launch -- for
+latency-bound ones) are timed in the same alternation. The peers' figures (TransformerEngine,
+vLLM, SGLang) are not measured here; docs/targets.md and docs/serving.md state them with their
+source, and no row prints a ratio to them.
 """
 
 from __future__ import annotations
@@ -61,11 +64,6 @@ def _percentile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(v) - 1)
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
-
-
-def is_h200(env: dict) -> bool:
-    """Whether the rows of ``env`` were measured on an H200 (where the docs/targets.md targets apply)."""
-    return "H200" in str(env.get("device", ""))
 
 
 def on_gpu(device: torch.device) -> bool:

@@ -1,18 +1,19 @@
 """Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
 ``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
 
-    python -m bench.tune --parts route,gate,align,decode,qbhist,router [--json PATH] [--write]
+    python -m amdqb.bench.tune --parts route,gate,align,topk,decode,qbhist,router [--json PATH] [--write]
 
 A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
 config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
 variant's ``-D`` constants) and launch shapes. Every variant's outputs are checked against the
-default's (or the oracle) before it is timed; timing is ``bench.common.time_alternating``.
+default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.time_alternating``.
 
 * ``route``  -- the lds route kernel's tile (``hip.route.lds_block`` x ``lds_items``) against the
   atomic kernel, masked layout, uniform and all-one-expert ids, M in {512, 2517, 8192};
 * ``gate``   -- atomic vs lds at small M for E in {256, 896, 2048}: the crossover behind
   ``route.lds_gate_scale``;
-* ``align``  -- ``hip.route.det_items`` and the dependent launches of the deterministic passes;
+* ``align``  -- amdqb_align's single-block crossover and tile shape (E=256, k=8, block 64);
+* ``topk``   -- amdqb_topk's threads per block at the serving shapes;
 * ``decode`` -- one block per token against one warp per token over T: the decode thresholds;
 * ``qbhist`` -- the two-kernel histogram pass's launch shape;
 * ``router`` -- the router's register cap at few tokens (``hip.router.few_tokens_min_blocks``).
@@ -111,31 +112,88 @@ def route_gate(dev, cfg, experts=(256, 896, 2048), ms=(8, 32, 128, 512, 2048)):
     return report, {}
 
 
-def align_tiles(dev, cfg, items=(16, 32, 64)):
-    report = Report("tune_align", environment(dev))
+def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)):
+    """amdqb_align in one block against the tiled form (histogram + rank passes) at E=256, k=8,
+    block 64 (DeepSeek-V3), over tile sizes and tile counts: the single-block crossover and the
+    tile shape."""
+    e, k, bs = 256, 8, 64
+    report = Report("tune_align", environment(dev), shape=dict(E=e, k=k, block=bs))
     g = torch.Generator().manual_seed(0)
-    totals: dict = {}
-    for m in (2517, 8192):
-        ids = make_ids(m, K, E, "uniform", g).to(dev)
-        want = ref.moe_align_block_size(ids.cpu(), 64, E)
-        impls = {}
-        for n in items:
-            impls[f"items{n}"] = _with(
-                {"hip.route.det_items": n},
-                lambda: amdqb.moe_align_block_size(ids, 64, E, backend="hip"),
-            )
-        impls["ordinary_launches"] = _with(
-            {"hip.route.det_dependent_launch": False},
-            lambda: amdqb.moe_align_block_size(ids, 64, E, backend="hip"),
-        )
+    tiled = {
+        f"tiles{mt}x{mr}": {
+            "hip.align.single_block_routes": 0,
+            "hip.align.max_tiles": mt,
+            "hip.align.min_tile_routes": mr,
+        }
+        for mt in (32, 64, 128)
+        for mr in (1024, 2048, 4096)
+    }
+    variants = {"single": {"hip.align.single_block_routes": 1 << 30}, **tiled}
+    best_at, totals = {}, {}
+    for m in tokens:
+        ids = make_ids(m, k, e, "uniform", g).to(dev)
+        want = ref.moe_align_block_size(ids.cpu(), bs, e)
+        impls = {
+            name: _with(values, lambda: amdqb.moe_align_block_size(ids, bs, e, backend="hip"))
+            for name, values in variants.items()
+            if name != "single" or m * k <= 65536  # one block for everything: small inputs
+        }
         for name, fn in impls.items():
             assert _same([x.cpu() for x in fn()], want), f"align {name} M={m} differs"
-        for name, us in time_alternating(impls, dev, cfg).items():
-            report.add(M=m, variant=name, us=us)
-            totals[name] = totals.get(name, 0.0) + us
-    best = min((n for n in totals if n.startswith("items")), key=totals.get)
-    why = f"align {best}: {totals[best]:.2f} us summed over M = 2517 / 8192"
-    return report, {"hip.route.det_items": (int(best[5:]), why)}
+        times = time_alternating(impls, dev, cfg)
+        for name, us in times.items():
+            report.add(M=m, routes=m * k, variant=name, us=us)
+            if name != "single" and m * k >= 65536:
+                totals[name] = totals.get(name, 0.0) + us
+        best_at[m * k] = min(times, key=times.get)
+    shape = min(totals, key=totals.get)
+    single = max([n for n, b in best_at.items() if b == "single"], default=0)
+    values = tiled[shape]
+    why_tiles = f"{shape}: {totals[shape]:.1f} us summed over M >= 8192 (E=256, k=8, block 64)"
+    why_single = f"one block wins up to {single} routes (E=256, k=8, block 64)"
+    return report, {
+        "hip.align.single_block_routes": (single, why_single),
+        "hip.align.max_tiles": (values["hip.align.max_tiles"], why_tiles),
+        "hip.align.min_tile_routes": (values["hip.align.min_tile_routes"], why_tiles),
+    }
+
+
+def topk_blocks(dev, cfg, blocks=(64, 128, 256, 512), tokens=(1, 256, 4096, 16384)):
+    """amdqb_topk's threads per block at the serving shapes (E=8 / 128 softmax, E=256 grouped
+    sigmoid with a bias, E=384 sigmoid with a bias)."""
+    report = Report("tune_topk", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    totals: dict = {}
+    shapes = [
+        (8, 2, torch.float32, "softmax", None),
+        (128, 8, torch.bfloat16, "softmax", None),
+        (256, 8, torch.float32, "sigmoid", (8, 4)),
+        (384, 8, torch.float32, "sigmoid", None),
+    ]
+    for e, k, dtype, sf, groups in shapes:
+        bias = (torch.randn(e, generator=g) * 0.1).to(dev) if sf == "sigmoid" else None
+        kw = dict(score_function=sf)
+        if groups:
+            kw.update(num_groups=groups[0], group_topk=groups[1])
+        for t in tokens:
+            x = torch.randn(t, e, generator=g).to(dev, dtype)
+            want = amdqb.biased_topk(x, k, bias, backend="torch", **kw)
+            impls = {
+                f"block{b}": _with(
+                    {"hip.topk.block": b},
+                    lambda x=x, bias=bias: amdqb.biased_topk(x, k, bias, backend="hip", **kw),
+                )
+                for b in blocks
+            }
+            for name, fn in impls.items():
+                got = fn()
+                assert torch.equal(got[1], want[1]), f"topk {name} E={e} T={t} ids differ"
+            for name, us in time_alternating(impls, dev, cfg).items():
+                report.add(E=e, k=k, T=t, variant=name, us=us)
+                totals[name] = totals.get(name, 0.0) + us
+    best = min(totals, key=totals.get)
+    why = f"{best}: {totals[best]:.1f} us summed over E = 8 / 128 / 256 / 384, T = 1 .. 16384"
+    return report, {"hip.topk.block": (int(best[5:]), why)}
 
 
 def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024, 2048)):
@@ -251,6 +309,7 @@ PARTS = {
     "route": route_tiles,
     "gate": route_gate,
     "align": align_tiles,
+    "topk": topk_blocks,
     "decode": decode_sweep,
     "qbhist": qb_hist_shapes,
     "router": router_caps,
@@ -258,7 +317,7 @@ PARTS = {
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tune", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m amdqb.bench.tune", description=__doc__)
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated sweeps")
     parser.add_argument("--json", default=None, help="append the measurements to this file")
     parser.add_argument("--write", action="store_true", help="write the winners to the config")
@@ -278,7 +337,7 @@ def main(argv=None) -> int:
         report, chosen = PARTS[part](dev, cfg)
         print(report.markdown(), flush=True)
         reports.append(report)
-        provenance = f"measured: {info.name}, {date}, python -m bench.tune --parts {part}"
+        provenance = f"measured: {info.name}, {date}, python -m amdqb.bench.tune --parts {part}"
         winners.update({k: (v, provenance, why) for k, (v, why) in chosen.items()})
     for key, (value, _provenance, why) in winners.items():
         print(f"{key} = {value}  ({why})")

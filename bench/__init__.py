@@ -1,1 +1,0 @@
-"""amdqb benchmark library (``amdqb bench ...`` / ``python -m amdqb bench ...``)."""

@@ -1,0 +1,480 @@
+// Serving top-k (amdqb.biased_topk and the vLLM / SGLang routers of amdqb.compat): score function,
+// optional correction bias, optional expert groups, exact Top-k, weights, and every output the
+// peers write (ids, weights, vLLM's token_expert_indices, SGLang's fused shared experts and padded
+// rows), in one launch. Latency-first: one row of L lanes per token (several tokens per logical
+// warp when E is small), every expert held in registers, no block-wide barrier.
+//
+// Compile-time constants (-D, amdqb.backends.hip._spec.topk_module):
+//   AMDQB_NUM_EXPERTS (E), AMDQB_IN_DTYPE (0 fp32, 1 fp16, 2 bf16), AMDQB_BIAS_DTYPE (-1 no bias,
+//   else the same codes), AMDQB_SCORE (0 sigmoid, 1 sqrtsoftplus, 2 softmax over E),
+//   AMDQB_APPROX_ACTIVATION (0: torch's bits), AMDQB_TOPK (k routed experts), AMDQB_ROW_LANES (L,
+//   a power of two <= 32), AMDQB_SLOTS (V experts per lane), AMDQB_CONTIGUOUS (0: lane l holds
+//   experts l + L * i, 1: experts l * V + i), AMDQB_GROUPS (0: no groups), AMDQB_GROUP_LANES (lanes
+//   per group, contiguous layout), AMDQB_TOPK_GROUP, AMDQB_GROUP_BEST (the best entries a group's
+//   score sums: vLLM / SGLang 2 with a bias, 1 without; TransformerEngine k / topk_group),
+//   AMDQB_DENSE (1: the TransformerEngine router's outputs over every expert -- probs in the
+//   logits dtype, a byte / bit / index map, the ranked scores), AMDQB_IN_DTYPE_MATH (1: SGLang's
+//   moe_fused_gate arithmetic -- the sigmoid, the bias, the biased scores and the group sums
+//   rounded to the fp16 / bf16 logits dtype), AMDQB_TOPK_BLOCK (threads per block, at most).
+//
+// Precision contract (amdqb.ref.router.biased_topk): logits and bias are converted to fp32 on load;
+// activations are torch's bits (amdqb_activation.h; softmax: exp(z - max) / sum with the sum in
+// torch's warp-softmax order -- lane l of min(32, next_pow2(E)) lanes adds experts l, l + 32, ...
+// in order, then a butterfly); selection values u = s + b in fp32 without contraction; weights the
+// unbiased scores, renormalised by sum + 1e-20 in the order of amdqb.ref.router.routes_sum, then
+// times the scaling factor.
+//
+// Selection contract (amdqb.ref.ordering): (u descending, expert id ascending), -0.0 == +0.0, NaN
+// below every number, through the packed 64-bit entry (order key, ~id): larger entry = ahead; 0 is
+// the sentinel below every expert (padding slots, experts of groups not kept). Groups: a group's
+// score is the sum, in selection order, of its AMDQB_GROUP_BEST best selection values; groups
+// ranked like experts (score descending, group id ascending, NaN lowest); the AMDQB_TOPK_GROUP
+// best are kept and the Top-k is taken inside them. The dense (TransformerEngine) form's weights
+// are the router's: sigmoid / sqrtsoftplus s / (sum + 1e-20) for k > 1, softmax over E, or the
+// softmax over the k selected logits (flags bit 4) exp(z - z_max) / sum in routes_sum's order.
+//
+// Algorithm per row: each lane sorts its V entries (a bitonic network in registers) and keeps the
+// best KP = next_pow2(k); log2(L) butterfly steps then merge the lanes' sorted lists pairwise (the
+// better half of a list and its partner's reversed list is bitonic; a bitonic merge sorts it), so
+// that every lane of the row ends with the row's Top-KP in selection order. Groups first combine
+// each group's best two across its AMDQB_GROUP_LANES lanes and rank the group scores.
+#include "amdqb_prelude.h"
+#include "amdqb_activation.h"
+
+using namespace amdqb;
+
+#if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_BIAS_DTYPE) ||       \
+    !defined(AMDQB_SCORE) || !defined(AMDQB_TOPK) || !defined(AMDQB_ROW_LANES) ||                  \
+    !defined(AMDQB_SLOTS) || !defined(AMDQB_CONTIGUOUS) || !defined(AMDQB_GROUPS) ||               \
+    !defined(AMDQB_GROUP_LANES) || !defined(AMDQB_TOPK_GROUP) || !defined(AMDQB_GROUP_BEST) ||     \
+    !defined(AMDQB_DENSE) || !defined(AMDQB_IN_DTYPE_MATH) || !defined(AMDQB_TOPK_BLOCK)
+#error "topk.hip needs its -D constants (amdqb.backends.hip._spec.topk_module)"
+#endif
+
+namespace {
+
+// The smallest power of two >= n, for n <= 64 (an expression: NVRTC compiles no host functions).
+#define AMDQB_POW2_AT_LEAST(n)                                                                     \
+  ((n) <= 1 ? 1 : (n) <= 2 ? 2 : (n) <= 4 ? 4 : (n) <= 8 ? 8 : (n) <= 16 ? 16 : (n) <= 32 ? 32 : 64)
+
+constexpr int E = AMDQB_NUM_EXPERTS;
+constexpr int K = AMDQB_TOPK;
+constexpr int L = AMDQB_ROW_LANES;
+constexpr int V = AMDQB_SLOTS;
+constexpr bool CONTIGUOUS = AMDQB_CONTIGUOUS != 0;
+constexpr int GROUPS = AMDQB_GROUPS;
+constexpr int GROUP_LANES = AMDQB_GROUP_LANES;
+constexpr int TOPK_GROUP = AMDQB_TOPK_GROUP;
+constexpr int GROUP_BEST = AMDQB_GROUP_BEST;  // entries a group's score sums
+constexpr int GBP = AMDQB_POW2_AT_LEAST(GROUP_BEST);
+constexpr bool DENSE = AMDQB_DENSE != 0;  // the TE router's outputs (probs, maps) over every expert
+constexpr bool IN_MATH = AMDQB_IN_DTYPE_MATH != 0 && AMDQB_IN_DTYPE != 0;
+constexpr int BLOCK = AMDQB_TOPK_BLOCK;
+constexpr bool HAS_BIAS = AMDQB_BIAS_DTYPE >= 0;
+constexpr bool SOFTMAX = AMDQB_SCORE == 2;
+constexpr int ROWS = 32 / L;                   // token rows per logical warp
+constexpr int KP = AMDQB_POW2_AT_LEAST(K);     // length of the sorted lists the lanes merge
+constexpr int NSORT = AMDQB_POW2_AT_LEAST(V);  // the lane's sorting network
+constexpr int SOFTMAX_LANES = E < 32 ? AMDQB_POW2_AT_LEAST(E) : 32;  // torch's warp-softmax lanes
+// Per-row LDS: the unbiased scores for the weights (bias), or the exponentials for the softmax sum
+// of the contiguous layout.
+constexpr bool ROW_LDS = HAS_BIAS || (SOFTMAX && CONTIGUOUS);
+
+static_assert(L >= 1 && L <= 32 && (L & (L - 1)) == 0, "AMDQB_ROW_LANES: a power of two <= 32");
+static_assert(L * V >= E, "the row's lanes must hold every expert");
+static_assert(K >= 1 && K <= L && KP <= 32, "k <= AMDQB_ROW_LANES (one route per lane)");
+static_assert(BLOCK % 32 == 0 && BLOCK <= 1024, "AMDQB_TOPK_BLOCK: whole logical warps");
+static_assert(V <= 64 && GROUP_BEST >= 1 && GROUP_BEST <= 32, "AMDQB_SLOTS / AMDQB_GROUP_BEST");
+static_assert(GROUPS == 0 || CONTIGUOUS, "groups use the contiguous layout");
+static_assert(GROUPS == 0 ||
+                  (GROUPS * GROUP_LANES <= L && E % GROUPS == 0 && (E / GROUPS) == GROUP_LANES * V),
+              "each group spans AMDQB_GROUP_LANES whole lanes");
+static_assert(!(SOFTMAX && CONTIGUOUS) || L >= SOFTMAX_LANES,
+              "the softmax sum needs torch's warp-softmax lanes inside the row");
+
+#if AMDQB_IN_DTYPE == 0
+typedef float in_t;
+AMDQB_DEVICE float in_f32(in_t x) { return x; }
+AMDQB_DEVICE in_t out_of_f32(float x) { return x; }
+#elif AMDQB_IN_DTYPE == 1
+typedef u16 in_t;
+AMDQB_DEVICE float in_f32(in_t x) { return half_to_float(x); }
+AMDQB_DEVICE in_t out_of_f32(float x) { return float_to_half(x); }
+#else
+typedef u16 in_t;
+AMDQB_DEVICE float in_f32(in_t x) { return bf16_to_float(x); }
+AMDQB_DEVICE in_t out_of_f32(float x) { return float_to_bf16(x); }
+#endif
+// fp32 -> the logits dtype -> fp32 (IN_MATH's arithmetic in the input dtype), else the identity.
+AMDQB_DEVICE float in_round(float x) { return IN_MATH ? in_f32(out_of_f32(x)) : x; }
+
+#if AMDQB_BIAS_DTYPE == 1
+typedef u16 bias_t;
+AMDQB_DEVICE float bias_f32(bias_t x) { return half_to_float(x); }
+#elif AMDQB_BIAS_DTYPE == 2
+typedef u16 bias_t;
+AMDQB_DEVICE float bias_f32(bias_t x) { return bf16_to_float(x); }
+#else
+typedef float bias_t;
+AMDQB_DEVICE float bias_f32(bias_t x) { return x; }
+#endif
+
+// Expert of slot i of lane l of a row.
+AMDQB_DEVICE int expert_at(int l, int i) { return CONTIGUOUS ? l * V + i : l + L * i; }
+
+// ---- packed selection entries ----------------------------------------------------------------
+AMDQB_DEVICE u64 entry(i32 key, i32 id) {
+  return ((u64)((u32)key ^ 0x80000000u) << 32) | (u64)(~(u32)id);
+}
+AMDQB_DEVICE i32 entry_id(u64 p) { return (i32)(~(u32)p); }
+AMDQB_DEVICE float entry_value(u64 p) { return key_value((i32)((u32)(p >> 32) ^ 0x80000000u)); }
+AMDQB_DEVICE void order_desc(u64& a, u64& b) {
+  const u64 hi = a > b ? a : b;
+  const u64 lo = a > b ? b : a;
+  a = hi;
+  b = lo;
+}
+AMDQB_DEVICE u64 shfl_xor_u64(u64 v, int mask) {
+  const u32 lo = (u32)shfl_xor_i32((int)(u32)v, mask);
+  const u32 hi = (u32)shfl_xor_i32((int)(u32)(v >> 32), mask);
+  return ((u64)hi << 32) | lo;
+}
+AMDQB_DEVICE u64 shfl_u64(u64 v, int src) {
+  const u32 lo = (u32)shfl_i32((int)(u32)v, src);
+  const u32 hi = (u32)shfl_i32((int)(u32)(v >> 32), src);
+  return ((u64)hi << 32) | lo;
+}
+
+// Bitonic sort of a[0, N) into descending order (N a power of two).
+template <int N>
+AMDQB_DEVICE void sort_desc(u64 (&a)[N]) {
+#pragma unroll
+  for (int size = 2; size <= N; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          if ((i & size) == 0)
+            order_desc(a[i], a[j]);
+          else
+            order_desc(a[j], a[i]);
+        }
+      }
+    }
+  }
+}
+
+// Sorts a bitonic a[0, N) into descending order.
+template <int N>
+AMDQB_DEVICE void merge_desc(u64 (&a)[N]) {
+#pragma unroll
+  for (int stride = N >> 1; stride > 0; stride >>= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if ((i & stride) == 0) order_desc(a[i], a[i + stride]);
+  }
+}
+
+// The best N of the union of the caller's sorted list and that of lane (lane ^ mask), sorted:
+// both partners end with the same list.
+template <int N>
+AMDQB_DEVICE void merge_with(u64 (&a)[N], int mask) {
+  u64 c[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const u64 b = shfl_xor_u64(a[N - 1 - i], mask);  // the partner's list, reversed
+    c[i] = a[i] > b ? a[i] : b;
+  }
+  merge_desc(c);
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] = c[i];
+}
+
+// Element-wise activation of V loaded logits; sigmoid: every element through the branch-free
+// fast path first, the rare divisors outside its range (z below about -87.3, NaN) redone with the
+// division after (amdqb_activation.h), so no slow-path CALL sits between two elements.
+AMDQB_DEVICE void activate(const float (&z)[V], float (&s)[V]) {
+#if AMDQB_SCORE == 0
+  bool redo = false;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const float d = sigmoid_divisor(z[i]);
+    s[i] = sigmoid_fast(d);
+    redo |= !sigmoid_fast_ok(d);
+  }
+  if (redo) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const float d = sigmoid_divisor(z[i]);
+      if (!sigmoid_fast_ok(d)) s[i] = 1.0f / d;
+    }
+  }
+#elif AMDQB_SCORE == 1
+#pragma unroll
+  for (int i = 0; i < V; ++i) s[i] = sqrtsoftplus(z[i]);
+#else
+#pragma unroll
+  for (int i = 0; i < V; ++i) s[i] = z[i];  // softmax: the row statistics follow
+#endif
+}
+
+// Butterfly reductions over the row's first n lanes (n a power of two <= L).
+template <int N>
+AMDQB_DEVICE float row_sum(float v) {
+#pragma unroll
+  for (int m = N >> 1; m > 0; m >>= 1) v += shfl_xor_f32(v, m);
+  return v;
+}
+AMDQB_DEVICE float row_max(float v) {
+#pragma unroll
+  for (int m = L >> 1; m > 0; m >>= 1) v = fmaxf(v, shfl_xor_f32(v, m));
+  return v;
+}
+
+}  // namespace
+
+// Arguments of amdqb_topk, passed by value (amdqb.backends.hip.topk.TopkParams mirrors it).
+struct TopkParams {
+  const void* logits;      // [T, E] in the logits dtype, rows row_stride elements apart
+  const void* bias;        // [E] correction bias in AMDQB_BIAS_DTYPE (unused without)
+  float* weights;          // nullable [T, out_k] fp32
+  void* ids;               // nullable [T, out_k] int32 or int64 (flags bit 1)
+  i32* token_expert_idx;   // nullable [T, K] int32: j * T + t (vLLM's fused_topk)
+  const void* non_padded;  // nullable device scalar (int32, or int64 with flags bit 2)
+  void* probs;             // dense: nullable [T, E] in the logits dtype
+  void* map;               // dense: nullable, per map_kind
+  float* scores;           // dense: nullable [T, E] fp32, the ranked scores before the bias
+  i64 row_stride;
+  i64 tokens;
+  i64 non_padded_rows;  // rows at or past it get ids -1 when non_padded is NULL (else unused)
+  i32 out_k;            // K + num_shared
+  i32 num_shared;       // fused shared experts E .. E + num_shared - 1 in the last slots
+  float scale;          // the routed weights' factor (1 for none)
+  float shared_weight;  // shared experts' weight (flags bit 3 clear)
+  float shared_div;     // flags bit 3: shared weight = routed sum / shared_div
+  i32 flags;            // bit 0 renormalize, 1 int64 ids, 2 int64 non_padded, 3 shared from sum,
+                        // 4 softmax over the k selected logits (no softmax over E)
+  i32 map_kind;         // dense: 0 none, 1 byte map [T, E], 2 bit map [T, ceil(E / 8)],
+                        // 3 / 4 / 5 int16 / int32 / int64 ids [T, K] in selection order
+  i32 pad_;
+};
+
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
+  constexpr int WARPS = BLOCK / 32;
+  AMDQB_SHARED(float, sh_row, ROW_LDS ? WARPS * ROWS * E : 1);
+  AMDQB_SHARED(u8, sh_bits, DENSE && CONTIGUOUS ? WARPS * ROWS * E : 1);
+  const int lane = lane_id();
+  const int w = warp_in_block();
+  const int rl = lane % L;  // lane inside the token's row
+  const int rw = lane / L;  // row inside the logical warp
+  const i64 first = ((i64)blockIdx.x * (blockDim.x >> 5) + w) * ROWS;
+  if (first >= p.tokens) return;  // uniform across the logical warp
+  const i64 t = first + rw;
+  const bool live = t < p.tokens;  // rows past T run along (warp primitives), store nothing
+  float* my_row = sh_row + (w * ROWS + rw) * E;
+  u8* my_bits = sh_bits + (w * ROWS + rw) * E;
+  (void)my_row;
+  (void)my_bits;
+  const bool post_softmax = SOFTMAX && (p.flags & 16);  // TE: top-k of the logits, then softmax
+
+  // Logits and bias: every load in flight before any arithmetic.
+  const in_t* row = static_cast<const in_t*>(p.logits) + (live ? t : 0) * p.row_stride;
+  in_t raw[V];
+  float b[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int e = expert_at(rl, i);
+    const bool valid = live && e < E;
+    raw[i] = valid ? row[e] : in_t(0);
+    b[i] = 0.0f;
+    if (HAS_BIAS && valid) b[i] = bias_f32(static_cast<const bias_t*>(p.bias)[e]);
+  }
+#pragma unroll
+  for (int i = 0; i < V; ++i) keep_loaded(raw[i]);
+  float z[V], s[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) z[i] = in_f32(raw[i]);
+  activate(z, s);
+
+  if (SOFTMAX && !post_softmax) {
+    float m = bits_float(0xff800000u);  // -inf
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (expert_at(rl, i) < E) m = fmaxf(m, s[i]);
+    m = row_max(m);
+    float sum = 0.0f;
+    if (!CONTIGUOUS) {  // lane l holds experts l, l + L, ...: torch's order
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        if (expert_at(rl, i) < E) sum += expf(s[i] - m);
+      sum = row_sum<SOFTMAX_LANES>(sum);
+    } else {  // the exponentials through the row's LDS, re-read in torch's order
+#pragma unroll
+      for (int i = 0; i < V; ++i)
+        if (expert_at(rl, i) < E) my_row[expert_at(rl, i)] = expf(s[i] - m);
+      warp_sync();
+      if (rl < SOFTMAX_LANES)
+        for (int e = rl; e < E; e += SOFTMAX_LANES) sum += my_row[e];
+      sum = row_sum<SOFTMAX_LANES>(sum);
+      warp_sync();  // the row's LDS is rewritten below
+    }
+#pragma unroll
+    for (int i = 0; i < V; ++i) s[i] = expf(s[i] - m) / sum;
+  }
+  if (IN_MATH) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      s[i] = in_round(s[i]);
+      b[i] = in_round(b[i]);
+    }
+  }
+
+  // Selection entries; the unbiased scores go to the row's LDS for the compact weights.
+  u64 mine[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    mine[i] = 0;
+    const int e = expert_at(rl, i);
+    if (live && e < E) {
+      const float u = HAS_BIAS ? in_round(s[i] + b[i]) : s[i];
+      mine[i] = entry(order_key(u), e);
+      if (HAS_BIAS) my_row[e] = s[i];
+    }
+  }
+  u64 srt[NSORT];
+#pragma unroll
+  for (int i = 0; i < NSORT; ++i) srt[i] = i < V ? mine[i] : 0;
+  sort_desc(srt);
+  u64 top[KP];
+#pragma unroll
+  for (int i = 0; i < KP; ++i) top[i] = i < NSORT ? srt[i] : 0;
+
+  bool kept = true;  // the lane's group is among the kept ones
+  if (GROUPS > 0) {
+    // The group's best GROUP_BEST over its lanes (sorted lists merged like the row's below), its
+    // score (their sum in selection order), its rank among the groups.
+    u64 best[GBP];
+#pragma unroll
+    for (int i = 0; i < GBP; ++i) best[i] = i < NSORT ? srt[i] : 0;
+#pragma unroll
+    for (int m = 1; m < GROUP_LANES; m <<= 1) merge_with(best, m);
+    float score = entry_value(best[0]);
+#pragma unroll
+    for (int i = 1; i < GROUP_BEST; ++i) score = in_round(score + entry_value(best[i]));
+    const int group = rl / GROUP_LANES;
+    const u64 gentry = group < GROUPS ? entry(order_key(score), group) : 0;
+    int ahead = 0;
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g)
+      ahead += shfl_u64(gentry, rw * L + g * GROUP_LANES) > gentry ? 1 : 0;
+    kept = group < GROUPS && ahead < TOPK_GROUP;
+    if (!kept) {
+#pragma unroll
+      for (int i = 0; i < KP; ++i) top[i] = 0;
+    }
+  }
+
+#pragma unroll
+  for (int m = 1; m < L; m <<= 1) merge_with(top, m);
+
+  // Route r = rl (k <= L): id, unbiased weight, the sum over the k routes in routes_sum's order.
+  u64 route = 0;
+#pragma unroll
+  for (int i = 0; i < KP; ++i)
+    if (i == rl) route = top[i];
+  const bool routed = rl < K;
+  const int id = entry_id(route);
+  if (HAS_BIAS) warp_sync();  // the row's scores are in LDS
+  float wr = 0.0f;
+  if (routed) wr = HAS_BIAS ? my_row[id] : entry_value(route);
+  const float zmax = entry_value(top[0]);  // post softmax: the largest selected logit
+  if (post_softmax) wr = routed ? expf(wr - zmax) : 0.0f;
+  // over the whole row: every lane gets the sum (lanes past KP add exact zeros), as the shared
+  // experts and the dense outputs of every lane need it
+  const float sum = row_sum<L>(wr);
+  const bool renorm = (p.flags & 1) || post_softmax;
+  auto weight = [&](float v) {
+    return (renorm ? v / (post_softmax ? sum : sum + 1e-20f) : v) * p.scale;
+  };
+
+  if (DENSE) {
+    // The dense outputs of this lane's experts: members are the kept entries at or ahead of the
+    // k-th (entries are distinct); weights from the lane's own scores, as the routes'.
+    const u64 kth = top[K - 1];
+    bool member[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) member[i] = kept && mine[i] != 0 && mine[i] >= kth;
+    if (p.map_kind == 2) {  // bit e % 8 of byte e / 8: one ballot per slot (strided rows)
+      if (!CONTIGUOUS) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const u32 bits =
+              (u32)(((u64)ballot32(member[i]) >> (rw * L)) & (L == 32 ? ~0u : (1u << L) - 1u));
+          const int byte = L * i / 8 + rl;
+          if (live && rl < (L + 7) / 8 && byte < (E + 7) / 8)
+            static_cast<u8*>(p.map)[t * ((E + 7) / 8) + byte] = (u8)((bits >> (8 * rl)) & 0xffu);
+        }
+      } else {  // the row's flags through LDS, packed a byte per lane step
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+          if (expert_at(rl, i) < E) my_bits[expert_at(rl, i)] = member[i] ? 1 : 0;
+        warp_sync();
+        for (int byte = rl; byte < (E + 7) / 8; byte += L) {
+          u32 v = 0;
+          for (int j = 0; j < 8 && byte * 8 + j < E; ++j) v |= (u32)my_bits[byte * 8 + j] << j;
+          if (live) static_cast<u8*>(p.map)[t * ((E + 7) / 8) + byte] = (u8)v;
+        }
+      }
+    }
+    if (!live) return;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const int e = expert_at(rl, i);
+      if (e >= E) continue;
+      const i64 at = t * E + e;
+      if (p.probs != nullptr) {
+        const float v = post_softmax ? expf(z[i] - zmax) : s[i];
+        static_cast<in_t*>(p.probs)[at] = out_of_f32(member[i] ? weight(v) : 0.0f);
+      }
+      if (p.map_kind == 1) static_cast<u8*>(p.map)[at] = member[i] ? 1 : 0;
+      if (p.scores != nullptr) p.scores[at] = s[i];
+    }
+    if (routed) {
+      const i64 o = t * K + rl;
+      if (p.map_kind == 3) static_cast<i16*>(p.map)[o] = (i16)id;
+      if (p.map_kind == 4) static_cast<i32*>(p.map)[o] = id;
+      if (p.map_kind == 5) static_cast<i64*>(p.map)[o] = (i64)id;
+    }
+    return;
+  }
+
+  wr = weight(wr);
+  if (!live) return;
+  const bool padded_row =
+      p.non_padded != nullptr
+          ? t >= ((p.flags & 4) ? static_cast<const i64*>(p.non_padded)[0]
+                                : (i64) static_cast<const i32*>(p.non_padded)[0])
+          : t >= p.non_padded_rows;
+  const i64 o = t * p.out_k;
+  for (int r = rl; r < p.out_k; r += L) {
+    i64 out_id;
+    float out_w;
+    if (r < K) {
+      out_id = id;
+      out_w = wr;
+    } else {  // fused shared expert E + (r - K)
+      out_id = E + (r - K);
+      out_w = (p.flags & 8) ? sum / p.shared_div : p.shared_weight;
+    }
+    if (padded_row) out_id = -1;
+    p.weights[o + r] = out_w;
+    if (p.flags & 2)
+      static_cast<i64*>(p.ids)[o + r] = out_id;
+    else
+      static_cast<i32*>(p.ids)[o + r] = (i32)out_id;
+  }
+  if (p.token_expert_idx != nullptr && routed)
+    p.token_expert_idx[t * K + rl] = (i32)(rl * p.tokens + t);
+}

@@ -351,8 +351,10 @@ def test_router_backward_low_precision(backend, dtype):
     torch.testing.assert_close(grads[0].float(), grads[1].float(), rtol=2e-2, atol=1e-3)
 
 
-@over_backends("router_fwd")
-def test_router_bwd_direct(backend):
+@over_backends("router_fwd", gcn=GCN)
+def test_router_bwd_direct(backend, emu_rt):
+    """The backward kernel against the oracle's; on the emulator one amdqb_router_bwd launch (on
+    the AMDGCN models: the prelude's AMD row reductions in that kernel)."""
     if "router_bwd" not in dispatch._backend_module(backend).OPS:
         # the op falls back to another backend's backward (test_router_backward covers that path)
         pytest.skip(f"the {backend} backend has no router backward kernel")
@@ -364,7 +366,11 @@ def test_router_bwd_direct(backend):
     for be in (backend, "torch"):
         out = torch.full((t, e), float("nan"), device=DEVICE)
         call = RouterCall(e, k, scaling_factor=1.5)
+        if emu_rt is not None:
+            emu_rt.launches.clear()
         dispatch._backend_module(be).OPS["router_bwd"](call, gp, z, routed, out)
+        if emu_rt is not None and be == backend:
+            assert [n for n, *_ in emu_rt.launches] == ["amdqb_router_bwd"]
         outs.append(out)
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
 

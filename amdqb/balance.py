@@ -38,6 +38,7 @@ from .ops._checks import (
     check_choice,
     check_float,
     check_int,
+    check_no_overlap,
     check_tensor,
 )
 from .ops.qb import qb_step_
@@ -316,13 +317,14 @@ def aux_free_bias_update_(
         device=bias.device,
     )
     rate = check_float("rate", rate, finite=True)
+    check_no_overlap({"bias": bias}, {"tokens_per_expert": tokens_per_expert})
     bias.copy_(_ref_qb.aux_free_bias_update(bias, tokens_per_expert, rate))
     return bias
 
 
 def maxvio(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """MaxVio = ``max(load) / mean(load) - 1`` (0-dim fp32 tensor, no host sync; 0 for an empty
-    load or one with no tokens)."""
+    load or one with no tokens; NaN when a load is NaN or infinite)."""
     check_tensor("tokens_per_expert", tokens_per_expert, dtypes=LOAD_DTYPES, dim=1)
     return _ref_qb.maxvio(tokens_per_expert)
 

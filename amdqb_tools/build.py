@@ -55,7 +55,13 @@ ROUTE_KERNELS = frozenset(
 TOPK_KERNELS = frozenset({"amdqb_topk"})
 ROUTER_BWD_KERNELS = frozenset({"amdqb_router_bwd"})
 ROUTER_KERNELS = frozenset(
-    {"amdqb_router", "amdqb_qb_hist", "amdqb_qb_hist_bins", "amdqb_router_decode"}
+    {
+        "amdqb_router",
+        "amdqb_qb_hist",
+        "amdqb_qb_hist_bins",
+        "amdqb_router_decode",
+        "amdqb_router_scores",
+    }
 )
 
 

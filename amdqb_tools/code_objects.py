@@ -18,6 +18,8 @@ from pathlib import Path
 
 from .toolchain import MEMO, OFFLINE_FORMAT, inspect_tools, run
 
+INSPECT_FORMAT = 2  # bump when the reading of a code object changes (2: long branches are no calls)
+
 
 @dataclass
 class Kernel:
@@ -197,13 +199,27 @@ def _read(path: Path, asm: Path | None) -> CodeObject:
         name = entry.get("name")
         if name:
             kernels[name] = Kernel(name, entry, info.get(name, {}), functions.get(name, []))
-    calls = [
-        (fn, text)
-        for fn, code in functions.items()
-        for _, text, _ in code
-        if re.match(r"s_(swappc|setpc|call)_b64\b", text)
-    ]
-    return CodeObject(path, target, flags, kernels, undefined, functions, calls)
+    return CodeObject(path, target, flags, kernels, undefined, functions, _calls(functions))
+
+
+def _calls(functions: dict) -> list:
+    """[(function, instruction)] of every call: s_swappc / s_call, and an s_setpc other than the
+    assembler's long branch -- ``s_getpc_b64 s[n:n+1]``, adds of a label's offset, ``s_setpc_b64
+    s[n:n+1]`` -- which relaxes a branch beyond s_branch's 16-bit offset (a large kernel's own
+    code, not a call)."""
+    out = []
+    for fn, code in functions.items():
+        for i, (_, text, _) in enumerate(code):
+            m = re.match(r"s_(swappc|setpc|call)_b64\s+(\S+)", text)
+            if m is None:
+                continue
+            if m.group(1) == "setpc":
+                pair = m.group(2)
+                before = [t for _, t, _ in code[max(0, i - 8) : i]]
+                if any(re.match(rf"s_getpc_b64\s+{re.escape(pair)}$", t) for t in before):
+                    continue
+            out.append((fn, text))
+    return out
 
 
 def _digest(path: Path) -> str:
@@ -213,6 +229,7 @@ def _digest(path: Path) -> str:
 def _save_inspection(co: CodeObject, dest: Path, asm: Path | None) -> None:
     data = {
         "format": OFFLINE_FORMAT,
+        "inspect": INSPECT_FORMAT,
         "hsaco": _digest(co.path),
         "asm": _digest(asm) if asm else None,
         "target": co.target,
@@ -231,6 +248,8 @@ def _load_inspection(path: Path, asm: Path | None, src: Path) -> CodeObject | No
     except (OSError, ValueError):
         return None
     if data.get("format") != OFFLINE_FORMAT or data.get("hsaco") != _digest(path):
+        return None
+    if data.get("inspect") != INSPECT_FORMAT:
         return None
     if data.get("asm") != (_digest(asm) if asm else None):
         return None

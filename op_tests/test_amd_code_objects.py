@@ -379,7 +379,7 @@ def test_qb_histogram_pass_counts_in_lds(objects, tc, arch):
 HOT_BPERMUTE = {
     "amdqb_router": 0,
     "amdqb_router_decode": 0,
-    "amdqb_scores": 0,
+    "amdqb_router_scores": 0,
     "amdqb_qb_hist": 0,
     "amdqb_qb_hist_bins": 0,
     "amdqb_route_det_rank_i32": 1,

@@ -223,6 +223,26 @@ bad("router tie_free no bias", R, router(selection="tie_free"), ValueError, "tie
 bad("router qb_binning", R, router(qb_binning="log"), ValueError, "qb_binning")
 bad("router backend unknown", R, router(backend="cuda"), ValueError, "backend")
 bad("router backend int", R, router(backend=3), ValueError, "backend")
+bad("router approximate str", R, router(approximate_activation="no"), TypeError, "approximate_act")
+bad("router approximate 2", R, router(approximate_activation=2), TypeError, "approximate_act")
+bad("router logits meta", R, router(logits=torch.zeros(T, E, device="meta")), ValueError, "meta")
+bad("router logits sparse", R, router(logits=torch.zeros(T, E).to_sparse()), TypeError, "dense")
+_shared = _zeros(T * E)
+bad(
+    "router indices overlap logits",
+    R,
+    router(logits=_shared.view(T, E), topk_indices=_shared[: T * 2].view(torch.int32).view(T, 2)),
+    ValueError,
+    "topk_indices and logits overlap",
+)
+_shared = _zeros(E + T * 2)
+bad(
+    "router indices overlap bias",
+    R,
+    router(expert_bias=_shared[:E], topk_indices=_shared[E - 1 : E - 1 + T * 2].view(torch.int32).view(T, 2)),  # fmt: skip
+    ValueError,
+    "topk_indices and expert_bias overlap",
+)
 
 # Quantile Balancing arguments (the histogram is an in-place output: it must stay untouched)
 bad("qb partial", R, router(qb_histogram=_zeros(E, 10, dtype=torch.int32)), ValueError, "together")
@@ -323,6 +343,8 @@ bad(
     "at least 2 experts per group",
 )
 bad("serving backend", B, serving(backend="gpu"), ValueError, "backend")
+bad("serving approximate str", B, serving(approximate_activation="yes"), TypeError, "approximate")
+bad("serving bias meta", B, serving(expert_bias=torch.zeros(E, device="meta")), ValueError, "meta")
 
 # ---------------------------------------------------------------------------------------------
 # TE aux-loss ops
@@ -476,6 +498,30 @@ bad("route impl", RR, route(impl="fast"), ValueError, "impl")
 bad("route lds E > 4096", RR, route(num_experts=5000, impl="lds"), ValueError, "4096")
 bad("route deterministic str", RR, route(deterministic="yes"), TypeError, "deterministic")
 bad("route backend", RR, route(backend="cpu"), ValueError, "backend")
+_ids_as_counters = _i32([1, 2, 1, 1, 1, 1, 1, 0])
+bad(
+    "route counters are the ids",
+    RR,
+    route(topk_ids=_ids_as_counters, counters=_ids_as_counters),
+    ValueError,
+    "counters and topk_ids overlap",
+)
+_shared = _zeros(E + 8, dtype=torch.int32)
+bad(
+    "route counters overlap expanded ids",
+    RR,
+    route(topk_ids=_shared[E + 3 : E + 4].expand(4, 2), counters=_shared[4 : 4 + E]),
+    ValueError,
+    "counters and topk_ids overlap",
+)
+_shared = _i32([0] * E + [0, 1, 2, 3, 4, 5, 6, 7])  # counters, then the ids: no shared byte
+good(
+    "route counters beside the ids",
+    _route_call,
+    route(topk_ids=_shared[E:].view(4, 2), counters=_shared[:E], _c0=torch.zeros(E, dtype=torch.int32)),  # fmt: skip
+    like_oracle,
+)
+bad("route ids meta", RR, route(topk_ids=torch.zeros(4, 2, dtype=torch.int32, device="meta")), ValueError, "meta")  # fmt: skip
 good("route negative counters drop", _route_call, counted([-100000] * E), like_oracle)
 good("route mixed counters", _route_call, counted([-1, 0, 5, -2, 3, 0, -7, 1]), like_oracle)
 good(
@@ -929,6 +975,8 @@ bad("aux_free tpe shape", AF, dict(bias=_zeros(E), tokens_per_expert=_zeros(E - 
 bad("aux_free tpe bool", AF, dict(bias=_zeros(E), tokens_per_expert=_zeros(E, dtype=torch.bool)), TypeError, "tokens_per_expert")  # fmt: skip
 bad("aux_free rate nan", AF, dict(bias=_zeros(E), tokens_per_expert=_zeros(E), rate=float("nan")), ValueError, "rate")  # fmt: skip
 bad("aux_free rate str", AF, dict(bias=_zeros(E), tokens_per_expert=_zeros(E), rate="1"), TypeError, "rate")  # fmt: skip
+_shared = _zeros(E + 2)
+bad("aux_free bias overlaps tpe", AF, dict(bias=_shared[:E], tokens_per_expert=_shared[2:]), ValueError, "bias and tokens_per_expert overlap")  # fmt: skip
 
 MV, CV = amdqb.maxvio, amdqb.cv2
 zero = lambda out, a: out.shape == () and float(out) == 0.0  # noqa: E731
@@ -939,6 +987,10 @@ good("maxvio balanced", MV, dict(tokens_per_expert=torch.full((E,), 3, device=DE
 bad("maxvio 2-D", MV, dict(tokens_per_expert=_zeros(2, E)), ValueError, "tokens_per_expert")
 bad("maxvio list", MV, dict(tokens_per_expert=[1, 2]), TypeError, "tokens_per_expert")
 bad("cv2 bool", CV, dict(tokens_per_expert=_zeros(E, dtype=torch.bool)), TypeError, "tokens_per")
+nan = lambda out, a: out.shape == () and bool(torch.isnan(out))  # noqa: E731
+good("maxvio nan load", MV, dict(tokens_per_expert=_f32([float("nan"), 1.0, 2.0])), nan)
+good("maxvio inf load", MV, dict(tokens_per_expert=_f32([float("inf"), 1.0, 2.0])), nan)
+good("cv2 nan load", CV, dict(tokens_per_expert=_f32([float("nan"), 1.0, 2.0])), nan)
 
 MK = amdqb.mark_qb_bin_bounds_validated
 bad("mark bounds shape", MK, dict(bin_bounds=_zeros(3)), ValueError, "bin_bounds")
@@ -1041,12 +1093,18 @@ def _tensors(obj, path="args"):
             yield from _tensors(v, f"{path}[{i}]")
 
 
+def _bytes(t):
+    """A tensor's values as bytes (a sparse tensor's dense values; a meta tensor holds none)."""
+    if t.is_meta:
+        return torch.zeros(0, dtype=torch.uint8)
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
 def _snapshot(case):
     state = {"args": case.args, "extra": case.extra() if case.extra else {}}
-    tensors = {
-        p: (t, t.detach().contiguous().reshape(-1).view(torch.uint8).clone())
-        for p, t in _tensors(state)
-    }
+    tensors = {p: (t, _bytes(t)) for p, t in _tensors(state)}
     scalars = {k: v for k, v in state["extra"].items() if not isinstance(v, torch.Tensor)}
     return tensors, scalars
 
@@ -1054,7 +1112,7 @@ def _snapshot(case):
 def _assert_unchanged(case, before):
     tensors, scalars = before
     for path, (t, data) in tensors.items():
-        now = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        now = _bytes(t)
         assert now.shape == data.shape and torch.equal(now, data), f"{path} changed"
     if case.extra:
         now = case.extra()

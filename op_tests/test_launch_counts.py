@@ -16,7 +16,7 @@ from amdqb import biased_topk, dispatch
 from amdqb.compat import sglang, vllm
 from amdqb.ref.layout import align_buffer_sizes
 
-from conftest import DEVICE, HAS_GPU, over_backends, set_config
+from conftest import DEVICE, HAS_GPU, device_config, over_backends, set_config
 
 # ATen ops that launch no kernel on a GPU: allocation, metadata and views
 _NO_KERNEL = {
@@ -193,11 +193,9 @@ def test_entry_points_launch_one_kernel_on_the_gpu(monkeypatch, tokens):
 @pytest.mark.skipif(not HAS_GPU, reason="profiles the kernels one call launches on a GPU")
 @pytest.mark.parametrize("tokens", [8, 2048, 131072])
 def test_aligns_launch_one_or_two_kernels_on_the_gpu(monkeypatch, tokens):
-    from amdqb import configs
-
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
     dispatch._select.cache_clear()
-    single = configs.for_device(DEVICE)["hip.align.single_block_routes"]
+    single = device_config()["hip.align.single_block_routes"]
     want = ["amdqb_align"] if tokens * 8 <= single else ["amdqb_align_hist", "amdqb_align"]
     for name, fn in _aligns(tokens).items():
         kernels = _profiled_kernels(fn)

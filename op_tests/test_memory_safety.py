@@ -208,6 +208,66 @@ def test_memsafe_chunk_copy(impl, hidden, reverse, kind):
 
 
 @pytest.mark.parametrize("impl", impls("chunk_copy"))
+@pytest.mark.parametrize("reverse", [False, True], ids=["gather", "scatter"])
+@pytest.mark.parametrize("layout", ["row_slice", "expanded"])
+def test_memsafe_chunk_copy_row_strided(impl, reverse, layout):
+    """A source read through its row stride (a column slice of a wider buffer whose other columns
+    and guard rows are poisoned, or one row expanded: stride 0) reads only its own elements."""
+    src_rows, p, hidden = 9, 12, 5
+    rm = _row_maps(src_rows, p)["out_of_range"].to(torch.int32)
+    if reverse:
+        rm = torch.tensor([3, -1, 0, 7, 12, 1, 2, 4, 5, 6, 8, -9], dtype=torch.int32)
+    row_map = Banded((p,), torch.int32, rm, band_value=0)
+    n_src, n_dst = (p, src_rows) if reverse else (src_rows, p)
+    values = torch.randn(n_src, hidden, generator=torch.Generator().manual_seed(1))
+    wide = Banded((n_src, hidden + 3), torch.float32)  # poisoned everywhere
+    if layout == "row_slice":
+        wide.t[:, :hidden].copy_(values)
+        src = wide.t[:, :hidden]
+    else:
+        wide.t[0, :hidden].copy_(values[0])
+        values = values[:1].expand(n_src, hidden)
+        src = wide.t[0, :hidden].expand(n_src, hidden)
+    before = wide.buf.clone()
+    dst = Banded((n_dst, hidden), torch.float32, torch.zeros(n_dst, hidden))
+    impl(src, row_map.t, dst.t, reverse)
+    if reverse:
+        want = ref.moe_unpad_and_restore_chunks(values.cpu(), rm, n_dst)
+    else:
+        want = ref.chunks.gather_rows(values.cpu(), rm)
+    assert torch.equal(dst.t.cpu(), want)
+    assert torch.equal(wide.buf, before) and dst.bands_intact() and row_map.bands_intact()
+
+
+@pytest.mark.parametrize("impl", impls("aux_loss_fwd"))
+@pytest.mark.parametrize("layout", ["row_slice", "expanded"])
+def test_memsafe_aux_loss_row_strided(impl, layout):
+    """The aux-loss reduction over a probs view with a row stride and a strided
+    tokens_per_expert: the poisoned elements between them are never read."""
+    rows, cols = 7, 16
+    g = torch.Generator().manual_seed(2)
+    values = torch.rand(rows, cols, generator=g)
+    wide = Banded((rows, cols + 5), torch.float32)
+    if layout == "row_slice":
+        wide.t[:, :cols].copy_(values)
+        probs = wide.t[:, :cols]
+    else:
+        wide.t[0, :cols].copy_(values[0])
+        values = values[:1].expand(rows, cols)
+        probs = wide.t[0, :cols].expand(rows, cols)
+    counts = torch.randint(0, 9, (cols,), generator=g, dtype=torch.int32)
+    tpe_buf = Banded((2 * cols,), torch.int32)
+    tpe = tpe_buf.t[::2]
+    tpe.copy_(counts.to(DEVICE))
+    loss = torch.empty((), dtype=torch.float32, device=DEVICE)
+    coeff = torch.empty(2, dtype=torch.float32, device=DEVICE)
+    impl(probs, tpe, None, 1e-3, 0.0, loss, coeff)
+    want = (values.sum(0).double() * counts.double()).sum() * 1e-3
+    assert float(loss) == pytest.approx(float(want), rel=1e-5)
+    assert wide.bands_intact() and tpe_buf.bands_intact()
+
+
+@pytest.mark.parametrize("impl", impls("chunk_copy"))
 def test_memsafe_chunk_scatter_duplicates(impl):
     """Two row_map entries naming one row: that row holds one of the two inputs."""
     rm = torch.tensor([2, 0, 2, 1, 2, -1, 7], dtype=torch.int32)

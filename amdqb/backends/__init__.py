@@ -2,8 +2,12 @@
 
 * ``availability(info: DeviceInfo) -> (bool, reason)``;
 * ``OPS: dict[str, callable]`` keyed by the kernel-level op names below;
-* optionally ``unsupported(op, info, features) -> reason | None`` to decline a configuration (the
-  dispatcher then tries the next backend);
+* optionally ``LIMITS: dict[str, check]``: the capability check of an op, declared next to its
+  launcher, ``check(info, call) -> reason | None`` where ``call`` is the op's call type or request
+  (``amdqb.backends.calls``: ``RouterCall`` for the router, ``BiasedTopkRequest``,
+  ``RouteRowsRequest``, ... for the others); a reason passes the backend over (the dispatcher runs
+  the call on the next backend; ``backend=`` raises naming it). A backend never runs another
+  backend itself;
 * optionally ``BuildError``: the exception a backend that builds kernels at run time raises when a
   build fails before anything of the op call has launched; the dispatcher then runs the op on the
   next backend of its order (``amdqb.dispatch``).
@@ -12,8 +16,11 @@ The ``torch`` backend is the oracle: exact, but not written for speed and not gr
 (some oracles size outputs from device values). The kernel backends never synchronise.
 
 Kernel-level ops are destination-passing (outputs are preallocated by ``amdqb.ops``), take
-contiguous tensors that ``amdqb.ops`` has already validated, never synchronise with the host and
-never allocate output buffers the caller sees. Signatures:
+tensors that ``amdqb.ops`` has already validated, never synchronise with the host and never
+allocate output buffers the caller sees. Tensors arrive contiguous, except the inputs read through
+their strides (docs/memory_safety.md): ``chunk_copy``'s ``src`` and the aux-loss ``logits`` /
+``probs`` are 2-D with unit-stride rows (any row stride), ``tokens_per_expert`` is any 1-D view.
+No output overlaps an input or another output. Signatures:
 
 ``router_fwd(call: RouterCall, logits [T,E], expert_bias fp32 [E]|None, probs_out [T,E],
     map_out, qb_histogram int32 [E,B]|None, qb_bin_bounds fp32 [2]|None, scores_out fp32

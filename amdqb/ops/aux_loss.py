@@ -34,11 +34,14 @@ from ..ref import aux_loss as ref_aux
 from ..ref.router import SCORE_FUNCTIONS
 from ._checks import (
     FLOAT_DTYPES,
+    ROWS,
     check_backend,
     check_choice,
     check_float,
     check_int,
     check_tensor,
+    kernel_input,
+    static_int,
 )
 from .router import _map_format
 
@@ -191,17 +194,16 @@ def fused_compute_score_for_moe_aux_loss(
         of the logits' shape, differentiable w.r.t. ``logits``.
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    num_experts = logits.shape[-1]
+    num_experts = static_int(logits.shape[-1])
     if num_experts < 1:
         raise ValueError("logits must have at least one expert (last dim >= 1)")
-    topk = check_int("topk", topk, low=1, high=num_experts)
+    topk = static_int(check_int("topk", topk, low=1, high=num_experts))
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
     check_backend(backend)
     map_kind = "bitmap" if _map_format(routing_map_format) == "bitmap_u8" else "bytemap"
     lead = logits.shape[:-1]
-    logits2d = logits.reshape(-1, num_experts)
-    if not logits2d.is_contiguous():
-        logits2d = logits2d.contiguous()
+    # rows read through their stride: a logits slice of a wider projection is not copied
+    logits2d = kernel_input(logits.reshape(-1, num_experts), ROWS)
     device = logits.device
     features = dict(num_experts=num_experts, topk=topk, score_function=score_function)
     fwd = dispatch.kernel_backend("aux_scores_fwd", device, backend, **features)
@@ -253,7 +255,7 @@ def fused_moe_aux_loss(
         ``(num_experts * coeff) / topk / T / T * sum_c (sum_r probs[r, c]) * tokens_per_expert[c]``.
     """
     check_tensor("probs", probs, dtypes=FLOAT_DTYPES, dim=2)
-    cols = probs.shape[1]
+    cols = static_int(probs.shape[1])
     device = probs.device
     check_tensor(
         "tokens_per_expert",
@@ -262,14 +264,20 @@ def fused_moe_aux_loss(
         shape=(cols,),
         device=device,
     )
-    num_experts = check_int("num_experts", num_experts, low=1)
+    num_experts = static_int(check_int("num_experts", num_experts, low=1))
     if cols % num_experts:
         raise ValueError(
             f"probs has {cols} columns, which must be a multiple of num_experts={num_experts}"
         )
-    topk = check_int("topk", topk, low=1)
+    topk = static_int(check_int("topk", topk, low=1))
     coeff = check_float("coeff", coeff, finite=True)
     check_backend(backend)
+    if torch.compiler.is_compiling() and not isinstance(total_num_tokens, torch.Tensor):
+        # A traced int may be symbolic (dynamic shapes), which cannot fold on the host, and traced
+        # code cannot tell: a compiled call takes the device path, whose fp32 quotients are the
+        # host path's bits (IEEE division either way).
+        check_int("total_num_tokens", total_num_tokens, low=1)
+        total_num_tokens = torch.full((), total_num_tokens, dtype=torch.int64, device=device)
     if isinstance(total_num_tokens, torch.Tensor):
         check_tensor("total_num_tokens", total_num_tokens, dtypes=(torch.int64,), device=device)
         if total_num_tokens.numel() != 1:
@@ -286,10 +294,7 @@ def fused_moe_aux_loss(
         total = None
         coeff_host = _host_coefficient(num_experts, topk, coeff, total_num_tokens)
         coeff_prefix = 0.0
-    if not probs.is_contiguous():
-        probs = probs.contiguous()
-    if not tokens_per_expert.is_contiguous():
-        tokens_per_expert = tokens_per_expert.contiguous()
+    probs = kernel_input(probs, ROWS)  # tokens_per_expert: read through its stride as it is
     fwd = dispatch.kernel_backend("aux_loss_fwd", device, backend, cols=cols)
     if torch.is_grad_enabled() and probs.requires_grad:
         bwd = dispatch.kernel_backend("aux_loss_bwd", device, prefer=fwd, cols=cols)

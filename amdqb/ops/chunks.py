@@ -6,6 +6,10 @@ sizes (``num_out_tokens``) stay fixed. Copies are exact; padding rows are zero a
 gradient; ``row_map`` is ``-1`` at padding. Offsets are computed in 64-bit (``rows * hidden`` may
 pass 2^31).
 
+Strides: ``inp`` (and ``probs``) are read in place through their row stride when their rows are
+contiguous (a slice of a wider buffer, expanded rows), else through a contiguous copy; the int
+metadata and ``row_map`` must be contiguous (docs/memory_safety.md).
+
 Any metadata value is memory-safe: no kernel reads or writes outside its tensors, whatever the
 device-side ``split_sizes``, ``sorted_indices``, ``output_split_sizes`` or ``row_map`` hold.
 Inconsistent metadata has these outcomes on every backend (``amdqb.ref.chunks``): negative sizes
@@ -23,7 +27,16 @@ import torch
 
 from .. import dispatch
 from .._library import impl, kernel_op
-from ._checks import FLOAT_DTYPES, ID_DTYPES, INT32_MAX, check_backend, check_int, check_tensor
+from ._checks import (
+    FLOAT_DTYPES,
+    ID_DTYPES,
+    INT32_MAX,
+    ROWS,
+    check_backend,
+    check_int,
+    check_tensor,
+    kernel_input,
+)
 
 
 def _row_map_fake(
@@ -130,11 +143,10 @@ def moe_sort_chunks_and_pad(
     row_map = _chunk_row_map(
         split_sizes, sorted_indices, output_split_sizes, num_out_tokens, inp.shape[0], name
     )
-    src = inp if inp.is_contiguous() else inp.contiguous()
-    out = _ChunkCopy.apply(src, row_map, num_out_tokens, False, name)
+    out = _ChunkCopy.apply(kernel_input(inp, ROWS), row_map, num_out_tokens, False, name)
     out_probs = None
     if probs is not None:
-        p = probs.contiguous().view(-1, 1)
+        p = kernel_input(probs.unsqueeze(1), ROWS)  # [T, 1]: one element per row, any stride
         out_probs = _ChunkCopy.apply(p, row_map, num_out_tokens, False, name).view(-1)
     return out, out_probs, row_map
 
@@ -161,5 +173,4 @@ def moe_unpad_and_restore_chunks(
     num_tokens = check_int("num_tokens", num_tokens, low=0, high=INT32_MAX)
     check_backend(backend)
     name = _backend(device, backend, inp.dtype)
-    src = inp if inp.is_contiguous() else inp.contiguous()
-    return _ChunkCopy.apply(src, row_map, num_tokens, True, name)
+    return _ChunkCopy.apply(kernel_input(inp, ROWS), row_map, num_tokens, True, name)

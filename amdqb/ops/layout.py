@@ -20,6 +20,11 @@ Two implementations:
 * ``lds``    -- per-workgroup LDS histogram, one global interval reservation per non-empty
   (workgroup, expert), LDS-atomic ranks inside the interval (the "new" path); up to 4096 experts.
 
+Memory (docs/memory_safety.md): ``topk_ids`` is read through its strides (a contiguous copy when
+it is not contiguous) and compared in 64 bits (an int64 id of ``2^32 + 3`` drops); ``counters``
+and the align buffers are written in place, so they must be contiguous and share no byte with
+``topk_ids`` or each other (a ``ValueError`` naming both).
+
 :func:`route_impl` is the capacity gate that picks one (aiter's gfx1250 rule, docs/targets.md; no model-name or shape branch).
 """
 
@@ -42,7 +47,10 @@ from ._checks import (
     check_bool,
     check_choice,
     check_int,
+    check_no_overlap,
     check_tensor,
+    kernel_input,
+    static_int,
 )
 
 ROUTE_IMPLS = ("atomic", "lds")
@@ -72,9 +80,18 @@ def route_impl(info: DeviceInfo, num_routes: int, num_experts: int) -> tuple[str
 
 
 @torch.compiler.assume_constant_result
-def _auto_route_impl(device: str, num_routes: int, num_experts: int) -> str:
-    # a constant for torch.compile: the device query behind it cannot be traced
-    return route_impl(dispatch.device_info(device), num_routes, num_experts)[0]
+def _lds_min_routes(device: str, num_experts: int) -> int:
+    """Fewest routes the capacity gate sends to ``lds`` on ``device`` (-1: never). A constant for
+    torch.compile (the device query behind it cannot be traced); the route count is compared with
+    it in the traced code, so a dynamic token count stays symbolic (one guard on the gate)."""
+    if num_experts > LDS_MAX_EXPERTS:
+        return -1
+    return lds_route_threshold(num_experts, configs.load(dispatch.device_info(device).arch_family))
+
+
+def _gate(device, num_routes, num_experts: int) -> str:
+    threshold = _lds_min_routes(str(device), num_experts)
+    return "lds" if 0 <= threshold <= num_routes else "atomic"
 
 
 @kernel_op("route_rows", mutates_args=("counters", "rows_out", "counts_out"))
@@ -134,7 +151,8 @@ def moe_route_rows(
         capacity: rows per expert in the masked layout ``row = e * capacity + slot``.
         counters: optional int32 ``[E]`` caller-initialised slot offsets, updated in place by the
             number of valid routes of each expert (int32, wrapping); slots outside
-            ``[0, 2^31 - 1]`` get no row (see the module notes).
+            ``[0, 2^31 - 1]`` get no row (see the module notes). Contiguous, sharing no memory
+            with ``topk_ids``.
         deterministic: ascending flat route index inside each expert, bitwise reproducible.
         impl: force ``"atomic"`` or ``"lds"`` (default: the capacity gate).
         backend: force a backend.
@@ -144,7 +162,9 @@ def moe_route_rows(
         call that received a row.
     """
     _check_ids(topk_ids)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
+    num_experts = static_int(
+        check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
+    )
     device = topk_ids.device
     if capacity is not None:
         capacity = check_int("capacity", capacity, low=0, high=INT32_MAX)
@@ -165,9 +185,8 @@ def moe_route_rows(
     if impl is not None:
         check_choice("impl", impl, ROUTE_IMPLS)
     check_backend(backend)
-    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    num_routes = ids.numel()
-    chosen = impl or _auto_route_impl(str(device), num_routes, num_experts)
+    check_no_overlap({"counters": counters}, {"topk_ids": topk_ids})
+    chosen = impl or _gate(device, topk_ids.numel(), num_experts)
     if chosen == "lds" and num_experts > LDS_MAX_EXPERTS:
         raise ValueError(f"impl='lds' supports num_experts <= {LDS_MAX_EXPERTS}, got {num_experts}")
     chosen_backend = dispatch.kernel_backend(
@@ -178,6 +197,7 @@ def moe_route_rows(
         impl=chosen,
         deterministic=deterministic,
     )
+    ids = kernel_input(topk_ids)
     # counts arrive zero-filled at the backend (the lds kernels accumulate into them); with the
     # op's own counters both come from one fill
     if counters is None:
@@ -211,7 +231,9 @@ def _check_align(topk_ids, block_size, num_experts, backend=None, raw_storage=Fa
     ``numel`` values from its first element on in memory order (SGLang's kernel reads them so)."""
     _check_ids(topk_ids)
     block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
-    num_experts = check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
+    num_experts = static_int(
+        check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
+    )
     if num_experts * (block_size - 1) > MAX_ALIGN_PADDING:
         raise ValueError(
             f"num_experts * (block_size - 1) = {num_experts * (block_size - 1)} padding rows "
@@ -230,6 +252,36 @@ def _check_align(topk_ids, block_size, num_experts, backend=None, raw_storage=Fa
             "values in memory order, which run past the end of its storage"
         )
     return topk_ids.as_strided((numel,), (1,)), block_size, num_experts
+
+
+def check_align_sizes(
+    topk_ids: torch.Tensor,
+    block_size: int,
+    num_experts: int,
+    pad_sorted_ids: bool = False,
+    *,
+    backend: Optional[str] = None,
+) -> tuple[int, int, int, int]:
+    """``(block_size, num_experts, rows, blocks)`` of an align call with vLLM's buffer sizes
+    (:func:`amdqb.ref.layout.align_buffer_sizes`), every argument checked before anything is
+    allocated: what a caller that allocates the buffers itself (``amdqb.compat``) runs first, so
+    that an absurd ``block_size`` or ``num_experts`` fails here, not in the allocator."""
+    _check_ids(topk_ids)
+    block_size = check_int("block_size", block_size, low=1, high=INT32_MAX)
+    num_experts = static_int(
+        check_int("num_experts", num_experts, low=1, high=MAX_ALLOCATED_EXPERTS)
+    )
+    if num_experts * (block_size - 1) > MAX_ALIGN_PADDING:
+        raise ValueError(
+            f"num_experts * (block_size - 1) = {num_experts * (block_size - 1)} padding rows "
+            f"exceed {MAX_ALIGN_PADDING} (block_size={block_size}, num_experts={num_experts})"
+        )
+    check_backend(backend)
+    pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)
+    rows, blocks = align_buffer_sizes(topk_ids.numel(), num_experts, block_size, pad_sorted_ids)
+    if rows > INT32_MAX:
+        raise ValueError(f"aligned buffer of {rows} rows does not fit int32 indices")
+    return block_size, num_experts, rows, blocks
 
 
 def align_block_size_into(
@@ -258,10 +310,8 @@ def align_block_size_into(
     ``sorted_token_ids`` must hold :func:`align_min_rows` entries (checked from the shapes: the
     padded total of any routing fits) and ``expert_ids`` at least that many rows' blocks, so no
     routing can make a kernel write out of bounds."""
-    ids, block_size, num_experts = _check_align(
-        topk_ids, block_size, num_experts, backend, raw_storage
-    )
-    device = ids.device
+    _check_ids(topk_ids)
+    device = topk_ids.device
     for name, buf in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids)):
         check_tensor(name, buf, dtypes=(torch.int32,), dim=1, device=device, contiguous=True)
     check_tensor("num_tokens_post_pad", num_tokens_post_pad, dtypes=(torch.int32,), device=device)
@@ -276,13 +326,22 @@ def align_block_size_into(
         raise ValueError("expert_map and map_mode ('filter' or 'output') go together")
     if expert_map is not None:
         check_tensor("expert_map", expert_map, dtypes=ID_DTYPES, dim=1, device=device)
-        if not expert_map.is_contiguous():
-            expert_map = expert_map.contiguous()
         if expert_map.numel() > INT32_MAX:
             raise ValueError(f"expert_map of {expert_map.numel()} entries exceeds int32")
+    check_no_overlap(
+        {
+            "sorted_token_ids": sorted_token_ids,
+            "expert_ids": expert_ids,
+            "num_tokens_post_pad": num_tokens_post_pad,
+        },
+        {"topk_ids": topk_ids, "expert_map": expert_map},
+    )
     for name, v in (("id_shift", id_shift), ("owner_shift", owner_shift)):
         check_int(name, v, low=-INT32_MAX, high=INT32_MAX)
     check_int("tail_value", tail_value, low=-INT32_MAX, high=INT32_MAX)
+    ids, block_size, num_experts = _check_align(
+        topk_ids, block_size, num_experts, backend, raw_storage
+    )
     rows = align_min_rows(ids.numel(), num_experts, block_size)
     if sorted_token_ids.numel() < rows:
         raise ValueError(
@@ -296,6 +355,8 @@ def align_block_size_into(
         )
     if sorted_token_ids.numel() > INT32_MAX:
         raise ValueError(f"aligned buffer of {sorted_token_ids.numel()} rows exceeds int32")
+    if expert_map is not None:  # int32 entries (outside int32: -1), read contiguously
+        expert_map = int32_expert_map(expert_map).contiguous()
     call = AlignCall(
         num_experts, block_size, int(id_shift), map_mode, int(owner_shift), int(tail_value)
     )
@@ -330,8 +391,9 @@ def moe_align_block_size(
     order inside an expert is ascending (deterministic). Ids outside ``[0, E)`` are dropped. Unused
     tail blocks have expert 0; every block is then mapped through ``expert_map`` (global -> local,
     -1 for remote experts) when given, as vLLM's ``ignore_invalid_experts=False`` path does
-    (``amdqb.compat.vllm`` has the filtering path and vLLM's -1 tail). One kernel launch (two from
-    ``hip.align.single_block_routes`` routes on).
+    (``amdqb.compat.vllm`` has the filtering path and vLLM's -1 tail); an int64 ``expert_map``
+    entry outside the int32 range maps to -1 (:func:`int32_expert_map`). One kernel launch (two
+    from ``hip.align.single_block_routes`` routes on).
     """
     ids, block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
     pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)
@@ -363,3 +425,13 @@ def moe_align_block_size(
         backend=backend,
     )
     return sorted_ids, expert_ids, num_post_pad
+
+
+def int32_expert_map(expert_map: torch.Tensor) -> torch.Tensor:
+    """``expert_map`` as the int32 ids of the aligned blocks: an int64 entry outside the int32
+    range becomes -1 (no local expert), where a cast would wrap it onto another id. On the
+    device, no host read."""
+    if expert_map.dtype == torch.int32:
+        return expert_map
+    fits = (expert_map >= -(2**31)) & (expert_map <= INT32_MAX)
+    return torch.where(fits, expert_map, -1).to(torch.int32)

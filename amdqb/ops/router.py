@@ -50,7 +50,9 @@ from ._checks import (
     check_float,
     check_groups,
     check_int,
+    check_no_overlap,
     check_tensor,
+    static_int,
 )
 
 ROUTING_MAP_FORMATS = ("bytemap", "bitmap_u8")
@@ -225,7 +227,8 @@ def fused_topk_with_score_function(
         routing_map_format: ``"bytemap"`` (bool ``[..., E]``) or ``"bitmap_u8"`` (uint8
             ``[..., ceil(E/8)]``, bit ``e % 8`` of byte ``e // 8``).
         topk_indices: caller-owned ``[..., topk]`` int16/int32/int64 buffer; when given it is
-            filled in place (selection order) and returned instead of a routing map.
+            filled in place (selection order) and returned instead of a routing map. Contiguous,
+            sharing no memory with the other tensor arguments.
         qb_histogram: int32 ``[E, B]``, accumulated in place (QB).
         qb_bin_bounds: fp32 ``[2]`` device tensor ``[L, U]`` (QB).
         qb_histogram_mode: ``"two_kernel"``, ``"fused_atomic"`` or ``"auto"`` (QB); TE's
@@ -255,12 +258,13 @@ def fused_topk_with_score_function(
         ``return_raw``: ``(probs, routing_output, scores, cutoff)``.
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    num_experts = logits.shape[-1]
+    num_experts = static_int(logits.shape[-1])  # a kernel constant, also under dynamic shapes
     if num_experts < 1:
         raise ValueError("logits must have at least one expert (last dim >= 1)")
     device = logits.device
-    topk = check_int("topk", topk, low=1, high=num_experts)
+    topk = static_int(check_int("topk", topk, low=1, high=num_experts))
     use_pre_softmax = check_bool("use_pre_softmax", use_pre_softmax)
+    approximate_activation = check_bool("approximate_activation", approximate_activation)
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
     num_groups, group_topk = check_groups(num_groups, group_topk, topk, num_experts)
     if scaling_factor is not None:
@@ -337,10 +341,6 @@ def fused_topk_with_score_function(
         validate_qb_bin_bounds(qb_bin_bounds, qb_binning)
 
     lead = logits.shape[:-1]
-    logits2d = logits.reshape(-1, num_experts)
-    if not logits2d.is_contiguous():
-        logits2d = logits2d.contiguous()
-
     if topk_indices is not None:
         if map_format == "bitmap_u8":
             raise ValueError("topk_indices (dense indices) cannot be combined with bitmap_u8")
@@ -357,6 +357,13 @@ def fused_topk_with_score_function(
         map_kind = "indices"
     else:
         map_kind = "bitmap" if map_format == "bitmap_u8" else "bytemap"
+    check_no_overlap(
+        {"topk_indices": topk_indices, "qb_histogram": qb_histogram},
+        {"logits": logits, "expert_bias": expert_bias, "qb_bin_bounds": qb_bin_bounds},
+    )
+    logits2d = logits.reshape(-1, num_experts)
+    if not logits2d.is_contiguous():
+        logits2d = logits2d.contiguous()
 
     call = RouterCall(
         num_experts=num_experts,
@@ -371,7 +378,7 @@ def fused_topk_with_score_function(
         approximate=bool(approximate_activation),
         qb_mode=qb_histogram_mode if use_qb else None,
         qb_binning=qb_binning if use_qb else "uniform",
-        num_bins=qb_histogram.shape[1] if use_qb else 0,
+        num_bins=static_int(qb_histogram.shape[1]) if use_qb else 0,
         write_scores=raw,
         write_cutoff=raw and use_qb,
     )
@@ -455,7 +462,8 @@ def biased_topk(
         score descending, expert id ascending).
     """
     check_tensor("logits", logits, dtypes=FLOAT_DTYPES, min_dim=1)
-    if logits.shape[-1] < 1:
+    num_experts = static_int(logits.shape[-1])  # a kernel constant, also under dynamic shapes
+    if num_experts < 1:
         raise ValueError("logits must have at least one expert (last dim >= 1)")
     if expert_bias is not None:
         check_tensor("expert_bias", expert_bias, dtypes=(torch.float32,))
@@ -510,11 +518,12 @@ def serving_topk(
     """
     logits_name, bias_name = names
     check_tensor(logits_name, logits, dtypes=FLOAT_DTYPES, dim=2)
-    tokens, num_experts = logits.shape
+    tokens = logits.shape[0]
+    num_experts = static_int(logits.shape[1])  # a kernel constant, also under dynamic shapes
     if num_experts < 1:
         raise ValueError(f"{logits_name} must have at least one expert (last dim >= 1)")
     device = logits.device
-    topk = check_int("topk", topk, low=1, high=num_experts)
+    topk = static_int(check_int("topk", topk, low=1, high=num_experts))
     check_choice("score_function", score_function, SCORE_FUNCTIONS)
     renormalize = check_bool("renormalize", renormalize)
     approximate_activation = check_bool("approximate_activation", approximate_activation)

@@ -248,12 +248,13 @@ def aux_free_bias_update(
 
 def maxvio(tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """``max(load) / mean(load) - 1`` as a 0-dim fp32 tensor (0 for an empty load or a load
-    with no tokens)."""
+    with no tokens; NaN when a load is NaN or infinite, never a balance it does not show)."""
     load = tokens_per_expert.double()
     if load.numel() == 0:  # a shape, known on the host: no sync
         return torch.zeros((), dtype=torch.float32, device=load.device)
     mean = load.mean()
-    return torch.where(mean > 0, load.max() / mean - 1.0, torch.zeros_like(mean)).float()
+    vio = torch.where(mean > 0, load.max() / mean - 1.0, torch.zeros_like(mean))
+    return torch.where(torch.isfinite(mean), vio, torch.full_like(mean, float("nan"))).float()
 
 
 def cv2(tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -303,7 +303,6 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
   float* const w_out = (p).w_out;                                                                  \
   int* const id_out = (p).id_out;                                                                  \
   u8* const bins_out = (p).bins_out;                                                               \
-  float* const scores_out = (p).scores_out;                                                        \
   const int num_tokens = (p).num_tokens, topk = (p).topk, nsel = (p).nsel;                         \
   const int normalize = (p).normalize, softmax_pre = (p).softmax_pre, map_kind = (p).map_kind;     \
   const int qb_mode = (p).qb_mode, num_bins = (p).num_bins, qb_binning = (p).qb_binning;           \
@@ -315,7 +314,7 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
 //   the softmax over E (else, for AMDQB_SCORE softmax, the selected logits are softmax-ed);
 //   probs (nullable) [T, E] in the logits dtype; map (nullable) per map_kind; hist/bounds for
 //   qb_mode 1, alpha_out for qb_mode 2 (and, nullable, the caller's cutoffs in any QB mode);
-//   w_out/id_out (nullable) [T, topk] fp32 / int32; scores_out (nullable) [T, E] fp32.
+//   w_out/id_out (nullable) [T, topk] fp32 / int32.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     amdqb_router(const RouterParams params) {
   AMDQB_ROUTER_PARAMS(params);
@@ -384,10 +383,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
         }
       }
 #endif
-      if (scores_out != nullptr)
-#pragma unroll
-        for (int j = 0; j < VPL; ++j)
-          if (valid_slot(j, lane)) scores_out[t * E + j * 32 + lane] = s[j];
     }
     select_top<CAP>(key, nsel, lane, b);
 #pragma unroll
@@ -539,7 +534,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
     if (valid(j)) {
       sh_score[e] = s[j];
       sh_biased[e] = biased;  // the cutoffs below read it instead of reloading the bias
-      if (scores_out != nullptr) scores_out[t * E + e] = s[j];
     }
   }
 
@@ -846,5 +840,33 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
   for (int i = tid; i < ne * num_bins; i += nt) {
     const int c = lh[(i / num_bins) * stride + i % num_bins];
     if (c != 0) atomic_add_global(block_hist + i, c);
+  }
+}
+
+// The scores the router ranks, before the bias (RouterCall.write_scores): fp32 [T, E] into out,
+// bit for bit those of amdqb_router / amdqb_router_decode (the same activation code; softmax: over
+// E when softmax_pre). A pass of its own, launched only when the scores are asked for: written
+// from inside the router the scores cost registers through the selection (the tie-free build on
+// gfx942 lost half its waves). One logical warp per token.
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(ROUTER_BLOCK)
+    amdqb_router_scores(const in_t* logits, int num_tokens, float* out, int softmax_pre) {
+  const int lane = lane_id();
+  for (i64 t = (i64)blockIdx.x * WARPS + warp_in_block(); t < num_tokens;
+       t += (i64)gridDim.x * WARPS) {
+    in_t raw[VPL];
+    float s[VPL];
+    load_row(logits + t * E, lane, raw);
+#if AMDQB_TIE_FREE
+    float v[VPL];  // unused: the sigmoid does not depend on the bias
+    (void)softmax_pre;
+    activate_tie_free(
+        raw, [&](int j) { return valid_slot(j, lane); }, [](int) { return 0.0f; }, s, v);
+#else
+    RowStats st;
+    scores_from_raw(raw, lane, s, softmax_pre, st);
+#endif
+#pragma unroll
+    for (int j = 0; j < VPL; ++j)
+      if (valid_slot(j, lane)) out[t * E + j * 32 + lane] = s[j];
   }
 }

@@ -14,6 +14,7 @@ AMDQB_EMU_REGISTER(amdqb_router)
 AMDQB_EMU_REGISTER(amdqb_qb_hist)
 AMDQB_EMU_REGISTER(amdqb_qb_hist_bins)
 AMDQB_EMU_REGISTER(amdqb_router_decode)
+AMDQB_EMU_REGISTER(amdqb_router_scores)
 #elif defined(AMDQB_EMU_ROUTER_BWD)
 #include "router_bwd.hip"
 AMDQB_EMU_REGISTER(amdqb_router_bwd)

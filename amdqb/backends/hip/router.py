@@ -13,7 +13,9 @@ Kernels and when each runs:
   ``hip.router.decode_max_tokens`` tokens (``..._fused`` with the fused QB histogram,
   ``hip.biased_topk.decode_max_tokens`` for ``biased_topk``): the same outputs bit for bit;
 * ``amdqb_qb_hist`` -- the second kernel of ``qb_histogram_mode="two_kernel"``, launched as the
-  router's dependent where ``hip.qb_hist.dependent_launch`` says so.
+  router's dependent where ``hip.qb_hist.dependent_launch`` says so;
+* ``amdqb_router_scores`` -- the scores the router ranked (``RouterCall.write_scores``), a pass
+  of its own after the router, only when asked for.
 
 Launch shapes and thresholds are the ``hip.router.*`` / ``hip.qb_hist.*`` /
 ``hip.biased_topk.*`` entries of the device's config (``amdqb/configs``); the module's compile-time
@@ -145,7 +147,6 @@ def _launch_router(
     id_out=None,
     margin=False,
     bins_out=None,
-    scores=None,
     decode_max_tokens=0,
     tie_free=False,
     approximate=False,
@@ -169,7 +170,6 @@ def _launch_router(
         w_out=_addr(w_out),
         id_out=_addr(id_out),
         bins_out=_addr(bins_out),
-        scores_out=_addr(scores),
         num_tokens=tokens,
         topk=topk,
         nsel=nsel,
@@ -257,6 +257,7 @@ def router_fwd(
         elif alpha is None:  # the router's cutoff alpha of every token
             alpha = torch.empty(tokens, dtype=torch.float32, device=logits.device)
     fused = qb and qb_mode == "fused_atomic"
+    softmax_pre = 1 if softmax and call.use_pre_softmax else 0
     spec = _launch_router(
         rt,
         cfg,
@@ -266,7 +267,7 @@ def router_fwd(
         topk=call.topk,
         nsel=call.num_selected,
         normalize=(not softmax) and call.topk > 1,
-        softmax_pre=softmax and call.use_pre_softmax,
+        softmax_pre=softmax_pre,
         scale=1.0 if call.scaling_factor is None else call.scaling_factor,
         probs=probs_out,
         map_out=map_out,
@@ -278,13 +279,21 @@ def router_fwd(
         alpha=alpha,
         margin=margin,
         bins_out=bins,
-        scores=scores_out,
         decode_max_tokens=cfg[
             "hip.router.decode_max_tokens_fused" if fused else "hip.router.decode_max_tokens"
         ],
         tie_free=call.selection == "tie_free",
         approximate=call.approximate,
     )
+    if scores_out is not None:
+        k = rt.kernel(dev(logits), spec, "amdqb_router_scores")
+        rt.launch(
+            k,
+            _router_grid(rt, cfg, k, dev(logits), tokens),
+            router_block(cfg),
+            0,
+            [ptr(logits), arg_i32(tokens), ptr(scores_out), arg_i32(softmax_pre)],
+        )
     if bins is not None:
         _count_margin_bins(rt, cfg, spec, bins, num_bins, qb_histogram)
     elif qb and qb_mode == "two_kernel":

@@ -53,11 +53,21 @@ def _row_scores(z, valid, SCORE: tl.constexpr):
 
 
 @triton.jit
+def _in_offsets(dense_offs, rows64, cols, row_stride, DENSE: tl.constexpr):
+    """Offsets of a ``[rows, cols]`` tile of an input with unit-stride rows: the dense offsets
+    (constexpr row length, which the compiler vectorises on) or ``row * row_stride + col``."""
+    if DENSE:
+        return dense_offs
+    return rows64[:, None] * row_stride + cols[None, :]
+
+
+@triton.jit
 def _aux_scores_fwd_kernel(
     logits_ptr,
     scores_ptr,
     map_ptr,
     T,
+    LS,  # row stride of the logits (unit-stride rows); E when DENSE
     E: tl.constexpr,
     K: tl.constexpr,
     W: tl.constexpr,  # next_pow2(E), >= 16
@@ -65,6 +75,7 @@ def _aux_scores_fwd_kernel(
     SCORE: tl.constexpr,  # 0 sigmoid, 1 sqrtsoftplus, 2 softmax
     EXTRACT: tl.constexpr,  # small k: k best-first extractions, else the exact cutoff search
     ID_BITS: tl.constexpr,
+    DENSE: tl.constexpr,  # contiguous logits: the constexpr row length addresses them
 ):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -74,7 +85,8 @@ def _aux_scores_fwd_kernel(
     valid = p < E
     mask2 = row_ok[:, None] & valid[None, :]
     offs = rows64[:, None] * E + p[None, :]
-    z = tl.load(logits_ptr + offs, mask=mask2, other=0.0).to(tl.float32)
+    z = tl.load(logits_ptr + _in_offsets(offs, rows64, p, LS, DENSE), mask=mask2, other=0.0)
+    z = z.to(tl.float32)
     s = _row_scores(z, valid[None, :], SCORE)
     tl.store(scores_ptr + offs, s, mask=mask2)
 
@@ -100,10 +112,12 @@ def _aux_scores_bwd_kernel(
     logits_ptr,
     out_ptr,
     T,
+    LS,  # row stride of the logits (unit-stride rows); E when DENSE
     E: tl.constexpr,
     W: tl.constexpr,
     BT: tl.constexpr,
     SCORE: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BT + tl.arange(0, BT)
@@ -111,8 +125,10 @@ def _aux_scores_bwd_kernel(
     p = tl.arange(0, W)
     valid = p < E
     mask2 = row_ok[:, None] & valid[None, :]
-    offs = rows.to(tl.int64)[:, None] * E + p[None, :]
-    z = tl.load(logits_ptr + offs, mask=mask2, other=0.0).to(tl.float32)
+    rows64 = rows.to(tl.int64)
+    offs = rows64[:, None] * E + p[None, :]
+    z = tl.load(logits_ptr + _in_offsets(offs, rows64, p, LS, DENSE), mask=mask2, other=0.0)
+    z = z.to(tl.float32)
     g = tl.load(grad_ptr + offs, mask=mask2, other=0.0).to(tl.float32)
     if SCORE == 2:
         act = _row_scores(z, valid[None, :], 2)
@@ -153,9 +169,12 @@ def _aux_loss_partial_kernel(
     partial_ptr,
     R,
     rows_per_prog,
+    PS,  # row stride of probs (unit-stride rows); C when DENSE
+    TS,  # element stride of tokens_per_expert
     C: tl.constexpr,
     BC: tl.constexpr,
     BR: tl.constexpr,
+    DENSE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r_start = pid * rows_per_prog
@@ -168,9 +187,11 @@ def _aux_loss_partial_kernel(
         for r0 in range(r_start, r_end, BR):
             r = r0 + tl.arange(0, BR)
             m = (r < r_end)[:, None] & cok[None, :]
-            x = tl.load(probs_ptr + r.to(tl.int64)[:, None] * C + cols[None, :], mask=m, other=0.0)
+            r64 = r.to(tl.int64)
+            offs = _in_offsets(r64[:, None] * C + cols[None, :], r64, cols, PS, DENSE)
+            x = tl.load(probs_ptr + offs, mask=m, other=0.0)
             colsum += tl.sum(x.to(tl.float32), axis=0)
-        tpe = tl.load(tpe_ptr + cols, mask=cok, other=0).to(tl.float32)
+        tpe = tl.load(tpe_ptr + cols.to(tl.int64) * TS, mask=cok, other=0).to(tl.float32)
         acc += colsum * tpe
     tl.store(partial_ptr + pid, tl.sum(acc, axis=0))
 
@@ -208,6 +229,7 @@ def _aux_loss_bwd_kernel(
     grad_ptr,
     out_ptr,
     R,
+    TS,  # element stride of tokens_per_expert
     C: tl.constexpr,
     BR: tl.constexpr,
     BC: tl.constexpr,
@@ -217,7 +239,7 @@ def _aux_loss_bwd_kernel(
     cok = cols < C
     c = tl.load(coeff_ptr)
     g = tl.load(grad_ptr).to(tl.float32)
-    tpe = tl.load(tpe_ptr + cols, mask=cok, other=0).to(tl.float32)
+    tpe = tl.load(tpe_ptr + cols.to(tl.int64) * TS, mask=cok, other=0).to(tl.float32)
     v = (c * tpe) * g
     m = (r < R)[:, None] & cok[None, :]
     vals = tl.zeros([BR, BC], dtype=tl.float32) + v[None, :]

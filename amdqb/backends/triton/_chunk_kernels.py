@@ -125,6 +125,7 @@ def _chunk_copy_kernel(
     P,
     H,
     NROWS,
+    SRC_STRIDE,
     BR: tl.constexpr,
     BH: tl.constexpr,
     REVERSE: tl.constexpr,
@@ -132,19 +133,21 @@ def _chunk_copy_kernel(
     """Row gather (forward: ``dst[p] = src[map[p]]`` or 0) / scatter (reverse: ``dst[map[p]] =
     src[p]``) of ``[BR, BH]`` tiles; int64 element offsets, contiguous rows -> wide accesses.
     ``NROWS``: rows of the tensor ``map`` indexes (src forward, dst reverse); an entry outside
-    ``[0, NROWS)`` is a zero row forward and no write in reverse."""
+    ``[0, NROWS)`` is a zero row forward and no write in reverse. ``src`` rows are
+    ``SRC_STRIDE`` elements apart (any row stride of a view with unit-stride rows), ``dst`` is
+    contiguous."""
     r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     rm = r < P
     m = tl.load(map_ptr + r, mask=rm, other=-1)
     valid = (m >= 0) & (m < NROWS)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     cm = (cols < H)[None, :]
-    mrow = tl.where(valid, m, 0).to(tl.int64) * H
-    prow = r * H
+    mrow = tl.where(valid, m, 0).to(tl.int64)
     if REVERSE:
         msk = valid[:, None] & cm
-        x = tl.load(src_ptr + prow[:, None] + cols[None, :], mask=msk)
-        tl.store(dst_ptr + mrow[:, None] + cols[None, :], x, mask=msk)
+        x = tl.load(src_ptr + (r * SRC_STRIDE)[:, None] + cols[None, :], mask=msk)
+        tl.store(dst_ptr + (mrow * H)[:, None] + cols[None, :], x, mask=msk)
     else:
-        x = tl.load(src_ptr + mrow[:, None] + cols[None, :], mask=valid[:, None] & cm, other=0)
-        tl.store(dst_ptr + prow[:, None] + cols[None, :], x, mask=rm[:, None] & cm)
+        src_off = (mrow * SRC_STRIDE)[:, None] + cols[None, :]
+        x = tl.load(src_ptr + src_off, mask=valid[:, None] & cm, other=0)
+        tl.store(dst_ptr + (r * H)[:, None] + cols[None, :], x, mask=rm[:, None] & cm)

@@ -39,3 +39,9 @@ def on_device(t: torch.Tensor):
     if t.device.type == "cuda" and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+def row_stride(t: torch.Tensor) -> int:
+    """Elements between the rows of a 2-D tensor whose rows are contiguous (the op checked that):
+    its row stride, any value (0 for expanded rows) when it has more than one row."""
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]

@@ -28,7 +28,7 @@ from ...devices import device_info
 from ...ref.router import pack_bitmap
 from ..calls import SCORE_CODES, AuxScoresRequest
 from . import _aux_loss_kernels as K
-from ._common import compile_options, floor_pow2, on_device, pow2
+from ._common import compile_options, floor_pow2, on_device, pow2, row_stride
 
 MAX_ROW_EXPERTS = 8192
 
@@ -73,6 +73,7 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
             scores_out,
             byte_map,
             T,
+            row_stride(logits),
             E=E,
             K=topk,
             W=W,
@@ -80,6 +81,7 @@ def aux_scores_fwd(logits, topk, score_function, scores_out, map_out, map_kind):
             SCORE=SCORE_CODES[score_function],
             EXTRACT=topk <= cfg["extract_max_k"],
             ID_BITS=max(1, (W - 1).bit_length()),
+            DENSE=logits.is_contiguous(),
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -99,10 +101,12 @@ def aux_scores_bwd(grad_scores, logits, score_function, grad_logits_out):
             logits,
             grad_logits_out,
             T,
+            row_stride(logits),
             E=E,
             W=W,
             BT=BT,
             SCORE=SCORE_CODES[score_function],
+            DENSE=logits.is_contiguous(),
             num_warps=warps,
             **compile_options(logits.device),
         )
@@ -150,9 +154,12 @@ def aux_loss_fwd(
             partial,
             R,
             rows_per,
+            row_stride(probs),
+            tokens_per_expert.stride(0),
             C=C,
             BC=BC,
             BR=BR,
+            DENSE=probs.is_contiguous(),
             num_warps=cfg["loss_warps"],
             **opts,
         )
@@ -185,6 +192,7 @@ def aux_loss_bwd(coeff_buf, tokens_per_expert, grad_loss, grad_probs_out):
             grad_loss,
             grad_probs_out,
             R,
+            tokens_per_expert.stride(0),
             C=C,
             BR=BR,
             BC=BC,

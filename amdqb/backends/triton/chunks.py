@@ -4,7 +4,8 @@ Kernel bodies: ``_chunk_kernels.py``.
 * ``chunk_row_map`` -- 1 launch (C <= 1024 chunks: tables rebuilt in registers per program), else
   2 (prefix table + binary search);
 * ``chunk_copy`` -- 1 launch (``[rows, H]`` tiles, 16-byte accesses when H allows; tile size from
-  the ``triton.chunks.*`` config entries).
+  the ``triton.chunks.*`` config entries). The source is read through its row stride (a 2-D
+  view with unit-stride rows: a slice of a wider buffer is not copied first).
 
 Copies are exact; element offsets are 64-bit. Nothing reads device metadata on the host. Any
 metadata value is memory-safe (outcomes in ``amdqb.ref.chunks``): the row map never names a row
@@ -18,7 +19,7 @@ import triton
 
 from ...devices import arch_config
 from . import _chunk_kernels as K
-from ._common import on_device, pow2
+from ._common import on_device, pow2, row_stride
 
 CHUNK_MAP_MAX_REG = 1024  # chunks handled in registers by the single-launch row map
 
@@ -56,16 +57,14 @@ def _copy_tiles(rows: int, hidden: int, cfg) -> tuple[int, int]:
 
 def chunk_copy(src, row_map, dst, reverse):
     p = row_map.numel()
-    hidden = 1
-    for size in src.shape[1:]:
-        hidden *= size
+    hidden = src.shape[1]
     if p == 0 or hidden == 0:
         return
     cfg = arch_config(src.device)
     br, bh = _copy_tiles(p, hidden, cfg)
     with on_device(src):
         K._chunk_copy_kernel[(triton.cdiv(p, br), triton.cdiv(hidden, bh))](
-            src, row_map, dst, p, hidden, (dst if reverse else src).shape[0],
+            src, row_map, dst, p, hidden, (dst if reverse else src).shape[0], row_stride(src),
             BR=br, BH=bh, REVERSE=bool(reverse),
             num_warps=cfg["triton.chunks.copy_warps"],
         )  # fmt: skip

@@ -11,6 +11,7 @@ The kernels' AMD branches run on this model in the emulator tests of the ops (``
 """
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -283,3 +284,38 @@ def test_ballot_of_a_32_lane_row_has_garbage_in_the_other_half():
     junk_lo = sum((garbage(i) & 1) << i for i in range(32))
     assert lo[:32] == [_i32(row0)] * 32 and hi[:32] == [_i32(junk_hi)] * 32
     assert lo[32:] == [_i32(junk_lo)] * 32 and hi[32:] == [_i32(row1)] * 32
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_launch_from_another_library_releases_the_parked_workers():
+    """Each emulator library parks 256 worker threads between launches; with hundreds loaded by a
+    test run, parked all at once, they exhausted the machine's thread ids and a launch aborted the
+    process (std::thread throwing through ctypes). A launch from another library joins the
+    previous library's workers: alternating between two libraries keeps one set parked."""
+    lanes = list(range(256))
+    rt = runtime(arch="gfx942")
+    prims = rt.warp_ops()
+    fn = prims.amdqb_emu_launch_amdqb_emu_warp_op
+    fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong, ctypes.c_void_p]
+
+    def warp_launch():
+        bufs = [torch.zeros(256, dtype=torch.int32) for _ in range(4)]
+        args = [_spec.arg_ptr(t.data_ptr()) for t in bufs] + [_spec.arg_i32(x) for x in (12, 0, 32)]
+        assert fn(1, 1, 1, 256, 0, _spec.KernelParams(args).address) == 0
+        assert [v & 0xFF for v in bufs[2].tolist()] == [t % 32 for t in lanes]  # the lane ids
+
+    run("gfx942", "readfirstlane", lanes)  # the lane-ops library parks 256 workers
+    before = _threads()
+    rt.warp_ops()  # switching libraries joins them
+    warp_launch()  # and this library parks its own
+    after = _threads()
+    assert after < before + 64, (before, after)
+    for _ in range(3):
+        run("gfx942", "readfirstlane", lanes)
+        rt.warp_ops()
+        warp_launch()
+    assert _threads() < before + 64, (before, _threads())

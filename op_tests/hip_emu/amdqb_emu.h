@@ -425,8 +425,11 @@ void call_with(void (*fn)(A...), void** args) {
   call_impl(fn, args, std::index_sequence_for<A...>{});
 }
 
-void run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem, void (*body)(void*),
-              void* ctx);
+// Runs the grid: 0, or 1 with the reason in amdqb_emu_last_error() when the host refused the
+// emulator a resource (a worker thread it could not create: the process or the machine is out of
+// threads). No C++ exception reaches the caller: through ctypes it would abort Python.
+int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem, void (*body)(void*),
+             void* ctx);
 
 // Persistent worker threads (creating 256 threads per block dominated the run time).
 struct Pool {
@@ -472,7 +475,9 @@ struct Pool {
     done_cv.wait(l, [&] { return remaining == 0; });
   }
   // Joins the workers beyond `keep`. Every emulator library has its own pool, so a 1024-thread
-  // block left idle in each would exhaust the process's threads (pid_max) over a test run.
+  // block left idle in each would exhaust the process's threads (pid_max) over a test run; the
+  // runtime also releases a library's last 256 (amdqb_emu_release_workers) when it launches
+  // another library's kernel.
   void shrink(int keep) {
     if ((int)workers.size() <= keep) return;
     {
@@ -498,10 +503,9 @@ struct Pool {
     struct Ctx {                                                                                   \
       void** args;                                                                                 \
     } ctx{args};                                                                                   \
-    amdqb_emu::run_grid(                                                                           \
+    return amdqb_emu::run_grid(                                                                    \
         gx, gy, gz, bx, (size_t)smem,                                                              \
         [](void* c) { amdqb_emu::call_with(&kernel, static_cast<Ctx*>(c)->args); }, &ctx);         \
-    return 0;                                                                                      \
   }
 
 #define AMDQB_EMU_RUNTIME_DEFINITIONS                                                              \
@@ -515,48 +519,61 @@ struct Pool {
   uint64_t g_garbage_seed = 1;                                                                     \
   Pool* g_pool = new Pool(); /* never destroyed: workers die with the process */                   \
   thread_local int g_scope = AMDQB_WAVE_SIZE;                                                      \
-  void run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem,                   \
-                void (*body)(void*), void* ctx) {                                                  \
+  std::string g_error;                                                                             \
+  int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem,                    \
+               void (*body)(void*), void* ctx) {                                                   \
     gridDim = amdqb_dim3{gx, gy, gz};                                                              \
     blockDim = amdqb_dim3{bx, 1, 1};                                                               \
     std::mutex done_mu;                                                                            \
     std::condition_variable done_cv;                                                               \
     bool done = false;                                                                             \
-    std::thread watchdog([&] {                                                                     \
-      long long last = -1;                                                                         \
-      int idle = 0;                                                                                \
-      std::unique_lock<std::mutex> lock(done_mu);                                                  \
-      while (!done_cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return done; })) {      \
-        long long now = g_progress.load();                                                         \
-        idle = (now == last) ? idle + 1 : 0;                                                       \
-        last = now;                                                                                \
-        if (idle > 100) {                                                                          \
-          std::fprintf(stderr, "amdqb_emu: no progress for 20 s (divergent warp primitive?)\n");   \
-          std::abort();                                                                            \
+    g_error.clear();                                                                               \
+    std::thread watchdog;                                                                          \
+    try {                                                                                          \
+      watchdog = std::thread([&] {                                                                 \
+        long long last = -1;                                                                       \
+        int idle = 0;                                                                              \
+        std::unique_lock<std::mutex> lock(done_mu);                                                \
+        while (!done_cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return done; })) {    \
+          long long now = g_progress.load();                                                       \
+          idle = (now == last) ? idle + 1 : 0;                                                     \
+          last = now;                                                                              \
+          if (idle > 100) {                                                                        \
+            std::fprintf(stderr, "amdqb_emu: no progress for 20 s (divergent warp primitive?)\n"); \
+            std::abort();                                                                          \
+          }                                                                                        \
         }                                                                                          \
-      }                                                                                            \
-    });                                                                                            \
-    for (unsigned z = 0; z < gz; ++z)                                                              \
-      for (unsigned y = 0; y < gy; ++y)                                                            \
-        for (unsigned x = 0; x < gx; ++x) {                                                        \
-          Block block((int)bx, smem);                                                              \
-          g_block = &block;                                                                        \
-          g_garbage_seed = g_garbage_seed * 6364136223846793005ull + 1442695040888963407ull;       \
-          g_pool->run((int)bx, [&](int t) {                                                        \
-            threadIdx = amdqb_dim3{(unsigned)t, 0, 0};                                             \
-            blockIdx = amdqb_dim3{x, y, z};                                                        \
-            body(ctx);                                                                             \
-            g_progress++;                                                                          \
-            block.warps[t / 32]->exited.store(1);                                                  \
-            block.warps[t / 32]->bar.arrive_and_drop();                                            \
-            amdqb_emu::Wave& wave = *block.waves[t / AMDQB_WAVE_SIZE];                             \
-            wave.exited_half[(t % AMDQB_WAVE_SIZE) / 32].store(1);                                 \
-            wave.half[(t % AMDQB_WAVE_SIZE) / 32]->arrive_and_drop();                              \
-            wave.whole->arrive_and_drop();                                                         \
-            block.bar.arrive_and_drop();                                                           \
-          });                                                                                      \
-          g_block = nullptr;                                                                       \
-        }                                                                                          \
+      });                                                                                          \
+    } catch (const std::exception& e) {                                                            \
+      g_error = e.what();                                                                          \
+      return 1;                                                                                    \
+    }                                                                                              \
+    try {                                                                                          \
+      for (unsigned z = 0; z < gz; ++z)                                                            \
+        for (unsigned y = 0; y < gy; ++y)                                                          \
+          for (unsigned x = 0; x < gx; ++x) {                                                      \
+            Block block((int)bx, smem);                                                            \
+            g_block = &block;                                                                      \
+            g_garbage_seed = g_garbage_seed * 6364136223846793005ull + 1442695040888963407ull;     \
+            g_pool->run((int)bx, [&](int t) {                                                      \
+              threadIdx = amdqb_dim3{(unsigned)t, 0, 0};                                           \
+              blockIdx = amdqb_dim3{x, y, z};                                                      \
+              body(ctx);                                                                           \
+              g_progress++;                                                                        \
+              block.warps[t / 32]->exited.store(1);                                                \
+              block.warps[t / 32]->bar.arrive_and_drop();                                          \
+              amdqb_emu::Wave& wave = *block.waves[t / AMDQB_WAVE_SIZE];                           \
+              wave.exited_half[(t % AMDQB_WAVE_SIZE) / 32].store(1);                               \
+              wave.half[(t % AMDQB_WAVE_SIZE) / 32]->arrive_and_drop();                            \
+              wave.whole->arrive_and_drop();                                                       \
+              block.bar.arrive_and_drop();                                                         \
+            });                                                                                    \
+            g_block = nullptr;                                                                     \
+          }                                                                                        \
+    } catch (const std::exception& e) { /* std::system_error from std::thread */                   \
+      g_block = nullptr;                                                                           \
+      g_error = e.what();                                                                          \
+    }                                                                                              \
     g_pool->shrink(256); /* keep the common block size's workers */                                \
     {                                                                                              \
       std::lock_guard<std::mutex> lock(done_mu);                                                   \
@@ -564,5 +581,9 @@ struct Pool {
     }                                                                                              \
     done_cv.notify_all();                                                                          \
     watchdog.join();                                                                               \
+    return g_error.empty() ? 0 : 1;                                                                \
   }                                                                                                \
-  }
+  }                                                                                                \
+  extern "C" const char* amdqb_emu_last_error() { return amdqb_emu::g_error.c_str(); }             \
+  /* Joins this library's idle workers (the runtime calls it when another library launches). */    \
+  extern "C" void amdqb_emu_release_workers() { amdqb_emu::g_pool->shrink(0); }

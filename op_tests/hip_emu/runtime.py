@@ -48,9 +48,43 @@ def target_defines(arch: str) -> list[str]:
 
 
 class EmuKernel:
-    def __init__(self, fn, name):
+    def __init__(self, fn, name, lib):
         self.fn = fn
         self.name = name
+        self.lib = lib
+
+
+# The library whose worker threads are parked. Each library keeps a pool of its own (256 threads
+# between launches), and a test run loads hundreds: held all at once they exhaust the machine's
+# thread ids (pid_max 32768 here), std::thread then throws inside a launch, and the process aborts.
+# A launch from another library releases the previous one's workers first.
+_PARKED = [None]
+
+
+def _use(lib):
+    last = _PARKED[0]
+    if last is not None and last._handle != lib._handle:
+        last.amdqb_emu_release_workers()
+    _PARKED[0] = lib
+    return lib
+
+
+def _run(lib, name: str, rc: int) -> None:
+    """A launcher's return code: 1 when the emulator could not get its threads."""
+    if rc != 0:
+        fn = lib.amdqb_emu_last_error
+        fn.restype = ctypes.c_char_p
+        raise RuntimeError(
+            f"emulator launch of {name} failed: {fn().decode(errors='replace')} (threads of this "
+            f"process: {_thread_count()}; the machine's limit: /proc/sys/kernel/pid_max)"
+        )
+
+
+def _thread_count():
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
 
 
 class EmuRuntime:
@@ -132,17 +166,18 @@ class EmuRuntime:
         """ctypes library of the AMDGCN model's builtins one at a time (``amdqb_emu_lane_op``)."""
         if self.arch is None:
             raise ValueError("the lane ops need the AMDGCN model (arch=...)")
-        return self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_LANES")
+        return _use(self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_LANES"))
 
     def warp_ops(self):
         """ctypes library of the prelude's Warp<W> primitives one at a time (``amdqb_emu_warp_op``)."""
-        return self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_PRIMS")
+        return _use(self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_PRIMS"))
 
     def kernel(self, device_index, spec, name):
-        fn = getattr(self._library(spec), f"amdqb_emu_launch_{name}")
+        lib = self._library(spec)
+        fn = getattr(lib, f"amdqb_emu_launch_{name}")
         fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong, ctypes.c_void_p]
         fn.restype = ctypes.c_int
-        return EmuKernel(fn, name)
+        return EmuKernel(fn, name, lib)
 
     def launch(self, kernel, grid, block, smem, args):
         grid = _spec.grid3(grid)
@@ -152,7 +187,12 @@ class EmuRuntime:
         assert smem <= self.budget, (kernel.name, smem)
         params = _spec.KernelParams(args)
         self.launches.append((kernel.name, tuple(grid), block, smem))
-        kernel.fn(grid[0], grid[1], grid[2], block, smem, params.address)
+        _use(kernel.lib)
+        _run(
+            kernel.lib,
+            kernel.name,
+            kernel.fn(grid[0], grid[1], grid[2], block, smem, params.address),
+        )
 
     def launch_dependent(self, kernel, grid, block, smem, args):
         """No overlap to model: the emulator runs grids one after another."""

@@ -19,6 +19,7 @@ import torch
 from amdqb.backends.hip import _spec
 
 from conftest import needs
+from hip_emu import runtime as emu_runtime
 from hip_emu.backend import runtime
 from hip_emu.runtime import compiler
 
@@ -291,11 +292,12 @@ def _threads() -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_a_launch_from_another_library_releases_the_parked_workers():
+def test_libraries_not_launched_lately_release_their_workers(monkeypatch):
     """Each emulator library parks 256 worker threads between launches; with hundreds loaded by a
     test run, parked all at once, they exhausted the machine's thread ids and a launch aborted the
-    process (std::thread throwing through ctypes). A launch from another library joins the
-    previous library's workers: alternating between two libraries keeps one set parked."""
+    process (std::thread throwing through ctypes). Only the most recently launched libraries keep
+    theirs: with room for one, alternating between two libraries keeps one set parked."""
+    monkeypatch.setattr(emu_runtime, "_LIVE_POOLS", 1)
     lanes = list(range(256))
     rt = runtime(arch="gfx942")
     prims = rt.warp_ops()
@@ -310,7 +312,7 @@ def test_a_launch_from_another_library_releases_the_parked_workers():
 
     run("gfx942", "readfirstlane", lanes)  # the lane-ops library parks 256 workers
     before = _threads()
-    rt.warp_ops()  # switching libraries joins them
+    rt.warp_ops()  # switching libraries joins them (one pool kept)
     warp_launch()  # and this library parks its own
     after = _threads()
     assert after < before + 64, (before, after)

@@ -55,12 +55,35 @@ AMDQB_DEVICE int slots_within(int first, int count, int capacity) {
   return hi > lo ? (int)(hi - lo) : 0;
 }
 
+// Bits of a bucket id below num_experts (0 for one bucket).
+AMDQB_DEVICE int bucket_bits(int num_experts) {
+  int bits = 0;
+  while (bits < 31 && (1 << bits) < num_experts) ++bits;
+  return bits;
+}
+
+// The lanes whose bucket equals the caller's, for buckets in [-1, 2^bits): a ballot for "valid"
+// and one per bit. Its cost does not grow with the distinct buckets in the warp, where a
+// hardware match (or a loop over shuffles) serialises on them (E = 256: ~30 distinct buckets in a
+// chunk of 32 random routes).
+AMDQB_DEVICE u32 bucket_peers(int e, int bits) {
+  const bool valid = e >= 0;
+  const u32 v = ballot32(valid);
+  u32 peers = valid ? v : ~v;
+  for (int k = 0; k < bits; ++k) {  // uniform across the warp
+    const bool set = ((e >> k) & 1) != 0;
+    const u32 m = ballot32(set);
+    peers &= set ? m : ~m;
+  }
+  return peers;
+}
+
 // Deterministic slot of each lane's route among the warp's 32 in flat order: lanes with the same
-// expert e (>= 0) rank in lane order after next[e], and the lowest of them advances next[e] by
-// their count. Returns next[e] + rank (unused for e < 0). e lies in [-1, num_experts). The caller
-// warp_syncs before the next call, so that its leaders see the update.
-AMDQB_DEVICE int warp_claim_slot(int* next, int e, int lane, int num_experts) {
-  const u32 peers = match_any_in(e, -1, num_experts);
+// expert e (>= 0, < 2^bits) rank in lane order after next[e], and the lowest of them advances
+// next[e] by their count. Returns next[e] + rank (unused for e < 0). The caller warp_syncs before
+// the next call, so that its leaders see the update.
+AMDQB_DEVICE int warp_claim_slot(int* next, int e, int lane, int bits) {
+  const u32 peers = bucket_peers(e, bits);
   const int leader = lowest_bit(peers);
   int start = 0;
   if (e >= 0 && lane == leader) {
@@ -210,11 +233,12 @@ AMDQB_DEVICE void det_rank(const IdT* ids, i64 n, int num_experts, int capacity,
   wait_for_prior_grid();
   for (int e = lane; e < num_experts; e += 32) next[e] = tb[e];
   warp_sync();
+  const int bits = bucket_bits(num_experts);
   for (int c = 0; c < AMDQB_DET_ITEMS; ++c) {
     const i64 i = base + (i64)c * 32 + lane;
     const int e = e_next;
     if (c + 1 < AMDQB_DET_ITEMS) e_next = i + 32 < n ? expert_of(ids, i + 32, num_experts) : -1;
-    const int slot = warp_claim_slot(next, e, lane, num_experts);
+    const int slot = warp_claim_slot(next, e, lane, bits);
     if (i < n) rows[i] = e >= 0 ? place(e, slot, capacity) : -1;
     warp_sync();  // next[] updates visible to the next chunk's leaders
   }
@@ -573,39 +597,60 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   AMDQB_DYN_SHARED(lds);
   AMDQB_SHARED(u32, warp_sums, 32);
   constexpr int MAX_PER_THREAD = 16;  // the op keeps E <= 16 * blockDim.x
+  constexpr int CACHED = 16;  // chunks of 32 buckets a lane keeps from the count to the walk
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int lane = lane_id();
   const int w = warp_in_block();
   const int warps = p.rank_warps;  // the first ones rank; the others help count and fill
   const int E = p.num_experts;
+  const int bits = bucket_bits(E);
   int* start = lds;     // [E]: padded start of each bucket
-  int* next = lds + E;  // [warps][E]: the counts first, then per-warp counts and running slots
-  int* count = next;    // [E] (aliases next until the ranking)
+  int* next = lds + E;  // [warps][E]: per-warp counts, then each warp's running slot (relative)
   const i64 t0 = (i64)blockIdx.x * p.tile;
   const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
+  const i64 span = t1 > t0 ? t1 - t0 : 0;
+  const i64 run = ((span + warps - 1) / warps + 31) / 32 * 32;  // whole chunks per warp
+  const i64 r0 = t0 + (i64)w * run;
+  const i64 r1 = w >= warps ? r0 : r0 + run < t1 ? r0 + run : t1;  // no run past the ranking warps
+  int* mine = next + (w < warps ? w : 0) * E;
 
-  // 1. Bucket counts (and this tile's base in registers: thread tid holds e = tid + u * nt).
-  int base[MAX_PER_THREAD];
+  // 1. Zeroed per-warp rows; one block: the sentinel over sorted_ids, written before the barriers
+  // that order it before the route slots (several: amdqb_align_hist wrote it).
+  for (int i = tid; i < warps * E; i += nt) next[i] = 0;
+  if (p.tiles == 1)
+    for (i64 s = tid; s < p.sorted_len; s += nt) p.sorted_ids[s] = (int)p.n;
+  block_sync();
+
+  // 2. Per-warp counts of the warp's run; its buckets stay in registers for the walk (the first
+  // CACHED chunks: one read of the ids).
+  int cached[CACHED];
 #pragma unroll
-  for (int u = 0; u < MAX_PER_THREAD; ++u) base[u] = 0;
-  if (p.tiles == 1) {  // uniform
-    for (int e = tid; e < E; e += nt) count[e] = 0;
-    block_sync();
-    for (i64 i = t0 + tid; i < t1; i += nt) {
-      const int b = bucket_of(p, i);
-      if (b >= 0) atomic_add_shared(&count[b], 1);
-    }
-  } else {
-    wait_for_prior_grid();  // tile_counts (and the sentinel fill) are amdqb_align_hist's
+  for (int c = 0; c < CACHED; ++c) {
+    const i64 i = r0 + (i64)c * 32 + lane;
+    cached[c] = i < r1 ? bucket_of(p, i) : -1;
+  }
 #pragma unroll
-    for (int u = 0; u < MAX_PER_THREAD; ++u) {
-      const int e = tid + u * nt;
-      if (e < E) {
+  for (int c = 0; c < CACHED; ++c)
+    if (cached[c] >= 0) atomic_add_shared(&mine[cached[c]], 1);
+  for (i64 i = r0 + (i64)CACHED * 32 + lane; i < r1; i += 32) {
+    const int b = bucket_of(p, i);
+    if (b >= 0) atomic_add_shared(&mine[b], 1);
+  }
+  if (p.tiles > 1) wait_for_prior_grid();  // tile_counts (and the sentinel fill): amdqb_align_hist
+  block_sync();
+
+  // 3. Each warp's first slot in each bucket relative to the bucket's padded start (earlier tiles
+  // + earlier warps of the tile), and the bucket's padded size.
+#pragma unroll
+  for (int u = 0; u < MAX_PER_THREAD; ++u) {
+    const int e = tid + u * nt;
+    if (e < E) {
+      int before = 0, total = 0;
+      if (p.tiles > 1) {
         // the column in batches of COLS independent loads (one at a time, each add would wait
         // for its own L2 round trip)
         constexpr int COLS = 8;
-        int total = 0, before = 0;
         for (int t0c = 0; t0c < p.tiles; t0c += COLS) {
           int c[COLS];
 #pragma unroll
@@ -617,26 +662,25 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
             total += c[q];
           }
         }
-        count[e] = total;
-        base[u] = before;
       }
+      int r = before;
+      for (int v = 0; v < warps; ++v) {
+        const int c = next[v * E + e];
+        next[v * E + e] = r;
+        r += c;
+      }
+      start[e] = (int)padded_count(p.tiles > 1 ? total : r, p.block_size);
     }
   }
   block_sync();
-
-  // 2. Padded starts.
-  for (int e = tid; e < E; e += nt) start[e] = (int)padded_count(count[e], p.block_size);
+  const int last = start[E - 1];  // the last bucket's padded size
   block_sync();
   block_exclusive_cumsum(E, [=](int e) { return (u32)start[e]; }, start, warp_sums);
   block_sync();
-  const i64 total = (i64)start[E - 1] + padded_count(count[E - 1], p.block_size);
+  const i64 total = (i64)start[E - 1] + last;
 
-  // 3. The sentinel over sorted_ids (one block: all of it, before the ranks below overwrite the
-  // route slots after the barrier; several: amdqb_align_hist wrote it), this block's slice of
-  // expert_ids, the padded total.
+  // 4. This block's slice of expert_ids, the padded total.
   {
-    if (p.tiles == 1)
-      for (i64 s = tid; s < p.sorted_len; s += nt) p.sorted_ids[s] = (int)p.n;
     const int jper = (p.num_blocks + p.tiles - 1) / p.tiles;
     const int j0 = (int)blockIdx.x * jper;
     const int j1 = j0 + jper < p.num_blocks ? j0 + jper : p.num_blocks;
@@ -664,45 +708,31 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
     }
     if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;
   }
-  block_sync();  // count[] (aliasing next[]) is read above
 
-  // 4. Per-warp counts of the warp's run of the tile, then the first slot of every (warp, bucket):
-  // padded start + earlier tiles + earlier warps of the tile.
-  for (int i = tid; i < warps * E; i += nt) next[i] = 0;
-  block_sync();
-  const i64 span = t1 > t0 ? t1 - t0 : 0;
-  const i64 run = ((span + warps - 1) / warps + 31) / 32 * 32;  // whole chunks per warp
-  const i64 r0 = t0 + (i64)w * run;
-  const i64 r1 = w >= warps ? r0 : r0 + run < t1 ? r0 + run : t1;  // no run past the ranking warps
-  int* mine = next + (w < warps ? w : 0) * E;
-  for (i64 i = r0 + lane; i < r1; i += 32) {
-    const int b = bucket_of(p, i);
-    if (b >= 0) atomic_add_shared(&mine[b], 1);
-  }
-  block_sync();
-#pragma unroll
-  for (int u = 0; u < MAX_PER_THREAD; ++u) {
-    const int e = tid + u * nt;
-    if (e < E) {
-      int r = start[e] + base[u];
-      for (int v = 0; v < warps; ++v) {
-        const int c = next[v * E + e];
-        next[v * E + e] = r;
-        r += c;
-      }
-    }
-  }
-  block_sync();
-
-  // 5. Ranks in flat order, 32 routes at a time: the lowest peer advances the bucket's slot. The
-  // next chunk's bucket is loaded before this chunk is ranked (the walk is sequential).
+  // 5. Ranks in flat order, 32 routes at a time: the lowest peer advances the bucket's slot.
+  // Past the cached chunks the next chunk's bucket is loaded before this chunk is ranked (the
+  // walk is sequential).
   i64 i = r0 + lane;
-  int b_next = r0 < r1 && i < r1 ? bucket_of(p, i) : -1;
-  for (i64 c0 = r0; c0 < r1; c0 += 32, i += 32) {  // uniform across the warp
+#pragma unroll
+  for (int c = 0; c < CACHED; ++c, i += 32) {
+    if (r0 + (i64)c * 32 >= r1) break;  // uniform across the warp
+    const int b = cached[c];
+    const int slot = warp_claim_slot(mine, b, lane, bits);
+    if (b >= 0) {
+      const i64 at = (i64)start[b] + slot;
+      if (at < p.sorted_len) p.sorted_ids[at] = (int)i;
+    }
+    warp_sync();  // mine[] updates visible to the next chunk's leaders
+  }
+  int b_next = i < r1 ? bucket_of(p, i) : -1;
+  for (i64 c0 = r0 + (i64)CACHED * 32; c0 < r1; c0 += 32, i += 32) {  // uniform across the warp
     const int b = b_next;
     b_next = i + 32 < r1 ? bucket_of(p, i + 32) : -1;
-    const int slot = warp_claim_slot(mine, b, lane, p.num_experts);
-    if (b >= 0 && slot < p.sorted_len) p.sorted_ids[slot] = (int)i;
+    const int slot = warp_claim_slot(mine, b, lane, bits);
+    if (b >= 0) {
+      const i64 at = (i64)start[b] + slot;
+      if (at < p.sorted_len) p.sorted_ids[at] = (int)i;
+    }
     warp_sync();  // mine[] updates visible to the next chunk's leaders
   }
 }

@@ -1,8 +1,8 @@
 // Serving top-k (amdqb.biased_topk and the vLLM / SGLang routers of amdqb.compat): score function,
 // optional correction bias, optional expert groups, exact Top-k, weights, and every output the
 // peers write (ids, weights, vLLM's token_expert_indices, SGLang's fused shared experts and padded
-// rows), in one launch. Latency-first: one row of L lanes per token (several tokens per logical
-// warp when E is small), every expert held in registers, no block-wide barrier.
+// rows), in one launch. One row of L lanes per token (several tokens per logical warp, one thread
+// per token for small E), every expert held in registers, no block-wide barrier.
 //
 // Compile-time constants (-D, amdqb.backends.hip._spec.topk_module):
 //   AMDQB_NUM_EXPERTS (E), AMDQB_IN_DTYPE (0 fp32, 1 fp16, 2 bf16), AMDQB_BIAS_DTYPE (-1 no bias,
@@ -36,8 +36,9 @@
 // Algorithm per row: each lane sorts its V entries (a bitonic network in registers) and keeps the
 // best KP = next_pow2(k); log2(L) butterfly steps then merge the lanes' sorted lists pairwise (the
 // better half of a list and its partner's reversed list is bitonic; a bitonic merge sorts it), so
-// that every lane of the row ends with the row's Top-KP in selection order. Groups first combine
-// each group's best two across its AMDQB_GROUP_LANES lanes and rank the group scores.
+// that every lane of the row ends with the row's Top-KP in selection order (L = 1: one thread per
+// row, no cross-lane step). Route r is written by lane r % L. Groups first combine each group's
+// best entries across its AMDQB_GROUP_LANES lanes and rank the group scores.
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
 
@@ -76,13 +77,16 @@ constexpr int ROWS = 32 / L;                   // token rows per logical warp
 constexpr int KP = AMDQB_POW2_AT_LEAST(K);     // length of the sorted lists the lanes merge
 constexpr int NSORT = AMDQB_POW2_AT_LEAST(V);  // the lane's sorting network
 constexpr int SOFTMAX_LANES = E < 32 ? AMDQB_POW2_AT_LEAST(E) : 32;  // torch's warp-softmax lanes
+// torch's warp-softmax lanes a row lane stands for (strided layout with fewer lanes: lane l holds
+// the experts of torch's lanes l, l + L, ...; slot i belongs to torch's lane l + L * (i % SVL))
+constexpr int SVL = SOFTMAX_LANES > L ? SOFTMAX_LANES / L : 1;
 // Per-row LDS: the unbiased scores for the weights (bias), or the exponentials for the softmax sum
 // of the contiguous layout.
 constexpr bool ROW_LDS = HAS_BIAS || (SOFTMAX && CONTIGUOUS);
 
 static_assert(L >= 1 && L <= 32 && (L & (L - 1)) == 0, "AMDQB_ROW_LANES: a power of two <= 32");
 static_assert(L * V >= E, "the row's lanes must hold every expert");
-static_assert(K >= 1 && K <= L && KP <= 32, "k <= AMDQB_ROW_LANES (one route per lane)");
+static_assert(K >= 1 && K <= E && KP <= 32, "1 <= k <= min(E, 32)");
 static_assert(BLOCK % 32 == 0 && BLOCK <= 1024, "AMDQB_TOPK_BLOCK: whole logical warps");
 static_assert(V <= 64 && GROUP_BEST >= 1 && GROUP_BEST <= 32, "AMDQB_SLOTS / AMDQB_GROUP_BEST");
 static_assert(GROUPS == 0 || CONTIGUOUS, "groups use the contiguous layout");
@@ -91,6 +95,7 @@ static_assert(GROUPS == 0 ||
               "each group spans AMDQB_GROUP_LANES whole lanes");
 static_assert(!(SOFTMAX && CONTIGUOUS) || L >= SOFTMAX_LANES,
               "the softmax sum needs torch's warp-softmax lanes inside the row");
+static_assert(!(DENSE && !CONTIGUOUS) || L >= 8, "the strided bit map packs a byte per 8 lanes");
 
 #if AMDQB_IN_DTYPE == 0
 typedef float in_t;
@@ -306,10 +311,20 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     m = row_max(m);
     float sum = 0.0f;
     if (!CONTIGUOUS) {  // lane l holds experts l, l + L, ...: torch's order
+      // each of torch's lanes this lane stands for adds its experts in order; the butterfly's
+      // steps between them (d >= L) run in registers, the rest over the row's lanes
+      float part[SVL];
+#pragma unroll
+      for (int j = 0; j < SVL; ++j) part[j] = 0.0f;
 #pragma unroll
       for (int i = 0; i < V; ++i)
-        if (expert_at(rl, i) < E) sum += expf(s[i] - m);
-      sum = row_sum<SOFTMAX_LANES>(sum);
+        if (expert_at(rl, i) < E) part[i % SVL] += expf(s[i] - m);
+#pragma unroll
+      for (int d = SVL >> 1; d > 0; d >>= 1)
+#pragma unroll
+        for (int j = 0; j < SVL; ++j)
+          if ((j & d) == 0) part[j] = part[j] + part[j + d];
+      sum = row_sum<(SOFTMAX_LANES < L ? SOFTMAX_LANES : L)>(part[0]);
     } else {  // the exponentials through the row's LDS, re-read in torch's order
 #pragma unroll
       for (int i = 0; i < V; ++i)
@@ -379,21 +394,29 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
 #pragma unroll
   for (int m = 1; m < L; m <<= 1) merge_with(top, m);
 
-  // Route r = rl (k <= L): id, unbiased weight, the sum over the k routes in routes_sum's order.
-  u64 route = 0;
-#pragma unroll
-  for (int i = 0; i < KP; ++i)
-    if (i == rl) route = top[i];
-  const bool routed = rl < K;
-  const int id = entry_id(route);
-  if (HAS_BIAS) warp_sync();  // the row's scores are in LDS
-  float wr = 0.0f;
-  if (routed) wr = HAS_BIAS ? my_row[id] : entry_value(route);
+  // Routes r < k: every lane of the row holds the row's sorted top[]. Unbiased weights, their
+  // sum in routes_sum's order (a 32-lane butterfly over the k values; the steps past KP add exact
+  // zeros) in registers, so that each lane can write any route.
+  if (HAS_BIAS) warp_sync();               // the row's scores are in LDS
   const float zmax = entry_value(top[0]);  // post softmax: the largest selected logit
-  if (post_softmax) wr = routed ? expf(wr - zmax) : 0.0f;
-  // over the whole row: every lane gets the sum (lanes past KP add exact zeros), as the shared
-  // experts and the dense outputs of every lane need it
-  const float sum = row_sum<L>(wr);
+  float wk[KP];
+#pragma unroll
+  for (int r = 0; r < KP; ++r) {
+    wk[r] = 0.0f;
+    if (r < K) {
+      wk[r] = HAS_BIAS ? my_row[entry_id(top[r])] : entry_value(top[r]);
+      if (post_softmax) wk[r] = expf(wk[r] - zmax);
+    }
+  }
+  float acc[KP];
+#pragma unroll
+  for (int r = 0; r < KP; ++r) acc[r] = wk[r];
+#pragma unroll
+  for (int d = KP >> 1; d > 0; d >>= 1)
+#pragma unroll
+    for (int r = 0; r < KP; ++r)
+      if ((r & d) == 0) acc[r] = acc[r] + acc[r + d];
+  const float sum = acc[0];
   const bool renorm = (p.flags & 1) || post_softmax;
   auto weight = [&](float v) {
     return (renorm ? v / (post_softmax ? sum : sum + 1e-20f) : v) * p.scale;
@@ -441,8 +464,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
       if (p.map_kind == 1) static_cast<u8*>(p.map)[at] = member[i] ? 1 : 0;
       if (p.scores != nullptr) p.scores[at] = s[i];
     }
-    if (routed) {
-      const i64 o = t * K + rl;
+#pragma unroll
+    for (int r = 0; r < K; ++r) {
+      if (r % L != rl) continue;  // route r is lane r % L's to write
+      const i64 o = t * K + r;
+      const int id = entry_id(top[r]);
       if (p.map_kind == 3) static_cast<i16*>(p.map)[o] = (i16)id;
       if (p.map_kind == 4) static_cast<i32*>(p.map)[o] = id;
       if (p.map_kind == 5) static_cast<i64*>(p.map)[o] = (i64)id;
@@ -450,7 +476,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     return;
   }
 
-  wr = weight(wr);
   if (!live) return;
   const bool padded_row =
       p.non_padded != nullptr
@@ -458,23 +483,21 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
                                 : (i64) static_cast<const i32*>(p.non_padded)[0])
           : t >= p.non_padded_rows;
   const i64 o = t * p.out_k;
-  for (int r = rl; r < p.out_k; r += L) {
-    i64 out_id;
-    float out_w;
-    if (r < K) {
-      out_id = id;
-      out_w = wr;
-    } else {  // fused shared expert E + (r - K)
-      out_id = E + (r - K);
-      out_w = (p.flags & 8) ? sum / p.shared_div : p.shared_weight;
-    }
+  auto store = [&](int r, i64 out_id, float out_w) {
     if (padded_row) out_id = -1;
     p.weights[o + r] = out_w;
     if (p.flags & 2)
       static_cast<i64*>(p.ids)[o + r] = out_id;
     else
       static_cast<i32*>(p.ids)[o + r] = (i32)out_id;
+  };
+#pragma unroll
+  for (int r = 0; r < K; ++r) {
+    if (r % L != rl) continue;  // route r is lane r % L's to write
+    store(r, entry_id(top[r]), weight(wk[r]));
+    if (p.token_expert_idx != nullptr) p.token_expert_idx[t * K + r] = (i32)(r * p.tokens + t);
   }
-  if (p.token_expert_idx != nullptr && routed)
-    p.token_expert_idx[t * K + rl] = (i32)(rl * p.tokens + t);
+  // fused shared experts E + (r - K), r = K .. out_k - 1, each by lane r % L
+  const float shared_w = (p.flags & 8) ? sum / p.shared_div : p.shared_weight;
+  for (int r = K + ((rl - K % L + L) % L); r < p.out_k; r += L) store(r, E + (r - K), shared_w);
 }

@@ -476,8 +476,7 @@ struct Pool {
   }
   // Joins the workers beyond `keep`. Every emulator library has its own pool, so a 1024-thread
   // block left idle in each would exhaust the process's threads (pid_max) over a test run; the
-  // runtime also releases a library's last 256 (amdqb_emu_release_workers) when it launches
-  // another library's kernel.
+  // runtime also trims the last 256 of the libraries it has not launched lately (amdqb_emu_trim).
   void shrink(int keep) {
     if ((int)workers.size() <= keep) return;
     {
@@ -585,5 +584,5 @@ struct Pool {
   }                                                                                                \
   }                                                                                                \
   extern "C" const char* amdqb_emu_last_error() { return amdqb_emu::g_error.c_str(); }             \
-  /* Joins this library's idle workers (the runtime calls it when another library launches). */    \
-  extern "C" void amdqb_emu_release_workers() { amdqb_emu::g_pool->shrink(0); }
+  /* the runtime trims the pools of the libraries it has not launched lately */                    \
+  extern "C" void amdqb_emu_trim(int keep) { amdqb_emu::g_pool->shrink(keep); }

@@ -14,6 +14,7 @@ macros), on the emulator's model of the AMDGCN cross-lane builtins with waves of
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import hashlib
 import os
@@ -47,6 +48,11 @@ def target_defines(arch: str) -> list[str]:
     return [f"-D__GFX{gfx_major(arch)}__=1", f"-D__{arch}__=1"]
 
 
+# libraries (by handle) whose idle block threads are kept, least recently launched first
+_RECENT_POOLS: collections.OrderedDict[int, ctypes.CDLL] = collections.OrderedDict()
+_LIVE_POOLS = 8
+
+
 class EmuKernel:
     def __init__(self, fn, name, lib):
         self.fn = fn
@@ -54,18 +60,17 @@ class EmuKernel:
         self.lib = lib
 
 
-# The library whose worker threads are parked. Each library keeps a pool of its own (256 threads
-# between launches), and a test run loads hundreds: held all at once they exhaust the machine's
-# thread ids (pid_max 32768 here), std::thread then throws inside a launch, and the process aborts.
-# A launch from another library releases the previous one's workers first.
-_PARKED = [None]
-
-
-def _use(lib):
-    last = _PARKED[0]
-    if last is not None and last._handle != lib._handle:
-        last.amdqb_emu_release_workers()
-    _PARKED[0] = lib
+def _trim_idle_pools(lib):
+    """Every emulator library keeps a pool of idle block threads; hundreds of libraries (one per
+    kernel variant) in one test process exhausted the system's threads (the thread creation
+    failed: std::terminate). Only the most recently launched ``_LIVE_POOLS`` libraries keep
+    theirs. Returns ``lib``."""
+    live = _RECENT_POOLS
+    live.pop(lib._handle, None)
+    live[lib._handle] = lib
+    while len(live) > _LIVE_POOLS:
+        _, old = live.popitem(last=False)
+        old.amdqb_emu_trim(0)
     return lib
 
 
@@ -166,11 +171,15 @@ class EmuRuntime:
         """ctypes library of the AMDGCN model's builtins one at a time (``amdqb_emu_lane_op``)."""
         if self.arch is None:
             raise ValueError("the lane ops need the AMDGCN model (arch=...)")
-        return _use(self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_LANES"))
+        return _trim_idle_pools(
+            self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_LANES")
+        )
 
     def warp_ops(self):
         """ctypes library of the prelude's Warp<W> primitives one at a time (``amdqb_emu_warp_op``)."""
-        return _use(self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_PRIMS"))
+        return _trim_idle_pools(
+            self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_PRIMS")
+        )
 
     def kernel(self, device_index, spec, name):
         lib = self._library(spec)
@@ -187,12 +196,12 @@ class EmuRuntime:
         assert smem <= self.budget, (kernel.name, smem)
         params = _spec.KernelParams(args)
         self.launches.append((kernel.name, tuple(grid), block, smem))
-        _use(kernel.lib)
         _run(
             kernel.lib,
             kernel.name,
             kernel.fn(grid[0], grid[1], grid[2], block, smem, params.address),
         )
+        _trim_idle_pools(kernel.lib)
 
     def launch_dependent(self, kernel, grid, block, smem, args):
         """No overlap to model: the emulator runs grids one after another."""

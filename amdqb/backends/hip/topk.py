@@ -6,12 +6,15 @@ selection by (value descending, expert id ascending), NaN lowest; weights renorm
 order of ``routes_sum``).
 
 Row plan (:func:`plan`): a token row is ``lanes`` lanes of a logical warp holding ``slots`` experts
-each. Without groups lane ``l`` holds experts ``l + lanes * i`` with ``lanes = min(32,
-next_pow2(E))`` -- torch's warp-softmax layout, so the softmax sum runs in torch's order. With
+each. Without groups lane ``l`` holds experts ``l + lanes * i``, the fewest lanes (a power of two
+<= 32) that keep ``hip.topk.lane_slots`` experts or fewer per lane -- one thread per row for small
+E, several rows per warp: in-register work is cheaper than the cross-lane merges. Each lane stands
+for whole lanes of torch's warp-softmax layout (``min(32, next_pow2(E))`` lanes), so the softmax
+sum runs in torch's order. With
 groups a lane holds ``slots`` consecutive experts and each group spans ``group_lanes`` whole lanes
 (its best two combine over them); the largest power-of-two split of the group that fits 32 lanes.
-Configurations without a plan (more than ``hip.topk.max_slots`` experts per lane, k above the
-row's lanes, groups that do not split into whole lanes) are declined: the router kernels
+Configurations without a plan (more than ``hip.topk.max_slots`` experts per lane, k above 32,
+groups that do not split into whole lanes) are declined: the router kernels
 (``amdqb.backends.hip.router``) run them.
 """
 
@@ -60,15 +63,21 @@ def plan(
     group_topk,
     cfg,
     group_best: int = 1,
+    dense: bool = False,
 ) -> TopkPlan | None:
     """The row plan of amdqb_topk for this configuration, or None (declined). ``group_best``: the
     best entries a group's score sums (vLLM / SGLang: 2 with a bias, 1 without; TE: k /
     group_topk)."""
     max_slots = int(cfg["hip.topk.max_slots"])
+    if topk > min(num_experts, 32):
+        return None
     if num_groups is None or num_groups <= 1:
-        lanes = min(32, _pow2_at_least(num_experts))
+        if dense:  # the strided bit map packs a byte per 8 lanes: torch's lanes
+            lanes = min(32, _pow2_at_least(num_experts))
+        else:
+            lanes = min(32, _pow2_at_least(cdiv(num_experts, int(cfg["hip.topk.lane_slots"]))))
         slots = cdiv(num_experts, lanes)
-        if slots > max_slots or topk > lanes:
+        if slots > max_slots:
             return None
         return TopkPlan(num_experts, topk, lanes, slots, contiguous=False)
     size = num_experts // num_groups
@@ -78,7 +87,7 @@ def plan(
     slots = size // split
     lanes = _pow2_at_least(num_groups * split)
     softmax_lanes = min(32, _pow2_at_least(num_experts))
-    if lanes > 32 or slots > max_slots or topk > lanes:
+    if lanes > 32 or slots > max_slots:
         return None
     if score_function == "softmax" and lanes < softmax_lanes:
         return None  # the softmax sum runs over torch's warp-softmax lanes inside the row
@@ -265,6 +274,7 @@ def router_plan(call: RouterCall, cfg) -> TopkPlan | None:
         call.group_topk,
         cfg,
         call.topk // call.group_topk,
+        dense=True,
     )
 
 

@@ -374,17 +374,17 @@ def test_qb_histogram_pass_counts_in_lds(objects, tc, arch):
 
 # Kernels whose time is their loops, and the ds_bpermute they may keep there: the router family
 # none (its butterflies, bitonic stages, scans and broadcasts lower to DPP / ds_swizzle /
-# permlanex16 / readlane, matches to ballots), the deterministic rank passes one (the peer
-# leader's interval base, a per-lane source lane).
+# permlanex16 / readlane, matches to ballots), nor the deterministic rank passes (their peers
+# read the bucket's slot from LDS themselves: layout.hip's warp_claim_slot).
 HOT_BPERMUTE = {
     "amdqb_router": 0,
     "amdqb_router_decode": 0,
     "amdqb_router_scores": 0,
     "amdqb_qb_hist": 0,
     "amdqb_qb_hist_bins": 0,
-    "amdqb_route_det_rank_i32": 1,
-    "amdqb_route_det_rank_i64": 1,
-    "amdqb_align": 1,
+    "amdqb_route_det_rank_i32": 0,
+    "amdqb_route_det_rank_i64": 0,
+    "amdqb_align": 0,
 }
 
 

@@ -46,6 +46,11 @@ def _load_configs():
     return _load("_amdqb_configs", HERE / "amdqb" / "configs" / "__init__.py")
 
 
+def _load_arch():
+    """The runtime's wave-size and config-family rule (``amdqb/_arch.py``)."""
+    return _load("_amdqb_arch", HERE / "amdqb" / "_arch.py")
+
+
 def _hipcc() -> str | None:
     found = shutil.which("hipcc")
     if found:
@@ -67,13 +72,14 @@ def aot_compile(out_dir: Path, src_root: Path) -> list[Path]:
         return []
     sp = _load_spec()
     configs = _load_configs()
+    rules = _load_arch()
     experts = os.environ.get("AMDQB_PREBUILD_EXPERTS", "896").replace(",", ";").split(";")
     out_dir.mkdir(parents=True, exist_ok=True)
     built = []
     for arch in archs:
-        base = arch.split(":")[0]
-        wave = 64 if base.startswith("gfx9") else 32
-        cfg = configs.load(base)  # the runtime's config of this architecture (or the default)
+        base = rules.base_arch(arch)
+        wave = rules.amd_wave_size(base)
+        cfg = configs.load(rules.amd_arch_family(base))  # the runtime's config of this arch
         modules = [sp.layout_module(cfg)] + [
             sp.router_module(int(e), dtype, "sigmoid", cfg)
             for e in experts

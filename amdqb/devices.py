@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import configs
+from ._arch import amd_arch_family, amd_wave_size  # the one rule (setup.py and tools share it)
 
 
 @dataclass(frozen=True)
@@ -37,19 +38,6 @@ class DeviceInfo:
 # per WGP of which a workgroup may use 160 KiB in CU mode; RDNA parts and gfx90a/942 have 64 KiB.
 _AMD_LDS = {"gfx950": 160 * 1024, "gfx1250": 160 * 1024}
 _AMD_DEFAULT_LDS = 64 * 1024
-
-
-def amd_wave_size(arch: str) -> int:
-    """CDNA (gfx9xx) runs wave64, RDNA and gfx12xx wave32."""
-    return 64 if arch.startswith("gfx9") else 32
-
-
-def amd_arch_family(arch: str) -> str:
-    if arch in ("gfx942", "gfx950", "gfx1250"):
-        return arch
-    if arch.startswith("gfx9"):
-        return "cdna"
-    return "rdna"
 
 
 @functools.cache

@@ -9,6 +9,13 @@ emulator of op_tests/hip_emu (marked ``emulator``), both through the public ops.
 """
 
 import os
+import sys
+from pathlib import Path
+
+# The checkout's amdqb_tools (AMD build tools, not installed with the package) for the AMD tests.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)
 
 # pytest-xdist workers spread over the visible GPUs (AMDQB_SPREAD_GPUS=N, set by
 # scripts/gpu_check.sh on multi-GPU machines); must happen before torch initialises CUDA.
@@ -31,6 +38,37 @@ from hip_emu.runtime import compiler  # noqa: E402
 
 DEVICE = torch.device("cuda") if HAS_GPU else torch.device("cpu")
 
+# CI=true (.ci/run sets it): a tool a test needs that is missing here (g++, clang-19 / clang-22,
+# lld-22, LLVM's tools, the device libraries, Debian's hiprtc) fails the test instead of
+# skipping it, so CI cannot pass by skipping what it should have checked.
+CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def require(ok: bool, reason: str) -> None:
+    """Skip the running test with ``reason`` unless ``ok``; under CI=true fail it instead."""
+    if ok:
+        return
+    if CI:
+        pytest.fail(f"{reason} (CI=true: a missing tool fails the run; .ci/run installs it)")
+    pytest.skip(reason)
+
+
+def needs(ok: bool, reason: str):
+    """A mark: :func:`require` (``ok``, ``reason``) before the test runs."""
+    return pytest.mark.amdqb_needs(ok=bool(ok), reason=reason)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "amdqb_needs(ok, reason): skip unless ok (under CI=true: fail)"
+    )
+
+
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("amdqb_needs"):
+        require(mark.kwargs["ok"], mark.kwargs["reason"])
+
+
 # The suite's mutation check (test_mutations.py) runs op tests with a planted kernel bug.
 if os.environ.get("AMDQB_TEST_MUTANT"):
     import mutants
@@ -50,40 +88,50 @@ def available_backends(op: str) -> list[str]:
 
 
 class EmulatedHip:
-    """A ``backend`` parameter: ``hip`` on the CPU emulator of op_tests/hip_emu with ``wave``-lane
-    waves (the ``backend`` fixture enters :func:`hip_emu.backend.emulated_hip_backend`)."""
+    """A ``backend`` parameter: ``hip`` on the CPU emulator of op_tests/hip_emu, with the
+    prelude's substitutes on ``wave``-lane waves or (``arch``) its AMD branches on the AMDGCN model
+    of that target (the ``backend`` fixture enters :func:`hip_emu.backend.emulated_hip_backend`)."""
 
-    def __init__(self, wave: int):
+    def __init__(self, wave: int, arch: str | None = None):
         self.wave = wave
+        self.arch = arch
 
     def __repr__(self):
-        return f"hip-emu{self.wave}"
+        return f"hip-{self.arch}" if self.arch else f"hip-emu{self.wave}"
 
 
-def _emulated(op: str, waves) -> list:
+def _emulated(op: str, waves, gcn=()) -> list:
     if op not in dispatch._backend_module("hip").OPS:
         return []
-    marks = [pytest.mark.emulator]
-    if compiler() is None:
-        marks.append(pytest.mark.skip(reason="the hip emulator needs g++ (C++20)"))
-    return [pytest.param(EmulatedHip(w), id=f"hip-emu{w}", marks=marks) for w in waves]
+    marks = [
+        pytest.mark.emulator,
+        needs(compiler() is not None, "the hip emulator needs g++ (C++20)"),
+    ]
+    models = [EmulatedHip(w) for w in waves] + [EmulatedHip(64, a) for a in gcn]
+    return [pytest.param(m, id=repr(m), marks=marks) for m in models]
 
 
-def backends(op: str, *, waves=(32,), only=None, emulator: bool | None = None) -> list:
+# The AMDGCN targets the emulator tests that run the AMD branches use: wave64 gfx9 and wave32 gfx12.
+GCN = ("gfx942", "gfx1250")
+
+
+def backends(op: str, *, waves=(32,), gcn=(), only=None, emulator: bool | None = None) -> list:
     """pytest params of the kernel backends (not the torch oracle) that run ``op`` here.
 
     ``emulator=None``: on a GPU the available ones (``triton``, ``hip``); on the CPU ``triton``
-    (interpreter) and ``hip`` executed by the emulator, once per wave size in ``waves``.
+    (interpreter) and ``hip`` executed by the emulator, once per wave size in ``waves`` (the
+    prelude's substitutes) and once per AMD target in ``gcn`` (its AMD branches on the AMDGCN
+    model, e.g. :data:`GCN`).
     ``emulator=True``: ``hip`` on the emulator on any machine (the emulator's own cases on CPU
     tensors, some reading its launch records). ``emulator=False``: real backends only.
     ``only``: a subset of backend names. A skip with the reasons when none is left. Tests take
     them through :func:`over_backends`."""
     if emulator:
-        params = _emulated(op, waves)
+        params = _emulated(op, waves, gcn)
     else:
         params = [n for n in available_backends(op) if n != "torch"]
         if emulator is None and not HAS_GPU:
-            params += _emulated(op, waves)
+            params += _emulated(op, waves, gcn)
         if only is not None:
             params = [p for p in params if (p if isinstance(p, str) else "hip") in only]
     if params:
@@ -115,7 +163,7 @@ def backend(request):
     inside :func:`hip_emu.backend.emulated_hip_backend`."""
     value = getattr(request, "param", None)
     if isinstance(value, EmulatedHip):
-        with emulated_hip_backend(value.wave):
+        with emulated_hip_backend(value.wave, value.arch):
             yield "hip"
     else:
         yield value

@@ -14,7 +14,7 @@ import amdqb
 from amdqb import ref
 from amdqb.backends.hip import layout as hip_layout
 
-from conftest import DEVICE, HAS_GPU, device_config, expect_declined, over_backends, set_config
+from conftest import DEVICE, GCN, HAS_GPU, device_config, expect_declined, over_backends, set_config
 from hip_emu.checks import make_ids as emu_ids
 from layout_cases import check_align, make_ids, oracle_ids
 
@@ -67,7 +67,7 @@ def test_align_beyond_4096_experts(backend, e):
     check_align(ids, 64, e, True, backend)
 
 
-@over_backends("align_block_size", emulator=True, waves=(32, 64))
+@over_backends("align_block_size", emulator=True, waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("tiled", [False, True])
 def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, tiled):

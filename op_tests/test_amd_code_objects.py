@@ -1,13 +1,13 @@
 """What the linked AMD code objects of every hip_src kernel say about themselves.
 
-The code objects come from ``amdqb.backends.hip._offline`` (the runtime's flags, Debian's clang 22
+The code objects come from ``amdqb_tools`` (``amdqb_tools.build`` (the runtime's flags, Debian's clang 22
 for gfx942 / gfx950 / gfx1100 / gfx1201 / gfx1250 and clang 19 for gfx942 / gfx1100 / gfx1201,
 linked with lld against ocml / ockl; op_tests/test_hip_compile.py checks they build). The checks
 read each object's AMDGPU metadata note, symbols and disassembly, not the compiler's assembly
 text: wave size; no undefined symbols, no calls, no dynamic stack; no scratch in the route, align,
 decode Top-k and QB histogram kernels; LDS inside the target's budget; the listing's resource
 comments agree with the metadata. Occupancy (waves per SIMD) is derived from the metadata with the
-per-target rules of ``_offline.RULES``, which must reproduce what LLVM prints for its own kernels
+per-target rules of ``tools_occupancy.RULES``, which must reproduce what LLVM prints for its own kernels
 and for probe kernels over register / LDS / block-size sweeps; docs/amd_occupancy.md must equal
 the table these builds give. ISA checks (disassembly of the linked objects): the lds route kernel
 privatises its histogram with LDS atomics and reserves each expert's interval with one returning
@@ -18,28 +18,44 @@ Nothing here executes a kernel (no AMD GPU or ROCm runtime on these machines).
 """
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from amdqb.backends.hip import _offline, _spec
+from amdqb import configs
+from amdqb._arch import amd_wave_size
+from amdqb.backends.hip import _spec
+from amdqb_tools import build as tools_build
+from amdqb_tools import code_objects as tools_code_objects
+from amdqb_tools import derive as tools_derive
+from amdqb_tools import isa as tools_isa
+from amdqb_tools import occupancy as tools_occupancy
+from amdqb_tools import table as tools_table
+from amdqb_tools import toolchain as tools_toolchain
+
+from conftest import needs, require
 
 # the module fixture builds every kernel once: its tests stay on one xdist worker
 pytestmark = pytest.mark.xdist_group("amd_code_objects")
 
 ALL_TARGETS = [
-    (f"clang-{m}", arch) for m in _offline.TOOLCHAIN_MAJORS for arch in _offline._ARCHS_BY_MAJOR[m]
+    (f"clang-{m}", arch)
+    for m in tools_toolchain.TOOLCHAIN_MAJORS
+    for arch in tools_toolchain.ARCHS_BY_MAJOR[m]
 ]
-DOC = Path(__file__).resolve().parents[1] / "docs" / "amd_occupancy.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "amd_occupancy.md"
 
 
 def _available(tc_name: str) -> bool:
-    tc = _offline.toolchain(int(tc_name.split("-")[1]))
-    return tc is not None and _offline.device_bitcode_source() is not None
+    tc = tools_toolchain.toolchain(int(tc_name.split("-")[1]))
+    return tc is not None and tools_toolchain.device_bitcode_source() is not None
 
 
 def _skip_reason() -> str:
-    return "needs " + "; ".join(_offline.missing_toolchains()) + " (see .ci/run)"
+    return "needs " + "; ".join(tools_toolchain.missing_toolchains()) + " (see .ci/run)"
 
 
 def target_params():
@@ -48,7 +64,9 @@ def target_params():
             tc,
             arch,
             id=f"{tc}-{arch}",
-            marks=pytest.mark.skipif(not _available(tc), reason=_skip_reason()),
+            marks=needs(
+                _available(tc) and tools_toolchain.inspect_tools() is not None, _skip_reason()
+            ),
         )
         for tc, arch in ALL_TARGETS
     ]
@@ -57,17 +75,20 @@ def target_params():
 @pytest.fixture(scope="module")
 def objects():
     """{(toolchain, module, arch): CodeObject} of every build (made once per process)."""
-    if not any(_available(tc) for tc, _ in ALL_TARGETS) or _offline.inspect_tools() is None:
-        pytest.skip(_skip_reason())
-    builds = _offline.build_all()
+    require(
+        any(_available(tc) for tc, _ in ALL_TARGETS)
+        and tools_toolchain.inspect_tools() is not None,
+        _skip_reason(),
+    )
+    builds = tools_build.build_all()
     failed = {b.label: b.log[-3000:] for b in builds.values() if not b.ok}
     assert not failed, failed
-    return _offline.inspect_all(builds)
+    return tools_code_objects.inspect_all(builds)
 
 
 def modules_of(objects, tc, arch):
     out = [(spec, co) for (t, spec, a), co in objects.items() if t == tc and a == arch]
-    assert len(out) == len(_offline.module_variants(arch)), (tc, arch)
+    assert len(out) == len(tools_build.module_variants(arch)), (tc, arch)
     return out
 
 
@@ -94,15 +115,42 @@ def count(instructions, pattern) -> int:
 def test_wave_size_and_isa_version_come_from_the_arch():
     """No toolchain needed: gfx9 is wave64, gfx10-12 wave32 (gfx1250 has no wave64); the device
     libraries' ISA constant is major * 1000 + minor * 100 + stepping (hex digits)."""
-    assert [_offline.wave_size(a) for a in _offline.AMD_ARCHS] == [64, 64, 32, 32, 32]
-    assert _offline.wave_size("gfx942:sramecc+:xnack-") == 64
-    assert _offline.isa_version("gfx942") == ("942", 9402)
-    assert _offline.isa_version("gfx90a") == ("90a", 9010)
-    assert _offline.isa_version("gfx1250") == ("1250", 12500)
-    assert _offline.isa_version("gfx1201") == ("1201", 12001)
+    assert [amd_wave_size(a) for a in tools_toolchain.AMD_ARCHS] == [64, 64, 32, 32, 32]
+    assert amd_wave_size("gfx942:sramecc+:xnack-") == 64
+    assert tools_toolchain.isa_version("gfx942") == ("942", 9402)
+    assert tools_toolchain.isa_version("gfx90a") == ("90a", 9010)
+    assert tools_toolchain.isa_version("gfx1250") == ("1250", 12500)
+    assert tools_toolchain.isa_version("gfx1201") == ("1201", 12001)
     for bad in ("sm_90", "gfx", "gfx8xx", ""):
         with pytest.raises(ValueError, match="arch"):
-            _offline.wave_size(bad)
+            amd_wave_size(bad)
+
+
+def test_the_package_does_not_import_the_tools():
+    """``import amdqb`` (and its hip backend, its CLI) never imports amdqb_tools, even where the
+    checkout's tools are importable; no module of the package names them."""
+    code = (
+        "import sys, amdqb, amdqb.cli, amdqb.backends.hip, amdqb.backends.hip._runtime; "
+        "print(sorted(m for m in sys.modules if m.startswith('amdqb_tools')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+    named = [p for p in (ROOT / "amdqb").rglob("*.py") if "amdqb_tools" in p.read_text()]
+    assert not named, named
+
+
+def test_one_wave_size_rule():
+    """The wave-size rule (gfx9 wave64, else wave32) is written once, in amdqb/_arch.py; the
+    runtime, setup.py and the tools call it."""
+    rule = re.compile(r'startswith\(\s*"gfx9"\s*\)\s*else|\b64 if\b.*gfx|gfx.*\belse 32\b')
+    files = [*(ROOT / "amdqb").rglob("*.py"), *(ROOT / "amdqb_tools").rglob("*.py")]
+    files.append(ROOT / "setup.py")
+    dup = [p for p in files if p.name != "_arch.py" and rule.search(p.read_text())]
+    assert not dup, dup
+    for path in ("setup.py", "amdqb/devices.py", "amdqb/backends/hip/_runtime.py"):
+        assert "amd_wave_size" in (ROOT / path).read_text(), path
 
 
 # ------------------------------------------------------------------------------------------------
@@ -110,7 +158,7 @@ def test_wave_size_and_isa_version_come_from_the_arch():
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("tc, arch", target_params())
 def test_wave_size_is_the_targets(objects, tc, arch):
-    want = _offline.wave_size(arch)
+    want = amd_wave_size(arch)
     for spec, co in modules_of(objects, tc, arch):
         assert co.target == f"amdgcn-amd-amdhsa--{arch}", (spec.label(), co.target)
         for name, k in co.kernels.items():
@@ -152,7 +200,7 @@ def test_no_scratch_where_promised(objects, tc, arch):
 
 @pytest.mark.parametrize("tc, arch", target_params())
 def test_lds_inside_the_targets_budget(objects, tc, arch):
-    rules = _offline.RULES[arch]
+    rules = tools_occupancy.RULES[arch]
     for spec, co in modules_of(objects, tc, arch):
         for name, k in co.kernels.items():
             assert k.lds <= min(rules.lds_per_workgroup, 64 * 1024), (spec.label(), name, k.lds)
@@ -176,7 +224,7 @@ def test_listing_agrees_with_the_metadata(objects, tc, arch):
 @pytest.mark.parametrize("tc, arch", target_params())
 def test_expected_kernels_present(objects, tc, arch):
     for spec, co in modules_of(objects, tc, arch):
-        assert _offline.expected_kernels(spec) <= set(co.kernels), (
+        assert tools_build.expected_kernels(spec) <= set(co.kernels), (
             spec.label(),
             sorted(co.kernels),
         )
@@ -190,13 +238,13 @@ def test_occupancy_from_metadata_matches_llvm(objects, tc, arch):
     """Waves per SIMD derived from the metadata equal the backend's own ``; Occupancy:``."""
     for spec, co in modules_of(objects, tc, arch):
         for name, k in co.kernels.items():
-            occ = _offline.occupancy(arch, k)
+            occ = tools_occupancy.occupancy(arch, k)
             assert occ.waves == k.info["Occupancy"], (spec.label(), name, occ, k.meta, k.info)
             assert 1 <= occ.at_block <= occ.waves, (spec.label(), name, occ)
 
 
 def _probe_cases(arch):
-    rules = _offline.RULES[arch]
+    rules = tools_occupancy.RULES[arch]
     cases = [(v, 0, 0, 1, 256) for v in range(1, 257)]
     cases += [(0, s, 0, 1, 256) for s in range(1, 103)]
     blocks = [
@@ -221,58 +269,51 @@ def _probe_cases(arch):
 @pytest.mark.parametrize("tc, arch", target_params())
 def test_occupancy_rules_match_llvm_on_probe_kernels(tc, arch):
     """The per-target register-file sizes, allocation granules, wave limits, LDS sizes and
-    workgroup limits of _offline.RULES reproduce LLVM's occupancy for every VGPR count 1..256,
+    workgroup limits of tools_occupancy.RULES reproduce LLVM's occupancy for every VGPR count 1..256,
     SGPR count 1..102, and LDS sizes x block-size ranges (kernels that only clobber registers and
     touch LDS)."""
-    toolchain = _offline.toolchain(int(tc.split("-")[1]))
+    toolchain = tools_toolchain.toolchain(int(tc.split("-")[1]))
     cases = _probe_cases(arch)
-    infos = _offline.probe_occupancy(toolchain, arch, cases)
-    rules = _offline.RULES[arch]
+    infos = tools_occupancy.probe_occupancy(toolchain, arch, cases)
+    rules = tools_occupancy.RULES[arch]
     bad = []
     for (v, s, lds, lo, hi), info in zip(cases, infos):
         assert info["LDSByteSize"] == lds
         want = min(
-            _offline.waves_by_vgprs(rules, info["NumVgprs"]),
-            _offline.waves_by_sgprs(rules, sgprs(info)),
-            _offline.waves_by_workgroups(rules, lds, lo, hi),
+            tools_occupancy.waves_by_vgprs(rules, info["NumVgprs"]),
+            tools_occupancy.waves_by_sgprs(rules, sgprs(info)),
+            tools_occupancy.waves_by_workgroups(rules, lds, lo, hi),
         )
         if want != info["Occupancy"]:
             bad.append(((v, s, lds, lo, hi), info["Occupancy"], want))
     assert not bad, bad[:20]
 
 
-def test_occupancy_table_is_current(objects):
-    """docs/amd_occupancy.md's generated table equals what these builds give (so it cannot go
-    stale: a kernel, flag or compiler change shows here; regenerate with
-    ``python -m amdqb.backends.hip._offline table --write docs/amd_occupancy.md``)."""
-    if not all(_available(tc) for tc, _ in ALL_TARGETS):
-        pytest.skip("the table covers every toolchain: " + _skip_reason())
-    builds = _offline.build_all()
-    current = _offline.generated_section(DOC.read_text())
-    assert current is not None, f"{DOC} has no generated section"
-    assert current == _offline.render_table(builds), (
-        f"{DOC} is stale: regenerate with "
-        "`python -m amdqb.backends.hip._offline table --write docs/amd_occupancy.md`"
+def test_generated_tables_are_current(objects):
+    """docs/amd_occupancy.md's generated sections (occupancy, ISA counts) equal what these builds
+    give (so they cannot go stale: a kernel, flag or compiler change shows here; regenerate with
+    ``python -m amdqb_tools table --write docs/amd_occupancy.md``)."""
+    require(
+        all(_available(tc) for tc, _ in ALL_TARGETS),
+        "the tables cover every toolchain: " + _skip_reason(),
+    )
+    sections = tools_table.render_sections(tools_build.build_all())
+    stale = tools_table.stale_sections(DOC, sections)
+    assert not stale, (
+        f"{DOC}: sections {stale} are stale: regenerate with "
+        "`python -m amdqb_tools table --write docs/amd_occupancy.md`"
     )
 
 
 # ------------------------------------------------------------------------------------------------
 # ISA (disassembly of the linked code objects)
 # ------------------------------------------------------------------------------------------------
-def loops(code):
-    """[(header address, last latch address)] of a kernel's loops: the backward branches, merged
-    per header."""
-    latest = {}
-    for addr, _, target in code:
-        if target is not None and target <= addr:
-            latest[target] = max(latest.get(target, addr), addr)
-    return sorted(latest.items())
-
-
 @pytest.mark.parametrize("ids", ["i32", "i64"])
 @pytest.mark.parametrize("tc, arch", target_params())
 def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(objects, tc, arch, ids):
-    funcs = code_object(objects, tc, arch, _spec.layout_module(_offline.arch_config(arch))).kernels
+    funcs = code_object(
+        objects, tc, arch, _spec.layout_module(tools_build.arch_config(arch))
+    ).kernels
     new = funcs[f"amdqb_route_lds_{ids}"].code
     old = funcs[f"amdqb_route_atomic_{ids}"].instructions()
     # old: one global atomic site, executed once per route; no LDS, no barrier.
@@ -282,7 +323,7 @@ def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(obje
     # new: LDS histogram (ds_add) + LDS ranks (ds_add_rtn), three barriers.
     assert count(text, r"^ds_add_u32") >= 1
     assert count(text, r"^ds_add_rtn_u32") >= 1
-    assert count(text, LDS_ATOMIC) >= 2 * _offline.arch_config(arch)["hip.route.lds_items"]
+    assert count(text, LDS_ATOMIC) >= 2 * tools_build.arch_config(arch)["hip.route.lds_items"]
     assert count(text, BARRIER) == 3
     # The per-expert loop (unrolled over a batch of 4 experts per thread): per expert one
     # returning global atomic (the interval reservation, once per (block, expert)) and one
@@ -296,8 +337,8 @@ def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(obje
     assert not any(re.match(r"ds_(store|write)", t) for t in between), between
     # All sites sit in one loop, whose body reads the LDS histogram (the count to reserve) and
     # writes the interval base back, and never loads route ids from global memory.
-    loop = [(h, e) for h, e in loops(new) if h <= sites[0][0] and sites[-1][0] <= e]
-    assert loop, (loops(new), sites)
+    loop = [(h, e) for h, e in tools_isa.loops(new) if h <= sites[0][0] and sites[-1][0] <= e]
+    assert loop, (tools_isa.loops(new), sites)
     head, end = min(loop, key=lambda he: he[1] - he[0])
     body = [t for a, t, _ in new if head <= a <= end]
     assert any(re.match(r"ds_(load|read)", t) for t in body), body
@@ -307,7 +348,7 @@ def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(obje
 
 @pytest.mark.parametrize("tc, arch", target_params())
 def test_qb_histogram_pass_counts_in_lds(objects, tc, arch):
-    spec = _spec.router_module(896, "float32", "sigmoid", _offline.arch_config(arch))
+    spec = _spec.router_module(896, "float32", "sigmoid", tools_build.arch_config(arch))
     hist = code_object(objects, tc, arch, spec).kernels["amdqb_qb_hist"].instructions()
     assert count(hist, LDS_ATOMIC) >= 1
     assert count(hist, GLOBAL_ATOMIC) == 1  # the flush of non-zero bins
@@ -322,10 +363,67 @@ def test_qb_histogram_pass_counts_in_lds(objects, tc, arch):
             objects,
             tc,
             arch,
-            _spec.router_module(896, dtype, "sigmoid", _offline.arch_config(arch)),
+            _spec.router_module(896, dtype, "sigmoid", tools_build.arch_config(arch)),
         )
         assert count(co.kernels["amdqb_qb_hist"].instructions(), pattern) >= 1, (dtype, arch)
     # fused_atomic epilogues (uniform and log_margin binning): one global atomic per (token,
     # expert) each, unrolled over the lane's row.
     router = code_object(objects, tc, arch, spec).kernels["amdqb_router"].instructions()
     assert count(router, GLOBAL_ATOMIC) == 2 * -(-896 // 32)
+
+
+# Kernels whose time is their loops, and the ds_bpermute they may keep there: the router family
+# none (its butterflies, bitonic stages, scans and broadcasts lower to DPP / ds_swizzle /
+# permlanex16 / readlane, matches to ballots), nor the deterministic rank passes (their peers
+# read the bucket's slot from LDS themselves: layout.hip's warp_claim_slot).
+HOT_BPERMUTE = {
+    "amdqb_router": 0,
+    "amdqb_router_decode": 0,
+    "amdqb_router_scores": 0,
+    "amdqb_qb_hist": 0,
+    "amdqb_qb_hist_bins": 0,
+    "amdqb_route_det_rank_i32": 0,
+    "amdqb_route_det_rank_i64": 0,
+    "amdqb_align": 0,
+}
+
+
+@pytest.mark.parametrize("tc, arch", target_params())
+def test_hot_loops_use_no_bpermute_chains(objects, tc, arch):
+    """No hot loop regresses to chains of ds_bpermute: every kernel keeps at most 2 of them
+    (outside the router family: block scans' neighbour reads), the hot kernels' loops at most
+    HOT_BPERMUTE; the router's selection loop and the decode form's selection and merges run on
+    DPP (and on gfx9 ds_swizzle for the xor by 16, gfx10+ permlanex16)."""
+    for spec, co in modules_of(objects, tc, arch):
+        for name, k in co.kernels.items():
+            total = tools_isa.counts(k.code)
+            looped = tools_isa.counts(k.code, only_loops=True)
+            assert total["bpermute"] <= 2, (spec.label(), name, total)
+            if name in HOT_BPERMUTE:
+                assert looped["bpermute"] <= HOT_BPERMUTE[name], (spec.label(), name, looped)
+        if spec.kernel_file == "router.hip":
+            # the router's token loop and the decode form's (straight-line) selection and merge
+            for name, only_loops in (("amdqb_router", True), ("amdqb_router_decode", False)):
+                c = tools_isa.counts(co.kernels[name].code, only_loops=only_loops)
+                assert c["dpp"] >= 20, (spec.label(), name, c)
+                cross = c["swizzle"] if arch in ("gfx942", "gfx950") else c["permlane"]
+                assert cross >= 1, (spec.label(), name, c)
+
+
+def test_amd_configs_follow_from_the_code_objects(objects):
+    """The occupancy-derived entries of gfx942.json / gfx950.json / gfx1250.json are what the
+    current code objects give -- values and the register / LDS figures their "why" quotes
+    (regenerate with ``python -m amdqb_tools configs --write``); the route gate gfx942 / gfx950
+    borrow from aiter's gfx1250 measurement is marked as borrowed in their own files."""
+    require(_available("clang-22"), _skip_reason())
+    for arch in tools_derive.DERIVED_ARCHS:
+        cfg = configs.load(arch)
+        for key, (value, why) in tools_derive.derived_entries(arch, objects).items():
+            entry = cfg.entry(key)
+            assert entry.source == arch, (arch, key, "not in the architecture's file")
+            assert (entry.value, entry.why) == (value, why), (arch, key, entry, value, why)
+            assert entry.provenance == tools_derive.PROVENANCE, (arch, key, entry.provenance)
+        gate = cfg.entry("route.lds_gate_scale")
+        assert gate.source == arch, (arch, "route gate inherited from default.json")
+        if arch in ("gfx942", "gfx950"):
+            assert gate.provenance.startswith("untuned:") and "borrowed" in gate.provenance, gate

@@ -16,7 +16,7 @@ from amdqb import dispatch, ref
 from amdqb.backends.calls import TopkCall
 from amdqb.backends.hip.topk import plan as topk_plan
 
-from conftest import DEVICE, HAS_GPU, device_config, expect_declined, over_backends, set_config
+from conftest import DEVICE, GCN, HAS_GPU, device_config, expect_declined, over_backends, set_config
 from hip_emu.checks import make_logits
 from router_cases import (
     E_MAIN,
@@ -186,7 +186,7 @@ DECODE_TOPK_CASES = (
 )
 
 
-@over_backends("biased_topk", only=("hip",), waves=(32, 64))
+@over_backends("biased_topk", only=("hip",), waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("e,k,dtype,style", DECODE_TOPK_CASES)
 def test_biased_topk_decode_kernel_is_bitwise_the_warp_kernel(
     monkeypatch, backend, emu_rt, e, k, dtype, style
@@ -257,16 +257,17 @@ def test_biased_topk_oracle():
 # ----------------------------------------------------------------------------------------------
 
 
-@over_backends("biased_topk", waves=(32, 64))
+@over_backends("biased_topk", waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize(
     "e,k,groups,score",
     [(8, 2, None, "softmax"), (256, 8, (8, 4), "sigmoid"), (40, 6, None, "sigmoid")],
 )
-def test_serving_outputs(backend, e, k, groups, score):
+def test_serving_outputs(backend, emu_rt, e, k, groups, score):
     """Fused shared experts (constant weight, and the routed sum over the scaling factor with every
     lane of the row holding it), token_expert_indices, padded rows from a device scalar and from
     an int, int64 ids, an fp16 / bf16 bias read in its dtype and strided logit rows: the oracle's
-    outputs (ids exact, weights to fp32 rounding)."""
+    outputs (ids exact, weights to fp32 rounding). On the emulator every call is one amdqb_topk
+    launch (on the AMDGCN models: the prelude's AMD shuffles and ballots in that kernel)."""
     from amdqb.ops.router import serving_topk
 
     t = 37
@@ -287,7 +288,11 @@ def test_serving_outputs(backend, e, k, groups, score):
     ]
     for case in cases:
         opts = {**kw, **case}
+        if emu_rt is not None:
+            emu_rt.launches.clear()
         w, ids, tei = serving_topk(logits, k, bias, backend=backend, **opts)
+        if emu_rt is not None:
+            assert [n for n, *_ in emu_rt.launches] == ["amdqb_topk"], case
         oracle = {n: v for n, v in opts.items() if n not in ("ids_dtype", "token_expert_indices")}
         if isinstance(oracle.get("non_padded"), torch.Tensor):
             oracle["non_padded"] = oracle["non_padded"].cpu()

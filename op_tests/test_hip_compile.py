@@ -1,5 +1,5 @@
 """Every hip_src kernel variant the runtime can request at the seed shapes builds for AMD into a
-linked code object (``amdqb.backends.hip._offline``: Debian's clang 22 for gfx942 / gfx950 wave64 and
+linked code object (``amdqb_tools`` (``amdqb_tools.build``: Debian's clang 22 for gfx942 / gfx950 wave64 and
 gfx1100 / gfx1201 / gfx1250 wave32, clang 19 for gfx942 / gfx1100 / gfx1201, lld, ocml / ockl from
 Debian's rocm-device-libs plus the per-target constant files it lacks), compiles for NVIDIA sm_90
 with nvcc, and with NVRTC through the backend's own compiler class when cuda-python and an NVRTC
@@ -21,7 +21,12 @@ from pathlib import Path
 import pytest
 
 from amdqb import configs
-from amdqb.backends.hip import _offline, _spec
+from amdqb._arch import amd_wave_size
+from amdqb.backends.hip import _spec
+from amdqb_tools import build as tools_build
+from amdqb_tools import toolchain as tools_toolchain
+
+from conftest import require
 
 CFG = configs.load("default")  # the default config's constants
 
@@ -36,7 +41,9 @@ MODULES = [
     _spec.router_module(2048, "bfloat16", "sigmoid", CFG),
 ]
 AMD_TARGETS = [
-    (f"clang-{m}", arch) for m in _offline.TOOLCHAIN_MAJORS for arch in _offline._ARCHS_BY_MAJOR[m]
+    (f"clang-{m}", arch)
+    for m in tools_toolchain.TOOLCHAIN_MAJORS
+    for arch in tools_toolchain.ARCHS_BY_MAJOR[m]
 ]
 
 NVCC = shutil.which("nvcc") or (
@@ -48,9 +55,15 @@ CFG = configs.load("default")  # the default config's constants
 
 
 def _toolchain(name):
-    tc = _offline.toolchain(int(name.split("-")[1]))
-    if tc is None or _offline.device_bitcode_source() is None or _offline.inspect_tools() is None:
-        pytest.skip("needs " + "; ".join(_offline.missing_toolchains()) + " (see .ci/run)")
+    tc = tools_toolchain.toolchain(int(name.split("-")[1]))
+    if (
+        tc is None
+        or tools_toolchain.device_bitcode_source() is None
+        or tools_toolchain.inspect_tools() is None
+    ):
+        require(
+            False, "needs " + "; ".join(tools_toolchain.missing_toolchains()) + " (see .ci/run)"
+        )
     return tc
 
 
@@ -62,11 +75,11 @@ def amd_params():
 def test_every_variant_builds_a_linked_code_object(tc, arch):
     _toolchain(tc)
     # The whole matrix at once (made once per process), so the workers stay busy.
-    builds = {k: b for k, b in _offline.build_all().items() if k[0] == tc and k[2] == arch}
-    assert len(builds) == len(_offline.module_variants(arch))
+    builds = {k: b for k, b in tools_build.build_all().items() if k[0] == tc and k[2] == arch}
+    assert len(builds) == len(tools_build.module_variants(arch))
     failed = {b.label: b.log[-4000:] for b in builds.values() if not b.ok}
     assert not failed, failed
-    readelf, _ = _offline.inspect_tools()
+    readelf, _ = tools_toolchain.inspect_tools()
     for b in builds.values():
         assert b.hsaco.read_bytes()[:4] == b"\x7fELF", b.label
         header = subprocess.run(
@@ -83,9 +96,9 @@ def test_wave_size_mismatch_is_a_compile_error(tc, arch):
     """AMDQB_WAVE_SIZE other than the target's: the prelude refuses (clang 19 predefines
     __AMDGCN_WAVEFRONT_SIZE; for clang 22 the build defines it from the arch)."""
     toolchain = _toolchain(tc)
-    wrong = 96 - _offline.wave_size(arch)
+    wrong = 96 - amd_wave_size(arch)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = _offline.compile_command(
+        cmd = tools_build.compile_command(
             toolchain, _spec.layout_module(CFG), arch, Path(tmp) / "x.hsaco", amdqb_wave=wrong
         )
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=tmp)
@@ -93,18 +106,18 @@ def test_wave_size_mismatch_is_a_compile_error(tc, arch):
     assert "AMDQB_WAVE_SIZE does not match the target's wavefront size" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("tc", [f"clang-{m}" for m in _offline.TOOLCHAIN_MAJORS])
+@pytest.mark.parametrize("tc", [f"clang-{m}" for m in tools_toolchain.TOOLCHAIN_MAJORS])
 def test_device_libraries_come_from_the_generated_directory(tc):
     """Every bitcode library the compile links is in the generated directory: Debian's ocml /
     ockl / oclc files, plus the ISA-version file of each target (and the ABI file of code object
     v6 for clang 22), which Debian's 5.2 bitcode lacks."""
     toolchain = _toolchain(tc)
-    devlib = _offline.device_lib_dir(toolchain)
-    made = _offline.generated_device_libs(toolchain)
+    devlib = tools_toolchain.device_lib_dir(toolchain)
+    made = tools_toolchain.generated_device_libs(toolchain)
     for arch in toolchain.archs:
-        suffix, _ = _offline.isa_version(arch)
+        suffix, _ = tools_toolchain.isa_version(arch)
         assert (devlib / f"oclc_isa_version_{suffix}.bc").is_file(), arch
-        cmd = _offline.compile_command(
+        cmd = tools_build.compile_command(
             toolchain,
             _spec.router_module(896, "float32", "sqrtsoftplus", CFG),
             arch,

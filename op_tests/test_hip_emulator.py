@@ -14,12 +14,13 @@ from amdqb import dispatch
 from amdqb.backends import hip as hip_backend
 from amdqb.ref.ordering import order_key
 
+from conftest import needs
 from hip_emu.backend import active_runtime, emulated_hip_backend, runtime
 from hip_emu.runtime import compiler
 
 pytestmark = [
     pytest.mark.emulator,
-    pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) for the emulator"),
+    needs(compiler() is not None, "needs g++ (C++20) for the emulator"),
 ]
 
 

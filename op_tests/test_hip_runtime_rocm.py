@@ -1,6 +1,10 @@
 """The hiprtc toolchain and the dispatcher's run-time build fallback, on the CPU.
 
-No ROCm exists here, so a FAKE hip-python binding stands in for it, injected through
+Two hiprtcs: the real one of Debian's ROCm 5.2 (``libamdhip64.so.5``, through the ctypes binding
+of op_tests/hip_emu/debian_hiprtc.py: it compiles on the CPU), whose version the toolchain must
+refuse (older than ``_runtime.MIN_ROCM``) and, past that check, whose rejection of the kernels
+(builtins its LLVM 15 lacks) must make the dispatcher fall back; and a fake one for everything a
+device would add. No ROCm device exists here, so a FAKE hip-python binding stands in for it, injected through
 ``sys.modules`` in both layouts the runtime imports: the split one (``from rocm.bindings import
 hip, hiprtc``) and the legacy one (``from hip import hip, hiprtc``). It mimics hip-python's call
 shapes: results come back as ``(err, value, ...)`` tuples; calls that return only an error give
@@ -36,7 +40,7 @@ import torch
 
 import amdqb
 from amdqb import configs, devices, dispatch, ref
-from amdqb.backends.calls import RouterCall
+from amdqb.backends.calls import AlignCall, RouterCall
 from amdqb.backends.hip import _runtime, _spec
 from amdqb.backends.hip import layout as hip_layout
 from amdqb.backends.hip import router as hip_router
@@ -49,7 +53,8 @@ from amdqb.backends.hip._runtime import (
 )
 from amdqb.backends.hip._spec import arg_i32, arg_i64, arg_ptr
 
-from conftest import HAS_GPU, forget_build_failures
+from conftest import HAS_GPU, forget_build_failures, require
+from hip_emu import debian_hiprtc
 
 ARCH = "gfx942:sramecc+:xnack-"
 HIP_VERSION = 60342000
@@ -311,6 +316,21 @@ def amd_dispatch(rocm, monkeypatch):
     forget_build_failures()
     yield
     forget_build_failures()  # also drops the choices cached for the fake device
+
+
+def install_debian(monkeypatch):
+    """The split layout with Debian's real ROCm 5.2 hiprtc (compiles on the CPU) and the fake HIP
+    module API (loads and launches need a device); hipRuntimeGetVersion is the real library's."""
+    require(
+        debian_hiprtc.library_path() is not None,
+        "needs Debian's ROCm 5.2 hiprtc (apt-get install libamdhip64-5 libamd-comgr2)",
+    )
+    fake = install(monkeypatch, "split")
+    real = debian_hiprtc.DebianHiprtc()
+    version = real.runtime_version()
+    monkeypatch.setattr(fake.hip, "hipRuntimeGetVersion", lambda: (hipError_t.hipSuccess, version))
+    sys.modules["rocm.bindings"].hiprtc = real
+    return fake, real
 
 
 # ------------------------------------------------------------------------------------------------
@@ -600,9 +620,9 @@ def _layout_calls():
             )
     yield "align_block_size", lambda rt: hip_layout.align_block_size(
         rt,
+        AlignCall(e, 16),
         ids,
-        16,
-        e,
+        None,
         torch.empty(2000, dtype=torch.int32),
         torch.empty(200, dtype=torch.int32),
         torch.empty(1, dtype=torch.int32),
@@ -773,8 +793,15 @@ def test_preference_follows_or_falls_back_per_op(amd_dispatch, monkeypatch):
     assert choice.backend == "triton"
     assert "AMDQB_BACKEND=hip cannot run it" in choice.reason
     assert dict(choice.rejected)["hip"] == "does not implement 'qb_recover'"
-    grouped = dispatch.select(
-        "router_fwd", "cpu", num_experts=E, topk=2, num_groups=2, group_topk=1
+    grouped = dispatch.select(  # grouped under QB: no amdqb_topk row plan
+        "router_fwd",
+        "cpu",
+        num_experts=E,
+        topk=2,
+        num_groups=2,
+        group_topk=1,
+        qb_mode="auto",
+        num_bins=16,
     )
     assert grouped.backend == "triton" and "grouped" in dict(grouped.rejected)["hip"]
     with pytest.raises(RuntimeError, match="hip: does not implement 'qb_recover'"):
@@ -788,13 +815,12 @@ def test_preference_follows_or_falls_back_per_op(amd_dispatch, monkeypatch):
 
     pref = dispatch.report("cpu")["preference"]
     assert pref["backend"] == "hip" and pref["error"] is None
-    assert {"router_fwd", "biased_topk", "align_block_size"} <= set(pref["follow"])
+    assert {"router_fwd", "router_bwd", "biased_topk", "align_block_size"} <= set(pref["follow"])
     for op in (
         "qb_recover",
         "qb_step",
         "chunk_copy",
         "chunk_row_map",
-        "router_bwd",
         "aux_scores_fwd",
         "aux_scores_bwd",
         "aux_loss_fwd",
@@ -878,3 +904,79 @@ def test_info_shows_preference_and_failures(amd_dispatch, monkeypatch, capsys):
         assert re.search(rf"^  {op}\s+triton\s", out, re.MULTILINE), op
     assert "passed over hip: failed to build (below)" in out
     assert "--build: ran router_fwd (ok), biased_topk (ok), route_rows (ok)" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# Debian's real ROCm 5.2 hiprtc
+# ------------------------------------------------------------------------------------------------
+def test_rocm_releases_older_than_the_minimum_are_refused(rocm, monkeypatch):
+    """The version check: ROCm 6.0 passes, 5.7 is refused with a message naming both."""
+    fake = install(monkeypatch, "split")
+    assert _runtime.rocm_release(60342000) == (6, 3, 42000)
+    for version, ok in ((60000000, True), (70125424, True), (50721000, False)):
+        monkeypatch.setattr(fake.hip, "hipRuntimeGetVersion", lambda v=version: (0, v))
+        if ok:
+            HiprtcToolchain()
+        else:
+            with pytest.raises(ImportError, match=r"ROCm 5\.7 .* older than ROCm 6\.0"):
+                HiprtcToolchain()
+
+
+def test_rocm52_is_refused_by_the_version_check(rocm, monkeypatch):
+    """Debian's real ROCm 5.2: the toolchain refuses it before compiling anything, naming the
+    minimum; the hip backend reports that as its reason and the dispatcher runs triton."""
+    _, real = install_debian(monkeypatch)
+    assert _runtime.rocm_release(real.runtime_version())[:2] == (5, 2)
+    with pytest.raises(ImportError, match=r"ROCm 5\.2 .*older than ROCm 6\.0") as err:
+        HiprtcToolchain()
+    assert "__builtin_amdgcn_exp2f" in str(err.value)
+    from amdqb.backends import hip as hip_backend
+
+    ok, why = hip_backend.availability(AMD_INFO)
+    assert not ok and "ROCm 6.0" in why
+    assert real.compiles == []
+
+
+@pytest.mark.parametrize("op", ["route_rows", "biased_topk"])
+def test_rocm52_hiprtc_rejection_falls_back(amd_dispatch, rocm, monkeypatch, op):
+    """Past the version check, Debian's real hiprtc compiles the runtime's module for a gfx90a
+    (a target it knows) with the runtime's flags and rejects it on builtins its compiler lacks:
+    the dispatcher warns once, runs the op on triton with the oracle's results, remembers the
+    failure (no second compile) and backend="hip" raises it."""
+    _, real = install_debian(monkeypatch)
+    monkeypatch.setattr(_runtime, "MIN_ROCM", (5, 0))
+    arch = "gfx90a:sramecc+:xnack-"
+    rocm["value"] = FakeProps(arch=arch, warp_size=64)
+    cfg = configs.load("gfx942")
+    ids = _ids()
+    logits = torch.randn(6, E, generator=torch.Generator().manual_seed(3))
+
+    def call(backend=None):
+        if op == "route_rows":
+            return amdqb.moe_route_rows(ids, E, impl="atomic", backend=backend)
+        return amdqb.biased_topk(logits, 4, backend=backend)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = call()
+    (warning,) = _hip_build_warnings(record)
+    assert "__builtin_amdgcn_ballot_w64" in str(warning.message), str(warning.message)
+    if op == "route_rows":
+        _assert_routes_match_oracle(ids, *got)
+        spec = _spec.layout_module(cfg)
+    else:
+        w_ref, ids_ref = ref.biased_topk(logits, 4)
+        assert torch.equal(got[1], ids_ref)
+        torch.testing.assert_close(got[0], w_ref, atol=1e-6, rtol=1e-5)
+        spec = None  # the serving top-k module of the call
+    (opts,) = real.compiles  # the runtime's flags reached the real compiler
+    if spec is not None:
+        assert opts[: len(_spec.hip_flags(arch, 64, spec))] == _spec.hip_flags(arch, 64, spec)
+    base = _spec.hip_flags(arch, 64, _spec.ModuleSpec("x"))  # the flags every module gets
+    assert opts[: len(base)] == base and opts[-1].startswith("-I")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        call()
+    assert not _hip_build_warnings(record) and len(real.compiles) == 1
+    with pytest.raises(RuntimeError, match="ballot_w64"):
+        call("hip")

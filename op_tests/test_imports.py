@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1] / "amdqb"
 
 # (layer, module prefixes): the first prefix a module starts with gives its layer.
 LAYERS = [
+    ("architecture rules", ("amdqb._arch",)),  # standard library only (setup.py loads it by path)
     ("contract", ("amdqb.backends.calls", "amdqb.backends")),
     ("configs", ("amdqb.configs",)),
     ("devices", ("amdqb.devices",)),

@@ -22,6 +22,7 @@ from amdqb.ops.layout import lds_route_threshold
 
 from conftest import (
     DEVICE,
+    GCN,
     HAS_GPU,
     available_backends,
     device_config,
@@ -183,7 +184,7 @@ def test_route_finalize_scan_with_a_1024_thread_block(backend):
         check_routes(ids, e, capacity, c0, rows, counts, counters)
 
 
-@over_backends("route_rows", emulator=True, waves=(32, 64))
+@over_backends("route_rows", emulator=True, waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_route_rows_deterministic_matches_oracle_bitwise(backend, emu_rt, dtype):
     rt = emu_rt

@@ -3,19 +3,23 @@
 #   bash scripts/gpu_check.sh MODE...        results under $OUT (default /tmp/amdqb_out)
 #   MODE: tests | smoke | sanitize | bench [SUITE] | tune | example | nccl | profile | full
 # Several modes run in order in one invocation, e.g. `bash scripts/gpu_check.sh tests bench`.
-# Runs from the source tree (PYTHONPATH), installs nothing.
+# Runs from the source tree (PYTHONPATH), installs nothing. NVIDIA (nvidia-smi) and ROCm
+# (torch.version.hip; rocm-smi / amd-smi) alike; docs/amd.md gives the order on a new AMD GPU.
 #   tests     the whole suite on the GPU (every available backend; the CPU emulator's tests are
 #             left to CI), spread over pytest-xdist workers and the visible GPUs;
 #             FILES= / TESTS_K= select a part; AMDQB_RESUME_FROM=<log> finishes a suite from the
 #             live log of an earlier run (op_tests/conftest.py).
 #   smoke     the suite without the tests marked slow
 #   sanitize  compute-sanitizer memcheck and racecheck over the memory-safety tests and one
-#             small case per kernel family (SANITIZE_K overrides the selection)
-#   bench     `amdqb bench SUITE --json $OUT/<device>.json` (SUITE defaults to all)
-#   tune      amdqb/bench/tune.py sweeps (TUNE_PARTS), winners printed, not written
+#             small case per kernel family (SANITIZE_K overrides the selection); NVIDIA only
+#   bench     `amdqb bench SUITE --json $OUT/<device>.json` (SUITE defaults to all), <device>
+#             from the GPU's name (h200, mi300x, ...)
+#   tune      amdqb/bench/tune.py sweeps (TUNE_PARTS), winners printed; TUNE_WRITE=1 writes them with
+#             `measured:` provenance into amdqb/configs/<arch>.json
 #   example   examples/serving_moe.py, small and Kimi configs
 #   nccl      the 2-process NCCL pooling tests (two GPUs)
-#   profile   ncu over the hot kernels at the seed shapes (amdqb/bench/profile_kernels.py)
+#   profile   the hot kernels at the seed shapes (amdqb/bench/profile_kernels.py) under ncu (NVIDIA)
+#             or rocprofv3 (ROCm, where installed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -23,7 +27,25 @@ OUT=${OUT:-/tmp/amdqb_out}
 mkdir -p "$OUT"
 RESUME_FROM=${AMDQB_RESUME_FROM:-}
 unset AMDQB_RESUME_FROM
-NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+# The platform and its GPUs: ROCm where torch is a HIP build, else NVIDIA.
+if python -c "import sys, torch; sys.exit(0 if torch.version.hip else 1)" 2>/dev/null; then
+  PLATFORM=rocm
+  NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+else
+  PLATFORM=cuda
+  NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+fi
+# bench/results/<device>.json: the GPU's model from its name (NVIDIA H200 -> h200, AMD Instinct
+# MI300X -> mi300x), else its architecture
+DEVICE=$(python - <<'PY' 2>/dev/null || echo gpu
+import re, torch
+props = torch.cuda.get_device_properties(0)
+words = [w for w in re.split(r"[\s_]+", props.name.lower())
+         if w not in ("nvidia", "amd", "instinct", "radeon", "rx", "geforce", "tesla", "")]
+arch = getattr(props, "gcnArchName", "") or f"sm_{props.major}{props.minor}"
+print(re.sub(r"[^a-z0-9]", "", words[0]) if words else re.sub(r"[^a-z0-9_]", "", arch.split(":")[0]))
+PY
+)
 JOBS=${JOBS:-$(( $(nproc) * 3 / 4 ))}
 export AMDQB_SPREAD_GPUS=$NGPU  # xdist workers take the GPUs in turn (op_tests/conftest.py)
 # Each xdist worker runs the tests' CPU side (oracles, checks) with few intra-op threads: with one
@@ -33,7 +55,12 @@ status=0
 XDIST=()
 python -c "import xdist" 2>/dev/null && XDIST=(--numprocesses "$JOBS")
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
+{ if [ "$PLATFORM" = rocm ]; then
+    amd-smi static --asic --vram --driver 2>/dev/null ||
+      rocm-smi --showproductname --showdriverversion --showmeminfo vram 2>/dev/null
+  else
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
+  fi
   python -m amdqb info; } > "$OUT/info.txt" 2>&1
 
 run_tests() {  # FILES (default: the suite without the CPU emulator's tests), -k $1 -> $OUT/$LOG
@@ -49,6 +76,10 @@ run_tests() {  # FILES (default: the suite without the CPU emulator's tests), -k
 }
 
 run_sanitize() {  # memcheck + racecheck -> $OUT/sanitizer.log
+  if [ "$PLATFORM" = rocm ]; then
+    echo "sanitize: compute-sanitizer is NVIDIA's; nothing to run on ROCm" | tee "$OUT/sanitizer.log"
+    return 0
+  fi
   local files=${SANITIZE_FILES:-op_tests/test_memory_safety.py}
   local sel=${SANITIZE_K:-}
   for tool in memcheck racecheck; do
@@ -68,7 +99,7 @@ run_sanitize() {  # memcheck + racecheck -> $OUT/sanitizer.log
 }
 
 run_bench() {  # SUITE (default all) -> $OUT/<device>.json, $OUT/bench.md
-  timeout "${BENCH_TIMEOUT:-420}" python -m amdqb bench "${1:-all}" --json "$OUT/h200.json" \
+  timeout "${BENCH_TIMEOUT:-420}" python -m amdqb bench "${1:-all}" --json "$OUT/$DEVICE.json" \
     >> "$OUT/bench.md" 2> /tmp/bench.err
   local rc=$?
   tail -n 5 /tmp/bench.err >> "$OUT/bench.md"
@@ -78,7 +109,8 @@ run_bench() {  # SUITE (default all) -> $OUT/<device>.json, $OUT/bench.md
 
 run_tune() {  # -> $OUT/tune.md, $OUT/tune.json
   timeout "${TUNE_TIMEOUT:-300}" python -m amdqb.bench.tune --json "$OUT/tune.json" \
-    --parts "${TUNE_PARTS:-route,gate,align,decode,qbhist,router}" > "$OUT/tune.md" 2>&1
+    --parts "${TUNE_PARTS:-route,gate,align,decode,qbhist,router}" \
+    $([ "${TUNE_WRITE:-0}" = 1 ] && echo --write) > "$OUT/tune.md" 2>&1
   local rc=$?
   tail -n 60 "$OUT/tune.md"
   return "$rc"
@@ -93,7 +125,18 @@ run_example() {  # -> $OUT/example.txt
   tail -n 40 "$OUT/example.txt"
 }
 
-run_profile() {  # -> $OUT/ncu.txt
+run_profile() {  # -> $OUT/ncu.txt (NVIDIA), $OUT/rocprof/ (ROCm)
+  if [ "$PLATFORM" = rocm ]; then
+    if ! command -v rocprofv3 >/dev/null 2>&1; then
+      echo "profile: rocprofv3 not installed (ncu is NVIDIA's)"
+      return 0
+    fi
+    timeout "${PROFILE_TIMEOUT:-240}" rocprofv3 --kernel-trace --stats -d "$OUT/rocprof" \
+      -o kernels -- python -m amdqb.bench.profile_kernels > "$OUT/rocprof.txt" 2>&1
+    local rc=$?
+    tail -n 40 "$OUT/rocprof.txt"
+    return "$rc"
+  fi
   timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off \
     --cache-control "${NCU_CACHE:-all}" --section SpeedOfLight --section LaunchStats \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \

@@ -2,15 +2,22 @@
 //   * HIP  (hiprtc at run time, or `clang -x hip` / hipcc offline) for AMD GPUs, wave32 or wave64;
 //   * CUDA (NVRTC at run time, or nvcc offline) for NVIDIA GPUs;
 //   * plain C++ on the host (AMDQB_HOST_EMU), where op_tests/hip_emu supplies the thread, warp and
-//     shared-memory primitives; used to execute the kernels on the CPU in tests.
+//     shared-memory primitives; used to execute the kernels on the CPU in tests. With
+//     AMDQB_EMU_AMDGCN as well, the cross-lane primitives compile as their AMD branches (the
+//     AMDGCN builtins, which the emulator models lane by lane on waves of AMDQB_WAVE_SIZE lanes),
+//     so the AMD-only code runs on the CPU too.
 //
-// Warp model. Every warp-level primitive below works on a *logical warp of 32 lanes*: lane =
+// Warp model. The free warp-level primitives below work on a *logical warp of 32 lanes*: lane =
 // linear thread index % 32 inside a 1-D block. On wave64 hardware a wave holds two logical warps;
 // the shuffles address lanes inside the caller's 32-lane half only and the ballot returns the half
-// of the 64-bit wave ballot that belongs to the caller's logical warp. Warp primitives must be
-// called by all 32 lanes of a logical warp (never under lane-divergent control flow). The wave
-// size is a compile-time constant passed with -D AMDQB_WAVE_SIZE=32|64 (warpSize is not constexpr
-// on HIP). Blocks are 1-D with blockDim.x a multiple of 32 (of 64 on wave64).
+// of the 64-bit wave ballot that belongs to the caller's logical warp. Warp<W> (below) offers the
+// same primitives for logical warps of W = 32 or, on wave64 AMD, 64 lanes (a whole wave), for
+// kernels written once for both widths. Warp primitives must be called by all lanes of a logical
+// warp (never under lane-divergent control flow inside it). The wave size is a compile-time
+// constant passed with -D AMDQB_WAVE_SIZE=32|64 (warpSize is not constexpr on HIP). Blocks are 1-D
+// with blockDim.x a multiple of 32 (of 64 on wave64). On AMD the primitives lower to DPP,
+// ds_swizzle, permlanex16, readlane, ballot and mbcnt (the gcn:: building blocks); ds_bpermute is
+// left for shuffles whose lane pattern is only known at run time.
 //
 // Precision. No fast math: callers compile with fp contraction off. fp16/bf16 conversions are done
 // on the bit patterns with round-to-nearest-even, exactly like torch's `.to(dtype)` (subnormals,
@@ -21,8 +28,13 @@
 
 #if defined(AMDQB_HOST_EMU)
 #define AMDQB_EMU 1
+#if defined(AMDQB_EMU_AMDGCN)
+#define AMDQB_AMDGCN                                                                               \
+  1  // cross-lane operations: the AMDGCN builtins (host models, op_tests/hip_emu)
+#endif
 #elif defined(__HIP__) || defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__)
 #define AMDQB_HIP 1
+#define AMDQB_AMDGCN 1  // cross-lane operations: the AMDGCN builtins
 #elif defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define AMDQB_CUDA 1
 #else
@@ -211,7 +223,18 @@ AMDQB_DEVICE void keep_loaded(float& v) {
 // ------------------------------------------------------------------------------------------------
 // Raw platform primitives
 // ------------------------------------------------------------------------------------------------
-#if defined(AMDQB_HIP)
+// AMDQB_LANES(w) opens the AMD branch of a primitive that works on logical warps of w lanes: on the
+// hardware nothing; in the emulator's AMDGCN model it scopes the cross-lane builtins the branch
+// calls to the caller's logical warp (on wave64 with w = 32: its half of the wave, which the
+// other half's logical warp may not share in that moment), so the model checks that the branch
+// never depends on lanes outside it.
+#if defined(AMDQB_EMU) && defined(AMDQB_AMDGCN)
+#define AMDQB_LANES(w) const ::amdqb_emu::LaneScope amdqb_lane_scope_(w)
+#else
+#define AMDQB_LANES(w)
+#endif
+
+#if defined(AMDQB_AMDGCN)
 // Lane inside the hardware wave (independent of the block shape).
 AMDQB_DEVICE int hw_lane() {
 #if AMDQB_WAVE_SIZE == 64
@@ -230,6 +253,226 @@ AMDQB_DEVICE u64 raw_ballot(bool p) {
   return (u64)__builtin_amdgcn_ballot_w32(p);
 #endif
 }
+
+// AMDGCN building blocks of the primitives below: DPP moves (a VALU operand modifier, no LDS
+// traffic), ds_swizzle (an LDS-pipe permute without an address operand) and permlanex16
+// (gfx10+, VALU), each an exact permutation, so they keep the xor butterflies' association order.
+namespace gcn {
+constexpr int quad_perm(int a, int b, int c, int d) { return a | (b << 2) | (c << 4) | (d << 6); }
+constexpr int kRowShr = 0x110;     // + n: lane i reads lane i - n of its row of 16 (none below n)
+constexpr int kRowMirror = 0x140;  // lane i reads lane i ^ 15 of its row of 16
+constexpr int kRowHalfMirror = 0x141;  // lane i reads lane i ^ 7 of its half row
+#if defined(__GFX9__)
+constexpr int kRowBcast15 = 0x142;  // lane 15 of each row of 16 to the next row
+constexpr int kRowBcast31 = 0x143;  // lane 31 to rows 2 and 3
+#else
+constexpr int kRowXmask = 0x160;  // + n: lane i reads lane i ^ n of its row of 16
+// permlanex16 selectors of an xor by 16 + m: lane k of the other row of 16 reads lane k ^ m.
+constexpr u32 xor_select(int m, int half) {
+  u32 s = 0;
+  for (int k = 0; k < 8; ++k) s |= (u32)(((k + 8 * half) ^ m) & 15) << (4 * k);
+  return s;
+}
+#endif
+
+// v of lane (i with the DPP control CTRL); rows outside ROW_MASK and lanes without a source keep
+// old.
+template <int CTRL, int ROW_MASK = 0xF>
+AMDQB_DEVICE int dpp(int old, int v) {
+  return __builtin_amdgcn_update_dpp(old, v, CTRL, ROW_MASK, 0xF, false);
+}
+
+// v of lane i ^ M (0 < M < 32: inside the caller's 32 lanes) by the cheapest exact permutation of
+// the target: quad permutes for M < 4; gfx9: row mirrors (i ^ 15, i ^ 7), composed with a quad
+// permute where that takes two moves, else ds_swizzle; gfx10+: row_xmask below 16, permlanex16
+// from 16.
+template <int M>
+AMDQB_DEVICE int xor_lanes(int v) {
+  static_assert(M > 0 && M < 32, "an xor inside 32 lanes");
+  if constexpr (M == 1) {
+    return dpp<quad_perm(1, 0, 3, 2)>(0, v);
+  } else if constexpr (M == 2) {
+    return dpp<quad_perm(2, 3, 0, 1)>(0, v);
+  } else if constexpr (M == 3) {
+    return dpp<quad_perm(3, 2, 1, 0)>(0, v);
+#if defined(__GFX9__)
+  } else if constexpr (M == 7) {
+    return dpp<kRowHalfMirror>(0, v);
+  } else if constexpr (M == 15) {
+    return dpp<kRowMirror>(0, v);
+  } else if constexpr (M >= 4 && M <= 6) {
+    return xor_lanes<(M ^ 7)>(dpp<kRowHalfMirror>(0, v));
+  } else if constexpr (M == 8 || (M >= 12 && M <= 14)) {
+    return xor_lanes<(M ^ 15)>(dpp<kRowMirror>(0, v));
+  } else {
+    return __builtin_amdgcn_ds_swizzle(v, 0x1f | (M << 10));  // and 31, or 0, xor M
+  }
+#else
+  } else if constexpr (M < 16) {
+    return dpp<kRowXmask + M>(0, v);
+  } else {
+    return (int)__builtin_amdgcn_permlanex16(0u, (u32)v, xor_select(M - 16, 0),
+                                             xor_select(M - 16, 1), false, false);
+  }
+#endif
+}
+
+// xor_lanes of a mask known after unrolling (folds to one case), else ds_bpermute.
+AMDQB_DEVICE int xor_any(int v, int mask) {
+  switch (mask) {
+    case 0:
+      return v;
+    case 1:
+      return xor_lanes<1>(v);
+    case 2:
+      return xor_lanes<2>(v);
+    case 3:
+      return xor_lanes<3>(v);
+    case 4:
+      return xor_lanes<4>(v);
+    case 5:
+      return xor_lanes<5>(v);
+    case 6:
+      return xor_lanes<6>(v);
+    case 7:
+      return xor_lanes<7>(v);
+    case 8:
+      return xor_lanes<8>(v);
+    case 9:
+      return xor_lanes<9>(v);
+    case 10:
+      return xor_lanes<10>(v);
+    case 11:
+      return xor_lanes<11>(v);
+    case 12:
+      return xor_lanes<12>(v);
+    case 13:
+      return xor_lanes<13>(v);
+    case 14:
+      return xor_lanes<14>(v);
+    case 15:
+      return xor_lanes<15>(v);
+    case 16:
+      return xor_lanes<16>(v);
+    case 17:
+      return xor_lanes<17>(v);
+    case 18:
+      return xor_lanes<18>(v);
+    case 19:
+      return xor_lanes<19>(v);
+    case 20:
+      return xor_lanes<20>(v);
+    case 21:
+      return xor_lanes<21>(v);
+    case 22:
+      return xor_lanes<22>(v);
+    case 23:
+      return xor_lanes<23>(v);
+    case 24:
+      return xor_lanes<24>(v);
+    case 25:
+      return xor_lanes<25>(v);
+    case 26:
+      return xor_lanes<26>(v);
+    case 27:
+      return xor_lanes<27>(v);
+    case 28:
+      return xor_lanes<28>(v);
+    case 29:
+      return xor_lanes<29>(v);
+    case 30:
+      return xor_lanes<30>(v);
+    case 31:
+      return xor_lanes<31>(v);
+    default:
+      return raw_bpermute(hw_lane() ^ mask, v);
+  }
+}
+
+// Inclusive scan over each 32-lane group (W = 32) or the wave64 (W = 64) with an associative op
+// whose identity is 0 (op(x, 0) == x): a Hillis-Steele scan inside rows of 16 (row_shr 1, 2, 4,
+// 8; lanes without a source read 0), then row 0's total into row 1 (and on W = 64 lane 31's into
+// rows 2 and 3).
+template <int W, typename Op>
+AMDQB_DEVICE u32 inclusive_scan(u32 v, Op op) {
+  v = op(v, (u32)dpp<kRowShr + 1>(0, (int)v));
+  v = op(v, (u32)dpp<kRowShr + 2>(0, (int)v));
+  v = op(v, (u32)dpp<kRowShr + 4>(0, (int)v));
+  v = op(v, (u32)dpp<kRowShr + 8>(0, (int)v));
+#if defined(__GFX9__)
+  v = op(v, (u32)dpp<kRowBcast15, 0xA>(0, (int)v));
+  if constexpr (W == 64) v = op(v, (u32)dpp<kRowBcast31, 0xC>(0, (int)v));
+#else
+  static_assert(W == 32, "wave64 logical warps are gfx9's");
+  const u32 other = __builtin_amdgcn_permlanex16(0u, v, ~0u, ~0u, false, false);  // its lane 15
+  if (hw_lane() & 16) v = op(v, other);
+#endif
+  return v;
+}
+
+// v of lane l of the caller's W lanes, l the same in every lane of the wave (an SGPR).
+template <int W>
+AMDQB_DEVICE int read_lane(int v, int l) {
+#if AMDQB_WAVE_SIZE == 64
+  if constexpr (W == 32)
+    return (hw_lane() & 32) ? __builtin_amdgcn_readlane(v, l + 32)
+                            : __builtin_amdgcn_readlane(v, l);
+#endif
+  return __builtin_amdgcn_readlane(v, l);
+}
+
+// Integer sum over the caller's W lanes (any order: wrapping adds), uniform: row_shr 1, 2, 4, 8
+// leave each row of 16's total in its lane 15, read as scalars.
+template <int W>
+AMDQB_DEVICE int sum_i32(int v) {
+  v += dpp<kRowShr + 1>(0, v);
+  v += dpp<kRowShr + 2>(0, v);
+  v += dpp<kRowShr + 4>(0, v);
+  v += dpp<kRowShr + 8>(0, v);
+  if constexpr (W == 64)
+    return (int)((u32)__builtin_amdgcn_readlane(v, 15) + (u32)__builtin_amdgcn_readlane(v, 31) +
+                 (u32)__builtin_amdgcn_readlane(v, 47) + (u32)__builtin_amdgcn_readlane(v, 63));
+  return (int)((u32)read_lane<32>(v, 15) + (u32)read_lane<32>(v, 31));
+}
+
+// Bit l of the caller's W lanes = p of lane l.
+template <int W>
+AMDQB_DEVICE u64 ballot(bool p) {
+#if AMDQB_WAVE_SIZE == 64
+  if constexpr (W == 32) return (u32)(__builtin_amdgcn_ballot_w64(p) >> (hw_lane() & 32));
+#endif
+  return raw_ballot(p);
+}
+
+// Lanes below the caller among its W lanes whose p is true.
+template <int W>
+AMDQB_DEVICE int prefix_count(bool p) {
+#if AMDQB_WAVE_SIZE == 64
+  const u64 m = __builtin_amdgcn_ballot_w64(p);
+  if constexpr (W == 32) {
+    const u32 mine = (u32)(m >> (hw_lane() & 32));
+    return (int)((hw_lane() & 32) ? __builtin_amdgcn_mbcnt_hi(mine, 0u)
+                                  : __builtin_amdgcn_mbcnt_lo(mine, 0u));
+  }
+  return (int)__builtin_amdgcn_mbcnt_hi((u32)(m >> 32), __builtin_amdgcn_mbcnt_lo((u32)m, 0u));
+#else
+  return (int)__builtin_amdgcn_mbcnt_lo((u32)raw_ballot(p), 0u);
+#endif
+}
+
+// Lanes of the caller's W whose v has the caller's low `bits` bits: one ballot per bit (VALU and
+// scalar work only, no lane permutes); exact when v - lo lies in [0, 2^bits) in every lane.
+template <int W>
+AMDQB_DEVICE u64 match_bits(u32 v, int bits) {
+  u64 peers = ballot<W>(true);
+  for (int b = 0; b < bits; ++b) {
+    const bool one = (v >> b) & 1u;
+    const u64 m = ballot<W>(one);
+    peers &= one ? m : ~m;
+  }
+  return peers;
+}
+}  // namespace gcn
 #elif defined(AMDQB_EMU)
 AMDQB_DEVICE int hw_lane() { return (int)(threadIdx.x % AMDQB_WAVE_SIZE); }
 AMDQB_DEVICE int raw_bpermute(int src_hw_lane, int v) { return amdqb_emu_bpermute(src_hw_lane, v); }
@@ -253,21 +496,44 @@ AMDQB_DEVICE u32 lanemask_lt() { return (1u << lane_id()) - 1u; }
 // ------------------------------------------------------------------------------------------------
 // Logical-warp primitives (32 lanes)
 // ------------------------------------------------------------------------------------------------
+// v of logical lane lane ^ mask (mask < 32). AMD: DPP / ds_swizzle / permlanex16 where the mask is
+// a constant after unrolling (the butterflies and bitonic stages below), ds_bpermute otherwise.
 AMDQB_DEVICE int shfl_xor_i32(int v, int mask) {
 #if defined(AMDQB_CUDA)
   return __shfl_xor_sync(0xffffffffu, v, mask, 32);
+#elif defined(AMDQB_AMDGCN)
+  AMDQB_LANES(32);
+  return gcn::xor_any(v, mask);
 #else
   // mask < 32 keeps the source inside the caller's 32-lane half of a wave64.
   return raw_bpermute(hw_lane() ^ mask, v);
 #endif
 }
 
-// Value of `v` held by logical lane `src` (0..31) of the caller's logical warp.
+// Value of `v` held by logical lane `src` (0..31) of the caller's logical warp. AMD: a source lane
+// the compiler knows (a constant after unrolling) is read with v_readlane, else ds_bpermute.
 AMDQB_DEVICE int shfl_i32(int v, int src) {
 #if defined(AMDQB_CUDA)
   return __shfl_sync(0xffffffffu, v, src, 32);
 #else
+  AMDQB_LANES(32);
+#if defined(AMDQB_AMDGCN)
+  if (__builtin_constant_p(src)) return gcn::read_lane<32>(v, src & 31);
+#endif
   return raw_bpermute((hw_lane() & ~31) | (src & 31), v);
+#endif
+}
+
+// shfl_i32 for a source lane that is the same in every lane of the wave (a kernel argument, a
+// constant): AMD reads it with v_readlane (scalar), no LDS-pipe permute.
+AMDQB_DEVICE int bcast_i32(int v, int src) {
+#if defined(AMDQB_CUDA)
+  return __shfl_sync(0xffffffffu, v, src, 32);
+#elif defined(AMDQB_AMDGCN)
+  AMDQB_LANES(32);
+  return gcn::read_lane<32>(v, src);
+#else
+  return shfl_i32(v, src);
 #endif
 }
 
@@ -283,17 +549,22 @@ AMDQB_DEVICE u32 ballot32(bool p) {
 #if defined(AMDQB_CUDA)
   return __ballot_sync(0xffffffffu, p);
 #elif AMDQB_WAVE_SIZE == 64
+  AMDQB_LANES(32);
   return (u32)(raw_ballot(p) >> (hw_lane() & 32));
 #else
+  AMDQB_LANES(32);
   return (u32)raw_ballot(p);
 #endif
 }
 
-// Bit l = (v of logical lane l == the caller's v). CUDA: one match instruction; elsewhere 32
-// shuffles (independent of each other, so they pipeline).
+// Bit l = (v of logical lane l == the caller's v). CUDA: one match instruction; AMD: a ballot per
+// bit of v (32); the emulator's substitutes: 32 shuffles.
 AMDQB_DEVICE u32 match_any_i32(int v) {
 #if defined(AMDQB_CUDA)
   return __match_any_sync(0xffffffffu, v);
+#elif defined(AMDQB_AMDGCN)
+  AMDQB_LANES(32);
+  return (u32)gcn::match_bits<32>((u32)v, 32);
 #else
   u32 peers = 0;
 #pragma unroll
@@ -302,23 +573,50 @@ AMDQB_DEVICE u32 match_any_i32(int v) {
 #endif
 }
 
-// Starts fetching the line of p into the L1 (NVIDIA); a no-op elsewhere.
+// match_any_i32 for values known to lie in [lo, hi) in every lane (lo, hi the same in every lane):
+// AMD needs a ballot per bit of hi - lo - 1 only (e.g. 10 for 896 experts and a drop marker).
+AMDQB_DEVICE u32 match_any_in(int v, int lo, int hi) {
+#if defined(AMDQB_CUDA)
+  (void)lo, (void)hi;
+  return __match_any_sync(0xffffffffu, v);
+#elif defined(AMDQB_AMDGCN)
+  AMDQB_LANES(32);
+  const u32 span = (u32)(hi - lo);
+  const int bits = span <= 1u ? 0 : 32 - __builtin_clz(span - 1u);
+  return (u32)gcn::match_bits<32>((u32)(v - lo), bits);
+#else
+  (void)lo, (void)hi;
+  return match_any_i32(v);
+#endif
+}
+
+// Starts fetching the line of p into the L1 (NVIDIA; gfx1250: global_prefetch); a no-op elsewhere.
 AMDQB_DEVICE void prefetch_l1(const void* p) {
 #if defined(AMDQB_CUDA)
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+#elif defined(AMDQB_HIP)
+  __builtin_prefetch(p, 0, 3);
 #else
   (void)p;
 #endif
 }
 
 // Number of lanes below the caller whose predicate is true.
-AMDQB_DEVICE int warp_prefix_count(bool p) { return popc32(ballot32(p) & lanemask_lt()); }
+AMDQB_DEVICE int warp_prefix_count(bool p) {
+#if defined(AMDQB_AMDGCN)
+  AMDQB_LANES(32);
+  return gcn::prefix_count<32>(p);
+#else
+  return popc32(ballot32(p) & lanemask_lt());
+#endif
+}
 
 // Orders the caller's shared-memory accesses with those of the other lanes of its logical warp.
 AMDQB_DEVICE void warp_sync() {
 #if defined(AMDQB_CUDA)
   __syncwarp();
-#elif defined(AMDQB_HIP)
+#elif defined(AMDQB_AMDGCN)
+  AMDQB_LANES(32);
   // Lanes of a wave run in lock step; a wavefront-scope fence orders the LDS accesses and the
   // wave barrier keeps the compiler from moving them across.
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
@@ -360,25 +658,55 @@ AMDQB_DEVICE void block_sync() {
 }
 
 // Butterfly all-reduce: every lane ends with the same value (fp add is commutative, so the two
-// partners of each step compute bitwise-identical sums).
+// partners of each step compute bitwise-identical sums). Integer sums may run in any order (AMD:
+// a row_shr tree and scalar reads); the fp sum and max keep the butterfly over lane distances 16,
+// 8, 4, 2, 1 on every platform.
 AMDQB_DEVICE int warp_sum_i32(int v) {
+#if defined(AMDQB_AMDGCN)
+  AMDQB_LANES(32);
+  return gcn::sum_i32<32>(v);
+#else
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += shfl_xor_i32(v, m);
   return v;
+#endif
 }
+// AMD: the steps written out, so that each shuffle's mask is a constant before any loop pass (the
+// 31-way permute switch of shfl_xor_i32 folds at once); elsewhere the loop (NVIDIA's instruction
+// stream as measured).
 AMDQB_DEVICE float warp_sum_f32(float v) {
+#if defined(AMDQB_AMDGCN)
+  v += shfl_xor_f32(v, 16);
+  v += shfl_xor_f32(v, 8);
+  v += shfl_xor_f32(v, 4);
+  v += shfl_xor_f32(v, 2);
+  v += shfl_xor_f32(v, 1);
+#else
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += shfl_xor_f32(v, m);
+#endif
   return v;
 }
 AMDQB_DEVICE float warp_max_f32(float v) {
+#if defined(AMDQB_AMDGCN)
+  v = fmaxf(v, shfl_xor_f32(v, 16));
+  v = fmaxf(v, shfl_xor_f32(v, 8));
+  v = fmaxf(v, shfl_xor_f32(v, 4));
+  v = fmaxf(v, shfl_xor_f32(v, 2));
+  v = fmaxf(v, shfl_xor_f32(v, 1));
+#else
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, shfl_xor_f32(v, m));
+#endif
   return v;
 }
 
 // Inclusive prefix sum over the logical warp, wrapping (modulo 2^32) arithmetic.
 AMDQB_DEVICE u32 warp_inclusive_sum_u32(u32 v) {
+#if defined(AMDQB_AMDGCN)
+  AMDQB_LANES(32);
+  return gcn::inclusive_scan<32>(v, [](u32 a, u32 b) { return a + b; });
+#else
   const int lane = lane_id();
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
@@ -386,10 +714,162 @@ AMDQB_DEVICE u32 warp_inclusive_sum_u32(u32 v) {
     if (lane >= d) v += o;
   }
   return v;
+#endif
 }
 
 // Inclusive prefix sum over the logical warp (int view of the wrapping u32 scan).
 AMDQB_DEVICE int warp_inclusive_sum_i32(int v) { return (int)warp_inclusive_sum_u32((u32)v); }
+
+// Inclusive scan over the logical warp with an associative op(u32, u32) whose identity is 0
+// (op(x, 0) == x: a sum, a saturating sum). AMD: the DPP scan (gcn::inclusive_scan).
+template <typename Op>
+AMDQB_DEVICE u32 warp_inclusive_scan_u32(u32 v, Op op) {
+#if defined(AMDQB_AMDGCN)
+  AMDQB_LANES(32);
+  return gcn::inclusive_scan<32>(v, op);
+#else
+  const int lane = lane_id();
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const u32 o = (u32)shfl_i32((int)v, lane - d);
+    if (lane >= d) v = op(v, o);
+  }
+  return v;
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// Logical warps of W lanes: Warp<32> everywhere, Warp<64> on wave64 AMD (CDNA)
+// ------------------------------------------------------------------------------------------------
+// The primitives above as one type per width, for kernels written once for both widths. A logical
+// warp of W lanes is W consecutive threads of a 1-D block (lane = threadIdx.x % W); W = 64 is a
+// whole wave64 and needs the AMD branches (AMDQB_AMDGCN with AMDQB_WAVE_SIZE 64); kWarpLanes is
+// the widest width of the build (64 there, else 32). Contracts of every member: all W lanes call
+// it together (never under control flow that diverges inside the logical warp; the two 32-lane
+// logical warps of a wave64 may diverge from each other); masks have bit l for lane l (u32 for
+// W = 32, u64 for W = 64); results are the same in every lane unless said otherwise.
+//   lane(), index()       lane in the logical warp, logical warp in the block (per lane)
+//   lanemask_lt()         bits of the lanes below the caller (per lane)
+//   ballot(p)             bits of the lanes whose p is true
+//   prefix_count(p)       lanes below the caller whose p is true (per lane)
+//   shfl_xor(v, m)        v of lane ^ m, m < W (per lane; exact permutes for constant m < 32)
+//   shfl(v, src)          v of lane src, src per lane (per lane; ds_bpermute on AMD)
+//   bcast(v, src)         v of lane src, src the same in every lane of the wave (AMD: readlane)
+//   sum_i32(v)            wrapping sum (order free)
+//   sum_f32(v)            fp32 sum in a fixed order: the butterfly 16, 8, 4, 2, 1 inside each 32
+//                         lanes, then (W = 64) the lower 32's sum plus the upper 32's
+//   max_f32(v)            fmaxf over the lanes (the same order as sum_f32)
+//   inclusive_sum_u32(v)  wrapping inclusive prefix sum (per lane)
+//   inclusive_scan_u32(v, op)  inclusive scan with an associative op whose identity is 0 (per lane)
+//   match_any(v)          bits of the lanes whose v equals the caller's (per lane)
+//   match_any_in(v,lo,hi) the same for v in [lo, hi) in every lane (lo, hi uniform): cheaper on AMD
+//   sync()                orders the logical warp's shared-memory accesses
+template <int W>
+struct Warp;
+
+template <>
+struct Warp<32> {
+  typedef u32 mask_t;
+  static constexpr int kLanes = 32;
+  AMDQB_DEVICE int lane() { return lane_id(); }
+  AMDQB_DEVICE int index() { return warp_in_block(); }
+  AMDQB_DEVICE mask_t lanemask_lt() { return ::amdqb::lanemask_lt(); }
+  AMDQB_DEVICE mask_t ballot(bool p) { return ballot32(p); }
+  AMDQB_DEVICE int prefix_count(bool p) { return warp_prefix_count(p); }
+  AMDQB_DEVICE int shfl_xor(int v, int m) { return shfl_xor_i32(v, m); }
+  AMDQB_DEVICE int shfl(int v, int src) { return shfl_i32(v, src); }
+  AMDQB_DEVICE int bcast(int v, int src) { return bcast_i32(v, src); }
+  AMDQB_DEVICE int sum_i32(int v) { return warp_sum_i32(v); }
+  AMDQB_DEVICE float sum_f32(float v) { return warp_sum_f32(v); }
+  AMDQB_DEVICE float max_f32(float v) { return warp_max_f32(v); }
+  AMDQB_DEVICE u32 inclusive_sum_u32(u32 v) { return warp_inclusive_sum_u32(v); }
+  template <typename Op>
+  AMDQB_DEVICE u32 inclusive_scan_u32(u32 v, Op op) {
+    return warp_inclusive_scan_u32(v, op);
+  }
+  AMDQB_DEVICE mask_t match_any(int v) { return match_any_i32(v); }
+  AMDQB_DEVICE mask_t match_any_in(int v, int lo, int hi) {
+    return ::amdqb::match_any_in(v, lo, hi);
+  }
+  AMDQB_DEVICE void sync() { warp_sync(); }
+};
+
+#if defined(AMDQB_AMDGCN) && AMDQB_WAVE_SIZE == 64
+constexpr int kWarpLanes = 64;
+
+template <>
+struct Warp<64> {
+  typedef u64 mask_t;
+  static constexpr int kLanes = 64;
+  AMDQB_DEVICE int lane() { return hw_lane(); }
+  AMDQB_DEVICE int index() { return (int)(threadIdx.x >> 6); }
+  AMDQB_DEVICE mask_t lanemask_lt() { return (1ull << hw_lane()) - 1ull; }
+  AMDQB_DEVICE mask_t ballot(bool p) {
+    AMDQB_LANES(64);
+    return raw_ballot(p);
+  }
+  AMDQB_DEVICE int prefix_count(bool p) {
+    AMDQB_LANES(64);
+    return gcn::prefix_count<64>(p);
+  }
+  AMDQB_DEVICE int shfl_xor(int v, int m) {
+    AMDQB_LANES(64);
+    return m < 32 ? gcn::xor_any(v, m) : raw_bpermute(hw_lane() ^ m, v);
+  }
+  AMDQB_DEVICE int shfl(int v, int src) {
+    AMDQB_LANES(64);
+    return raw_bpermute(src & 63, v);
+  }
+  AMDQB_DEVICE int bcast(int v, int src) {
+    AMDQB_LANES(64);
+    return __builtin_amdgcn_readlane(v, src);
+  }
+  AMDQB_DEVICE int sum_i32(int v) {
+    AMDQB_LANES(64);
+    return gcn::sum_i32<64>(v);
+  }
+  AMDQB_DEVICE float sum_f32(float v) {
+    const float half = warp_sum_f32(v);  // each 32 lanes' butterfly
+    AMDQB_LANES(64);
+    const u32 bits = float_bits(half);
+    return bits_float((u32)__builtin_amdgcn_readlane((int)bits, 0)) +
+           bits_float((u32)__builtin_amdgcn_readlane((int)bits, 32));
+  }
+  AMDQB_DEVICE float max_f32(float v) {
+    const float half = warp_max_f32(v);
+    AMDQB_LANES(64);
+    const u32 bits = float_bits(half);
+    return fmaxf(bits_float((u32)__builtin_amdgcn_readlane((int)bits, 0)),
+                 bits_float((u32)__builtin_amdgcn_readlane((int)bits, 32)));
+  }
+  AMDQB_DEVICE u32 inclusive_sum_u32(u32 v) {
+    AMDQB_LANES(64);
+    return gcn::inclusive_scan<64>(v, [](u32 a, u32 b) { return a + b; });
+  }
+  template <typename Op>
+  AMDQB_DEVICE u32 inclusive_scan_u32(u32 v, Op op) {
+    AMDQB_LANES(64);
+    return gcn::inclusive_scan<64>(v, op);
+  }
+  AMDQB_DEVICE mask_t match_any(int v) {
+    AMDQB_LANES(64);
+    return gcn::match_bits<64>((u32)v, 32);
+  }
+  AMDQB_DEVICE mask_t match_any_in(int v, int lo, int hi) {
+    AMDQB_LANES(64);
+    const u32 span = (u32)(hi - lo);
+    return gcn::match_bits<64>((u32)(v - lo), span <= 1u ? 0 : 32 - __builtin_clz(span - 1u));
+  }
+  AMDQB_DEVICE void sync() {
+    AMDQB_LANES(64);
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+    __builtin_amdgcn_wave_barrier();
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+  }
+};
+#else
+constexpr int kWarpLanes = 32;
+#endif
 
 // ------------------------------------------------------------------------------------------------
 // Atomics (relaxed; device scope for global memory, workgroup scope for shared memory)

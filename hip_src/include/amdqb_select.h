@@ -11,7 +11,8 @@
 //      binary search on the key gives the n-th key, ties at that key are taken in id order via
 //      warp ballots, so exactly n candidates remain;
 //   3. pairwise ranks among the candidates give the Top-n in selection order.
-// Every lane of the warp must call these (warp primitives inside).
+// Every lane of the warp must call these (warp primitives inside); n is the same in every lane of
+// the wave (a kernel argument: the AMD branch reads the n-th lane with v_readlane).
 #pragma once
 
 #include "amdqb_prelude.h"
@@ -27,9 +28,44 @@ AMDQB_DEVICE bool at_or_ahead(i32 k, i32 id, i32 bk, i32 bid) {
   return k > bk || (k == bk && id <= bid);
 }
 
+#if defined(AMDQB_AMDGCN)
+// AMD: the bitonic network's compare-exchanges written out with the stride a template argument, so
+// that each shuffle is a fixed permute (DPP / ds_swizzle / permlanex16) before any loop pass.
+// Elsewhere the loops below (NVIDIA's instruction stream as measured).
+template <int STRIDE>
+AMDQB_DEVICE void merge_step(i32& k, i32& id, int lane) {
+  const i32 ok = shfl_xor_i32(k, STRIDE);
+  const i32 oid = shfl_xor_i32(id, STRIDE);
+  const bool other_ahead = ahead(ok, oid, k, id);
+  if (((lane & STRIDE) == 0) == other_ahead) {
+    k = ok;
+    id = oid;
+  }
+}
+template <int SIZE, int STRIDE>
+AMDQB_DEVICE void sort_step(i32& k, i32& id, int lane) {
+  const i32 ok = shfl_xor_i32(k, STRIDE);
+  const i32 oid = shfl_xor_i32(id, STRIDE);
+  const bool lower = (lane & STRIDE) == 0;
+  const bool desc = (lane & SIZE) == 0;
+  const bool other_ahead = ahead(ok, oid, k, id);
+  if ((lower == desc) ? other_ahead : !other_ahead) {
+    k = ok;
+    id = oid;
+  }
+}
+#endif
+
 // The bitonic merge (strides 16 .. 1) of one (key, id) pair per lane into selection order: the 32
 // pairs must form a bitonic sequence (e.g. lanes 0-15 in order, lanes 16-31 in reverse order).
 AMDQB_DEVICE void warp_merge_desc(i32& k, i32& id, int lane) {
+#if defined(AMDQB_AMDGCN)
+  merge_step<16>(k, id, lane);
+  merge_step<8>(k, id, lane);
+  merge_step<4>(k, id, lane);
+  merge_step<2>(k, id, lane);
+  merge_step<1>(k, id, lane);
+#else
 #pragma unroll
   for (int stride = 16; stride > 0; stride >>= 1) {
     const i32 ok = shfl_xor_i32(k, stride);
@@ -40,11 +76,24 @@ AMDQB_DEVICE void warp_merge_desc(i32& k, i32& id, int lane) {
       id = oid;
     }
   }
+#endif
 }
 
 // Bitonic sort of one (key, id) pair per lane, descending in the selection order: bitonic runs of
 // 2 .. 16 lanes in alternating directions, then the final merge of all 32.
 AMDQB_DEVICE void warp_sort_desc(i32& k, i32& id, int lane) {
+#if defined(AMDQB_AMDGCN)
+  sort_step<2, 1>(k, id, lane);
+  sort_step<4, 2>(k, id, lane);
+  sort_step<4, 1>(k, id, lane);
+  sort_step<8, 4>(k, id, lane);
+  sort_step<8, 2>(k, id, lane);
+  sort_step<8, 1>(k, id, lane);
+  sort_step<16, 8>(k, id, lane);
+  sort_step<16, 4>(k, id, lane);
+  sort_step<16, 2>(k, id, lane);
+  sort_step<16, 1>(k, id, lane);
+#else
 #pragma unroll
   for (int size = 2; size < 32; size <<= 1) {
 #pragma unroll
@@ -60,6 +109,7 @@ AMDQB_DEVICE void warp_sort_desc(i32& k, i32& id, int lane) {
       }
     }
   }
+#endif
   warp_merge_desc(k, id, lane);
 }
 
@@ -147,8 +197,8 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuf
         lid = j * 32 + lane;
       }
     warp_sort_desc(lk, lid, lane);
-    bk = shfl_i32(lk, n - 1);
-    bid = shfl_i32(lid, n - 1);
+    bk = bcast_i32(lk, n - 1);  // n: the same in every lane of the wave
+    bid = bcast_i32(lid, n - 1);
   } else {
     exact_nth(key, n, lane, bk, bid);
   }
@@ -157,13 +207,13 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuf
   const auto first = [&](i32 k, i32) { return k >= bk; };
   int c = count_candidates(key, lane, first);
   int incl = warp_inclusive_sum_i32(c);
-  int total = shfl_i32(incl, 31);
+  int total = bcast_i32(incl, 31);
   if (total > CAP) {  // warp-uniform; rare for real router logits
     AMDQB_TRACE_OVERFLOW();
     exact_nth(key, n, lane, bk, bid);
     c = count_candidates(key, lane, by_order);
     incl = warp_inclusive_sum_i32(c);
-    total = shfl_i32(incl, 31);  // == n
+    total = bcast_i32(incl, 31);  // == n
     append_candidates(key, lane, incl - c, b, by_order);
   } else {
     append_candidates(key, lane, incl - c, b, first);

@@ -85,12 +85,20 @@ AMDQB_DEVICE u32 bucket_peers(int e, int bits) {
 AMDQB_DEVICE int warp_claim_slot(int* next, int e, int lane, int bits) {
   const u32 peers = bucket_peers(e, bits);
   const int leader = lowest_bit(peers);
+#if defined(AMDQB_AMDGCN)
+  // AMD: every peer reads the bucket's slot itself before the leader advances it (an LDS read in
+  // place of the leader's read, where broadcasting it would cost a ds_bpermute per claim).
+  const int start = e >= 0 ? next[e] : 0;
+  warp_sync();
+  if (e >= 0 && lane == leader) next[e] = (int)((u32)start + (u32)popc32(peers));
+#else
   int start = 0;
   if (e >= 0 && lane == leader) {
     start = next[e];
     next[e] = (int)((u32)start + (u32)popc32(peers));  // int32 slots wrap (the caller's counters)
   }
   start = shfl_i32(start, leader);
+#endif
   return (int)((u32)start + (u32)popc32(peers & lanemask_lt()));
 }
 
@@ -427,13 +435,7 @@ constexpr u32 kOffsetSat = 0x80000000u;
 AMDQB_DEVICE u32 sat_add(u32 a, u32 b) { return a >= kOffsetSat - b ? kOffsetSat : a + b; }
 
 AMDQB_DEVICE u32 warp_inclusive_sat_u32(u32 v) {
-  const int lane = lane_id();
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const u32 o = (u32)shfl_i32((int)v, lane - d);
-    if (lane >= d) v = sat_add(v, o);
-  }
-  return v;
+  return warp_inclusive_scan_u32(v, [](u32 a, u32 b) { return sat_add(a, b); });
 }
 
 // Exclusive saturating prefix sum over the block (block_exclusive_sum_u32 with sat_add: the

@@ -1,4 +1,4 @@
-"""The dispatcher's ``hip`` backend on the CPU emulator.
+"""The dispatcher's ``hip`` backend on the CPU emulator (either lane model of ``runtime.py``).
 
 Inside :func:`emulated_hip_backend` the public ops called with ``backend="hip"`` on CPU tensors run
 the hip_src kernels through the backend's own entry points (``amdqb.backends.hip.OPS`` and its
@@ -21,15 +21,17 @@ from amdqb.backends import hip as hip_backend
 
 from .runtime import EmuRuntime, compiler
 
-_RUNTIMES: dict[int, EmuRuntime] = {}
+_RUNTIMES: dict[tuple, EmuRuntime] = {}
 _ACTIVE: list[EmuRuntime] = []
 
 
-def runtime(wave: int = 32) -> EmuRuntime:
-    """The process-wide emulator runtime of one wave size (its compiled kernels are reused)."""
-    if wave not in _RUNTIMES:
-        _RUNTIMES[wave] = EmuRuntime(wave_size=wave, cus=2)
-    return _RUNTIMES[wave]
+def runtime(wave: int = 32, arch: str | None = None) -> EmuRuntime:
+    """The process-wide emulator runtime of one lane model (its compiled kernels are reused):
+    the substitutes on ``wave``-lane waves, or the AMDGCN model of ``arch``."""
+    key = (wave, None) if arch is None else (None, arch)
+    if key not in _RUNTIMES:
+        _RUNTIMES[key] = EmuRuntime(wave_size=wave, cus=2, arch=arch)
+    return _RUNTIMES[key]
 
 
 def active_runtime() -> EmuRuntime | None:
@@ -72,19 +74,21 @@ def _poisoning(op: str, fn):
 
 
 @contextlib.contextmanager
-def emulated_hip_backend(wave: int = 32):
-    """Run the ``hip`` backend on the emulator (``wave``-lane waves) for CPU tensors; yields the
+def emulated_hip_backend(wave: int = 32, arch: str | None = None):
+    """Run the ``hip`` backend on the emulator for CPU tensors: the substitutes on ``wave``-lane
+    waves, or (``arch``) the AMD branches on the AMDGCN model of that target; yields the
     :class:`EmuRuntime` (its ``launches`` / ``dependent_launches`` record what ran)."""
     if compiler() is None:
         raise RuntimeError("the hip emulator needs g++ (C++20)")
-    rt = runtime(wave)
+    rt = runtime(wave, arch)
+    model = f"AMDGCN model of {arch}" if arch else "substitutes"
     saved_rt, saved_availability = hip_backend._rt, hip_backend.availability
     saved_ops = dict(hip_backend.OPS)
 
     def availability(info):
         if info.vendor != "cpu":
             return saved_availability(info)
-        return True, f"host emulator of op_tests/hip_emu (g++, wave{wave})"
+        return True, f"host emulator of op_tests/hip_emu (g++, wave{rt.wave_size}, {model})"
 
     hip_backend._rt = lambda: rt
     hip_backend.availability = availability

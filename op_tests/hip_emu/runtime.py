@@ -1,10 +1,15 @@
-"""A runtime for ``amdqb.backends.hip._ops`` that executes the hip_src kernels on the CPU.
+"""A runtime for the hip backend's launchers that executes the hip_src kernels on the CPU.
 
 The kernels are compiled with g++ against ``amdqb_emu.h`` (one std::thread per GPU thread,
-barrier-synchronised 32-lane warp exchanges, poisoned per-block shared memory) and launched with
-the same ``kernelParams`` array the GPU runtimes pass to cuLaunchKernel / hipModuleLaunchKernel, so
-the Python launchers, their argument packing and the kernel bodies are all exercised. Tensors are
-CPU tensors; ``data_ptr()`` is a host address.
+barrier-synchronised lane exchanges, poisoned per-block shared memory) and launched with the same
+``kernelParams`` array the GPU runtimes pass to cuLaunchKernel / hipModuleLaunchKernel, so the
+Python launchers, their argument packing and the kernel bodies are all exercised. Tensors are CPU
+tensors; ``data_ptr()`` is a host address.
+
+Two lane models (``amdqb_emu.h``): the prelude's emulator substitutes (``arch=None``: 32-lane
+logical warps on waves of ``wave_size``), or ``arch="gfx942"`` / ``"gfx1250"`` / ... (one of
+:data:`GCN_TARGETS`): the prelude's AMD branches, compiled as for that target (its generation
+macros), on the emulator's model of the AMDGCN cross-lane builtins with waves of the target's size.
 """
 
 from __future__ import annotations
@@ -20,29 +25,85 @@ import threading
 from pathlib import Path
 
 from amdqb import configs
+from amdqb._arch import amd_wave_size, gfx_major
 from amdqb.backends.hip import _spec
 
 HERE = Path(__file__).resolve().parent
 _BUILD_LOCK = threading.Lock()
 
 
+# Targets whose AMD branches the AMDGCN model runs: wave64 gfx9 (its DPP row broadcasts and wave
+# shifts) and wave32 gfx12 (row_share / row_xmask, permlanex16); the same macros as clang's.
+GCN_TARGETS = ("gfx942", "gfx950", "gfx1100", "gfx1201", "gfx1250")
+
+
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-# libraries (by id) whose idle block threads are kept, least recently launched first
+def target_defines(arch: str) -> list[str]:
+    """The predefined macros of ``arch`` the prelude reads (``__GFX9__`` and ``__gfx942__``)."""
+    if arch not in GCN_TARGETS:
+        raise ValueError(f"the AMDGCN model emulates {', '.join(GCN_TARGETS)}, not {arch!r}")
+    return [f"-D__GFX{gfx_major(arch)}__=1", f"-D__{arch}__=1"]
+
+
+# libraries (by handle) whose idle block threads are kept, least recently launched first
 _RECENT_POOLS: collections.OrderedDict[int, ctypes.CDLL] = collections.OrderedDict()
 _LIVE_POOLS = 8
 
 
 class EmuKernel:
-    def __init__(self, fn, name):
+    def __init__(self, fn, name, lib):
         self.fn = fn
         self.name = name
+        self.lib = lib
+
+
+def _trim_idle_pools(lib):
+    """Every emulator library keeps a pool of idle block threads; hundreds of libraries (one per
+    kernel variant) in one test process exhausted the system's threads (the thread creation
+    failed: std::terminate). Only the most recently launched ``_LIVE_POOLS`` libraries keep
+    theirs. Returns ``lib``."""
+    live = _RECENT_POOLS
+    live.pop(lib._handle, None)
+    live[lib._handle] = lib
+    while len(live) > _LIVE_POOLS:
+        _, old = live.popitem(last=False)
+        old.amdqb_emu_trim(0)
+    return lib
+
+
+def _run(lib, name: str, rc: int) -> None:
+    """A launcher's return code: 1 when the emulator could not get its threads."""
+    if rc != 0:
+        fn = lib.amdqb_emu_last_error
+        fn.restype = ctypes.c_char_p
+        raise RuntimeError(
+            f"emulator launch of {name} failed: {fn().decode(errors='replace')} (threads of this "
+            f"process: {_thread_count()}; the machine's limit: /proc/sys/kernel/pid_max)"
+        )
+
+
+def _thread_count():
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
 
 
 class EmuRuntime:
-    def __init__(self, wave_size: int = 32, cus: int = 2, smem_budget: int = 48 * 1024):
+    def __init__(
+        self,
+        wave_size: int = 32,
+        cus: int = 2,
+        smem_budget: int = 48 * 1024,
+        arch: str | None = None,
+    ):
+        if arch is not None:
+            target_defines(arch)  # one of GCN_TARGETS
+            wave_size = amd_wave_size(arch)
+        self.arch = arch  # None: the prelude's emulator substitutes; else the AMDGCN model
         self.wave_size = wave_size
         self.cus = cus
         self.budget = smem_budget
@@ -81,11 +142,14 @@ class EmuRuntime:
             f"-D{which}",
             *spec.define_flags(),
         ]
+        if self.arch is not None:
+            flags += ["-DAMDQB_EMU_AMDGCN=1", *target_defines(self.arch)]
         material = repr((flags[:7], flags[10:], sorted(digests.items())))
         for name in ("amdqb_emu.h", "emu_kernels.cpp"):
             material += hashlib.sha256((HERE / name).read_bytes()).hexdigest()
         key = hashlib.sha256(material.encode()).hexdigest()[:24]
-        out = self.build_dir / f"{spec.label()}_{which[10:].lower()}_w{self.wave_size}_{key}.so"
+        mode = self.arch or f"w{self.wave_size}"
+        out = self.build_dir / f"{spec.label()}_{which[10:].lower()}_{mode}_{key}.so"
         with _BUILD_LOCK:
             if not out.is_file():
                 out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,26 +167,26 @@ class EmuRuntime:
         """ctypes library exposing the prelude's conversions and order key (no kernels)."""
         return self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_CONVERT")
 
+    def lane_ops(self):
+        """ctypes library of the AMDGCN model's builtins one at a time (``amdqb_emu_lane_op``)."""
+        if self.arch is None:
+            raise ValueError("the lane ops need the AMDGCN model (arch=...)")
+        return _trim_idle_pools(
+            self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_LANES")
+        )
+
+    def warp_ops(self):
+        """ctypes library of the prelude's Warp<W> primitives one at a time (``amdqb_emu_warp_op``)."""
+        return _trim_idle_pools(
+            self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_PRIMS")
+        )
+
     def kernel(self, device_index, spec, name):
         lib = self._library(spec)
         fn = getattr(lib, f"amdqb_emu_launch_{name}")
         fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong, ctypes.c_void_p]
         fn.restype = ctypes.c_int
-        kernel = EmuKernel(fn, name)
-        kernel.library = lib
-        return kernel
-
-    def _trim_idle_pools(self, lib) -> None:
-        """Every emulator library keeps a pool of idle block threads; hundreds of libraries (one
-        per kernel variant) in one test process exhausted the system's threads (the thread
-        creation failed: std::terminate). Only the most recently launched
-        ``_LIVE_POOLS`` libraries keep theirs."""
-        live = _RECENT_POOLS
-        live.pop(id(lib), None)
-        live[id(lib)] = lib
-        while len(live) > _LIVE_POOLS:
-            _, old = live.popitem(last=False)
-            old.amdqb_emu_trim(0)
+        return EmuKernel(fn, name, lib)
 
     def launch(self, kernel, grid, block, smem, args):
         grid = _spec.grid3(grid)
@@ -132,9 +196,12 @@ class EmuRuntime:
         assert smem <= self.budget, (kernel.name, smem)
         params = _spec.KernelParams(args)
         self.launches.append((kernel.name, tuple(grid), block, smem))
-        kernel.fn(grid[0], grid[1], grid[2], block, smem, params.address)
-        if getattr(kernel, "library", None) is not None:
-            self._trim_idle_pools(kernel.library)
+        _run(
+            kernel.lib,
+            kernel.name,
+            kernel.fn(grid[0], grid[1], grid[2], block, smem, params.address),
+        )
+        _trim_idle_pools(kernel.lib)
 
     def launch_dependent(self, kernel, grid, block, smem, args):
         """No overlap to model: the emulator runs grids one after another."""

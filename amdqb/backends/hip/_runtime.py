@@ -8,6 +8,9 @@
   supported arch when NVRTC does not know the device), ``cuModuleLoadData`` / ``cuLaunchKernel``
   in torch's primary context.
 
+The hiprtc toolchain refuses a ROCm older than :data:`MIN_ROCM` (6.0) with an ImportError naming
+it (the hip backend then reports itself unavailable and the other backends run).
+
 Code objects are cached in memory per (device, key) and on disk under ``AMDQB_CACHE_DIR`` (default
 ``~/.cache/amdqb``), keyed by the sha256 of sources + arch + wave size + flags + compiler version,
 written atomically (temporary file + ``os.replace``) under an ``fcntl`` file lock.
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..._arch import amd_wave_size
 from . import _spec
 
 
@@ -394,6 +398,20 @@ class NvrtcToolchain(_Toolchain):
         )
 
 
+# The oldest ROCm whose hiprtc builds the hip kernels: its compiler (ROCm 6.0's LLVM 17) is the
+# first with every builtin they use -- the compilers of ROCm 5 lack __builtin_amdgcn_exp2f, older
+# ones also __builtin_amdgcn_ballot_w64 (Debian's ROCm 5.2 hiprtc, on LLVM 15, rejects both) -- and
+# 6.0 is the first release for gfx942 (MI300X). Older releases are refused before compiling
+# anything (ROCm 5.2's comgr aborts the process on a target it does not know, such as gfx942).
+MIN_ROCM = (6, 0)
+
+
+def rocm_release(hip_version: int) -> tuple[int, int, int]:
+    """(major, minor, patch) of a HIP_VERSION (major * 10^7 + minor * 10^5 + patch)."""
+    v = int(hip_version)
+    return v // 10_000_000, v // 100_000 % 100, v % 100_000
+
+
 class HiprtcToolchain(_Toolchain):
     name = "hiprtc"
 
@@ -403,6 +421,15 @@ class HiprtcToolchain(_Toolchain):
             runtime = _check(self.hip.hipRuntimeGetVersion(), "hipRuntimeGetVersion")
         except Exception as exc:
             raise ImportError(f"the HIP runtime is not usable through hip-python ({exc})") from exc
+        major, minor, _ = rocm_release(runtime)
+        if (major, minor) < MIN_ROCM:
+            need = ".".join(map(str, MIN_ROCM))
+            raise ImportError(
+                f"ROCm {major}.{minor} (HIP runtime {int(runtime)}) is older than ROCm {need}, the "
+                f"oldest whose hiprtc builds the hip kernels (its compiler lacks "
+                "__builtin_amdgcn_exp2f / __builtin_amdgcn_ballot_w64): install ROCm "
+                f"{need} or newer; the other backends run meanwhile"
+            )
         try:
             rtc = _check(self.hiprtc.hiprtcVersion(), "hiprtcVersion")
             rtc = ".".join(str(int(v)) for v in (rtc if isinstance(rtc, tuple) else (rtc,)))
@@ -428,8 +455,7 @@ class HiprtcToolchain(_Toolchain):
             arch = arch.decode()
         if not arch:
             raise HipBackendError("torch does not report gcnArchName for this device")
-        base = arch.split(":")[0]
-        wave = int(getattr(props, "warp_size", 0) or (64 if base.startswith("gfx9") else 32))
+        wave = int(getattr(props, "warp_size", 0) or amd_wave_size(arch))
         return arch, wave, "hsaco"
 
     def compile(self, source, name, flags, include_dir):

@@ -29,7 +29,6 @@ from ...ref.router import pack_bitmap
 from ..calls import SCORE_CODES, AuxScoresRequest
 from . import _aux_loss_kernels as K
 from ._common import compile_options, floor_pow2, on_device, pow2, row_stride
-from .codegen import KernelSpec
 
 MAX_ROW_EXPERTS = 8192
 
@@ -221,68 +220,3 @@ OPS = {
     "aux_loss_bwd": aux_loss_bwd,
 }
 LIMITS = {"aux_scores_fwd": aux_scores_limits, "aux_scores_bwd": aux_scores_limits}
-
-
-# --------------------------------------------------------------------------------------------
-# AMD code generation checks (op_tests/test_amd_codegen.py).
-# --------------------------------------------------------------------------------------------
-def codegen_specs(family: str = "gfx942") -> list:
-    """Aux-loss kernels at a TE test shape (E=1024) and at the seed shape (E=896, k=16)."""
-    cfg = _config_of(family)
-    specs = []
-    for name, E, k, score in (
-        ("aux_scores_sigmoid", 896, 16, 0),
-        ("aux_scores_softmax", 1024, 32, 2),
-        ("aux_scores_sqrtsoftplus_k4", 256, 4, 1),
-    ):
-        W, BT, warps = _tile(E, cfg)
-        const = dict(
-            E=E,
-            K=k,
-            W=W,
-            BT=BT,
-            SCORE=score,
-            EXTRACT=k <= cfg["extract_max_k"],
-            ID_BITS=max(1, (W - 1).bit_length()),
-            DENSE=True,
-        )
-        sig = {"logits_ptr": "*fp32", "scores_ptr": "*fp32", "map_ptr": "*u8", "T": "i32"}
-        sig["LS"] = "i32"
-        sig.update({n: "constexpr" for n in const})
-        specs.append(KernelSpec(name, K._aux_scores_fwd_kernel, sig, const, num_warps=warps))
-    W, BT, warps = _tile(896, cfg)
-    bwd_const = dict(E=896, W=W, BT=BT, SCORE=1, DENSE=True)
-    bwd_sig = {"grad_ptr": "*fp32", "logits_ptr": "*bf16", "out_ptr": "*bf16", "T": "i32"}
-    bwd_sig["LS"] = "i32"
-    bwd_sig.update({n: "constexpr" for n in bwd_const})
-    specs.append(
-        KernelSpec(
-            "aux_scores_bwd_sqrtsoftplus", K._aux_scores_bwd_kernel, bwd_sig, bwd_const, warps
-        )
-    )
-    BC, BR = _loss_tile(1024, cfg)
-    part_const = dict(C=1024, BC=BC, BR=BR, DENSE=True)
-    part_sig = {"probs_ptr": "*bf16", "tpe_ptr": "*i32", "partial_ptr": "*fp32", "R": "i32"}
-    part_sig.update({"rows_per_prog": "i32", "PS": "i32", "TS": "i32"})
-    part_sig.update({n: "constexpr" for n in part_const})
-    specs.append(
-        KernelSpec(
-            "aux_loss_partial",
-            K._aux_loss_partial_kernel,
-            part_sig,
-            part_const,
-            cfg["loss_warps"],
-        )
-    )
-    fin_const = dict(PB=256, HAS_T=True)
-    fin_sig = {"partial_ptr": "*fp32", "total_ptr": "*i64", "loss_ptr": "*bf16"}
-    fin_sig.update({"coeff_ptr": "*fp32", "P": "i32", "coeff_host": "fp32", "coeff_prefix": "fp32"})
-    fin_sig.update({n: "constexpr" for n in fin_const})
-    specs.append(KernelSpec("aux_loss_final", K._aux_loss_final_kernel, fin_sig, fin_const, 1))
-    bl_const = dict(C=1024, BR=BR, BC=BC)
-    bl_sig = {"coeff_ptr": "*fp32", "tpe_ptr": "*i64", "grad_ptr": "*bf16", "out_ptr": "*bf16"}
-    bl_sig.update({"R": "i32", "TS": "i32", **{n: "constexpr" for n in bl_const}})
-    specs.append(
-        KernelSpec("aux_loss_bwd", K._aux_loss_bwd_kernel, bl_sig, bl_const, cfg["loss_warps"])
-    )
-    return specs

@@ -20,7 +20,6 @@ import triton
 from ...devices import arch_config
 from . import _chunk_kernels as K
 from ._common import on_device, pow2, row_stride
-from .codegen import typed_spec
 
 CHUNK_MAP_MAX_REG = 1024  # chunks handled in registers by the single-launch row map
 
@@ -72,34 +71,3 @@ def chunk_copy(src, row_map, dst, reverse):
 
 
 OPS = {"chunk_row_map": chunk_row_map, "chunk_copy": chunk_copy}
-
-
-def codegen_specs() -> list:
-    """Every chunk kernel at the seed shapes (H=2048 bf16, 128 chunks)."""
-    i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
-    return [
-        typed_spec(
-            "chunk_map_c128", K._chunk_map_kernel,
-            {"sizes_ptr": "i64", "order_ptr": "i64", "out_sizes_ptr": "i64", "map_ptr": "i32"},
-            dict(BP=64, C_PAD=128), 4,
-        ),
-        typed_spec(
-            "chunk_prefix", K._chunk_prefix_kernel,
-            {"sizes_ptr": "i32", "out_sizes_ptr": "i32", "table_ptr": "i64"}, dict(CHUNK=4096), 8,
-        ),
-        typed_spec(
-            "chunk_map_search", K._chunk_map_search_kernel,
-            {**i32("sizes_ptr", "order_ptr", "out_sizes_ptr", "map_ptr"), "table_ptr": "i64"},
-            dict(BP=1024, STEPS=13), 4,
-        ),
-        typed_spec(
-            "chunk_copy_fwd_bf16_h2048", K._chunk_copy_kernel,
-            {"src_ptr": "bf16", "map_ptr": "i32", "dst_ptr": "bf16"},
-            dict(BR=4, BH=2048, REVERSE=False), 4,
-        ),
-        typed_spec(
-            "chunk_copy_rev_f32_h1", K._chunk_copy_kernel,
-            {"src_ptr": "f32", "map_ptr": "i32", "dst_ptr": "f32"},
-            dict(BR=8192, BH=1, REVERSE=True), 4,
-        ),
-    ]  # fmt: skip

@@ -35,7 +35,6 @@ from .. import _serving
 from ..calls import AlignCall, RouteRowsRequest
 from . import _layout_kernels as K
 from ._common import on_device, pow2
-from .codegen import typed_spec
 
 LDS_MAX_EXPERTS = 4096  # E_PAD <= 4096: the int32 LDS histogram stays <= 16 KiB
 
@@ -266,87 +265,3 @@ def route_rows_limits(info, request: RouteRowsRequest) -> str | None:
 
 
 LIMITS = {"route_rows": route_rows_limits}
-
-
-# ----------------------------------------------------------------------------------------------
-# AMD code generation specs (op_tests/test_amd_codegen.py)
-# ----------------------------------------------------------------------------------------------
-
-
-def codegen_specs() -> list:
-    """Every layout kernel at the constexprs its launcher uses for the seed shapes
-    (E=896 -> E_PAD=1024, E=4096, k=16, block 64)."""
-    ids = {"ids_ptr": "i32"}
-    i32 = lambda *names: {n: "i32" for n in names}  # noqa: E731
-    route = dict(SUB=1024, LOG_SUB=10)
-    return [
-        typed_spec(
-            "route_lds_capacity_e896", K._route_lds_kernel,
-            {**ids, **i32("counters_ptr", "counts_ptr", "rows_ptr")},
-            dict(route, NSUB=1, E_PAD=1024, CAPACITY=True), 8, lds=True,
-            notes="lds route: LDS histogram + one interval atomic per non-empty expert",
-        ),
-        typed_spec(
-            "route_lds_compact_e4096", K._route_lds_kernel,
-            {"ids_ptr": "i64", **i32("counters_ptr", "counts_ptr", "rows_ptr")},
-            dict(route, NSUB=4, E_PAD=4096, CAPACITY=False), 8, lds=True,
-        ),
-        typed_spec(
-            "route_atomic", K._route_atomic_kernel, {**ids, **i32("counters_ptr", "rows_ptr")},
-            dict(BLOCK=1024, CAPACITY=True), 4,
-        ),
-        typed_spec(
-            "route_finish", K._route_finish_kernel, i32("counters_ptr", "counts_ptr", "off_ptr"),
-            dict(CHUNK=1024, CAPACITY=False, WRITE_OFF=True), 8,
-        ),
-        typed_spec(
-            "route_fixup_inreg_e896", K._route_fixup_kernel,
-            {**ids, **i32("rows_ptr", "counters_ptr", "counts_ptr", "off_ptr")},
-            dict(BLOCK=2048, E_PAD=1024, IN_REG=True), 8,
-        ),
-        typed_spec(
-            "block_hist_align_fill_e896", K._block_hist_kernel,
-            {**ids, **i32("hist_ptr", "fill_ptr")},
-            dict(SUB=1024, NSUB=1, E_PAD=1024, FILL=True, FILL_BLOCK=1024), 8, lds=True,
-        ),
-        typed_spec(
-            "align_assign_e896", K._align_assign_kernel,
-            {**ids, **i32("hist_ptr", "sorted_ptr", "expert_ids_ptr", "post_pad_ptr")},
-            dict(route, NSUB=1, E_PAD=1024, JC=256), 8, lds=True,
-            notes="stable ranks + scatter; expert_ids via a histogram of cumulative block counts",
-        ),
-        typed_spec(
-            "block_assign_compact_e4096", K._block_assign_kernel,
-            {"ids_ptr": "i64", **i32("hist_ptr", "counters_ptr", "counts_ptr", "out_ptr")},
-            dict(route, NSUB=1, E_PAD=4096, MODE=3), 8, lds=True,
-        ),
-        typed_spec(
-            "block_scan_parallel", K._block_scan_kernel,
-            i32("hist_ptr", "counters_ptr", "counts_ptr"),
-            dict(EC=64, BT=128, USE_COUNTERS=True, CAPACITY=True, WRITE_TOTAL=False,
-                 WRITE_OFF=False), 4,
-        ),
-        typed_spec(
-            "block_scan_offsets", K._block_scan_kernel,
-            i32("hist_ptr", "counters_ptr", "counts_ptr"),
-            dict(EC=1024, BT=16, USE_COUNTERS=True, CAPACITY=False, WRITE_TOTAL=False,
-                 WRITE_OFF=True), 8,
-        ),
-        typed_spec(
-            "count_atomic_wide", K._count_atomic_kernel, {**ids, "hist_ptr": "i32"},
-            dict(SUB=1024), 4,
-        ),
-        typed_spec(
-            "assign_wide_align", K._assign_wide_kernel,
-            {**ids, **i32("hist_ptr", "out_ptr", "counters_ptr", "counts_ptr")},
-            dict(SUB=1024, MODE=2), 8,
-        ),
-        typed_spec(
-            "align_offsets_wide", K._align_offsets_wide_kernel,
-            i32("hist_ptr", "post_pad_ptr"), dict(CHUNK=4096), 8,
-        ),
-        typed_spec(
-            "align_expert_ids_wide", K._align_expert_ids_wide_kernel,
-            i32("cum_ptr", "expert_ids_ptr"), dict(BJ=1024, STEPS=14), 4,
-        ),
-    ]  # fmt: skip

@@ -17,7 +17,6 @@ from ...ref import qb as R
 from ...ref.router import margin_fine_keys
 from . import _qb_kernels as K
 from ._common import on_device, pow2
-from .codegen import typed_spec
 
 
 def _f64_bits(x: float) -> int:
@@ -68,49 +67,3 @@ def qb_step(
 
 
 OPS = {"qb_recover": qb_recover, "qb_step": qb_step}
-
-
-_SCALE = dict(
-    ZOOM=R.MARGIN_ZOOM_EXP,
-    DECAY=R.MARGIN_DECAY_EXP,
-    INV_MIN=R.MARGIN_INV_MIN_EXP,
-    INV_MAX=R.MARGIN_INV_MAX_EXP,
-)
-
-
-def codegen_specs() -> list:
-    """The QB update kernels at the seed shapes (E=896, B=1000)."""
-    return [
-        typed_spec(
-            "qb_rows_b1000", K._qb_rows_kernel,
-            {"hist_ptr": "i32", "bounds_ptr": "f32", "bias_ptr": "f32", "bhat_ptr": "f32",
-             "msum_ptr": "i64", "scale_ptr": "f32", "committed_ptr": "f32"},
-            dict(ROWS=4, BB=1024, SINGLE=True, MARGIN=False, FINE=0, GUARD=True, **_SCALE), 4,
-        ),
-        typed_spec(
-            "qb_rows_chunked", K._qb_rows_kernel,
-            {"hist_ptr": "i64", "bounds_ptr": "f32", "bias_ptr": "f32", "bhat_ptr": "f32",
-             "msum_ptr": "i64", "scale_ptr": "f32", "committed_ptr": "f32"},
-            dict(ROWS=2, BB=2048, SINGLE=False, MARGIN=False, FINE=0, GUARD=False, **_SCALE), 4,
-        ),
-        typed_spec(
-            "qb_finish_step_e896", K._qb_finish_kernel,
-            {"bhat_ptr": "f32", "msum_ptr": "i64", "scale_ptr": "f32", "bias_ptr": "f32",
-             "bounds_ptr": "f32", "out_ptr": "f32", "rejected_ptr": "i32", "committed_ptr": "f32"},
-            dict(EB=1024, STEP=True, MARGIN=False, COUNT=True, GUARD=True, SPREAD=R.BIAS_SPREAD_MAX), 8,
-            ints={"ema_bits": "i64", "keep_bits": "i64"},
-        ),
-        typed_spec(
-            "qb_rows_log_margin_b64", K._qb_rows_kernel,
-            {"hist_ptr": "i32", "bounds_ptr": "f32", "bias_ptr": "f32", "bhat_ptr": "f32",
-             "msum_ptr": "i64", "scale_ptr": "f32", "committed_ptr": "f32"},
-            dict(ROWS=64, BB=64, SINGLE=True, MARGIN=True, FINE=16, GUARD=True, **_SCALE), 4,
-        ),
-        typed_spec(
-            "qb_finish_step_log_margin_e896", K._qb_finish_kernel,
-            {"bhat_ptr": "f32", "msum_ptr": "i64", "scale_ptr": "f32", "bias_ptr": "f32",
-             "bounds_ptr": "f32", "out_ptr": "f32", "rejected_ptr": "i32", "committed_ptr": "f32"},
-            dict(EB=1024, STEP=True, MARGIN=True, COUNT=True, GUARD=True, SPREAD=R.BIAS_SPREAD_MAX), 8,
-            ints={"ema_bits": "i64", "keep_bits": "i64"},
-        ),
-    ]  # fmt: skip

@@ -66,4 +66,12 @@ def qb_step(
     _qb(histogram, bin_bounds, topk, bias, bias, float(ema), True, binning, rejected, committed)
 
 
+_SCALE = dict(
+    ZOOM=R.MARGIN_ZOOM_EXP,
+    DECAY=R.MARGIN_DECAY_EXP,
+    INV_MIN=R.MARGIN_INV_MIN_EXP,
+    INV_MAX=R.MARGIN_INV_MAX_EXP,
+)
+
+
 OPS = {"qb_recover": qb_recover, "qb_step": qb_step}

@@ -40,6 +40,7 @@ import threading
 import warnings
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 from . import configs, devices
 from .backends import OP_NAMES, calls
@@ -258,8 +259,16 @@ def kernel_backend(
     trace-time constant under ``torch.compile``."""
     if call is None:
         call = calls.request(op, **features)
-    values = tuple(getattr(call, f.name) for f in dataclasses.fields(call))
+    # numbers specialise with a guard (an int argument of a function compiled with dynamic=True
+    # arrives symbolic; the token must be a trace-time constant)
+    values = tuple(_specialised(getattr(call, f.name)) for f in dataclasses.fields(call))
     return _token(op, str(torch.device(device)), backend, prefer, type(call), values)
+
+
+def _specialised(value):
+    if isinstance(value, (int, float, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return guard_scalar(value)
+    return value
 
 
 @torch.compiler.assume_constant_result

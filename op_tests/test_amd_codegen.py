@@ -33,12 +33,12 @@ MIN_WAVES = 2
 # SGPRs a kernel may spill: they go to VGPR lanes (v_writelane), not to memory.
 MAX_SGPR_SPILLS = 16
 # Known scratch: (launch, target) -> the most scratch bytes allowed. The QB row update at 1000 bins
-# (4 rows of 1024 lanes) needs more than RDNA's 256 VGPRs per lane: 400 B of scratch, 99-100 VGPRs
-# spilled on gfx1100 / gfx1201 (gfx1250's 512 per lane hold it). A smaller row block for RDNA
-# would be a triton.qb config entry of that family.
+# (4 rows of 1024 lanes, with the per-expert log_margin scales) needs more than RDNA's 256 VGPRs
+# per lane: 484 / 472 B of scratch, 120 / 117 VGPRs spilled on gfx1100 / gfx1201 (gfx1250's 512
+# per lane hold it). A smaller row block for RDNA would be a triton.qb config entry of that family.
 KNOWN_SCRATCH = {
-    ("qb_step:_qb_rows_kernel", "gfx1100"): 404,
-    ("qb_step:_qb_rows_kernel", "gfx1201"): 404,
+    ("qb_step:_qb_rows_kernel", "gfx1100"): 484,
+    ("qb_step:_qb_rows_kernel", "gfx1201"): 484,
 }
 
 

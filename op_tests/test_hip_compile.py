@@ -238,12 +238,15 @@ def _nvrtc():
 
 
 class RecordingRuntime:
-    """Records the ctypes argument types of every launch the launchers make (runs nothing)."""
+    """Records the module and the ctypes argument types of every launch the launchers make (runs
+    nothing)."""
 
     def __init__(self):
-        self.calls = {}
+        self.calls = {}  # kernel name -> {argument types}
+        self.specs = {}  # module label -> ModuleSpec
 
     def kernel(self, device_index, spec, name):
+        self.specs[spec.label()] = spec
         return name
 
     def launch(self, kernel, grid, block, smem, args):
@@ -259,40 +262,66 @@ class RecordingRuntime:
 
 
 def _record_launches():
+    """Every hip launcher, through its current signature, on CPU tensors (nothing runs)."""
     import torch
 
-    from amdqb.backends.calls import RouterCall
+    from amdqb.backends.calls import AlignCall, RouterCall, TopkCall
     from amdqb.backends.hip import layout as hip_layout
     from amdqb.backends.hip import router as hip_router
+    from amdqb.backends.hip import router_bwd as hip_router_bwd
+    from amdqb.backends.hip import topk as hip_topk
 
     rt = RecordingRuntime()
     ids = torch.zeros(8, 4, dtype=torch.int32)
+    # past hip.align.single_block_routes: the two-phase align (hist + its dependent)
+    many = torch.zeros(int(CFG["hip.align.single_block_routes"]) + 1, dtype=torch.int32)
     for dtype in (torch.int32, torch.int64):
         for det, impl, cap in ((False, "atomic", None), (False, "lds", 4), (True, "lds", None)):
             c = torch.zeros(16, dtype=torch.int32)
             hip_layout.route_rows(
                 rt, ids.to(dtype), 16, cap, c, torch.empty_like(ids), c.clone(), det, impl
             )
-        hip_layout.align_block_size(
-            rt,
-            ids.to(dtype),
-            4,
+        for routes in (ids, many):
+            n = routes.numel()
+            hip_layout.align_block_size(
+                rt,
+                AlignCall(16, 4),
+                routes.to(dtype),
+                None,
+                torch.empty(n + 16 * 3, dtype=torch.int32),
+                torch.empty(n // 4 + 16, dtype=torch.int32),
+                torch.empty(1, dtype=torch.int32),
+            )
+    # decode (amdqb_router_decode) and full-size (amdqb_router) rows; both QB binnings
+    for tokens, binning in (
+        (4, "uniform"),
+        (int(CFG["hip.router.decode_max_tokens"]) + 1, "log_margin"),
+    ):
+        logits = torch.zeros(tokens, 16)
+        probs = torch.empty(tokens, 16)
+        routed = torch.empty(tokens, 16, dtype=torch.bool)
+        call = RouterCall(
             16,
-            torch.empty(32 + 16 * 3, dtype=torch.int32),
-            torch.empty(20, dtype=torch.int32),
-            torch.empty(1, dtype=torch.int32),
+            2,
+            qb_mode="two_kernel",
+            qb_binning=binning,
+            num_bins=10,
+            write_scores=True,
+            write_cutoff=True,
         )
-    logits = torch.zeros(4, 16)
-    hist = torch.zeros(16, 10, dtype=torch.int32)
-    bounds = torch.tensor([-1.0, 1.0])
-    call = RouterCall(
-        16, 2, qb_mode="two_kernel", num_bins=10, write_scores=True, write_cutoff=True
-    )
-    scores, cutoff = torch.empty(4, 16), torch.empty(4)
-    probs, routed = torch.empty(4, 16), torch.empty(4, 16, dtype=torch.bool)
-    hip_router.router_fwd(
-        rt, call, logits, torch.zeros(16), probs, routed, hist, bounds, scores, cutoff
-    )
+        hip_router.router_fwd(
+            rt,
+            call,
+            logits,
+            torch.zeros(16),
+            probs,
+            routed,
+            torch.zeros(16, 10, dtype=torch.int32),
+            torch.tensor([-1.0, 1.0]),
+            torch.empty(tokens, 16),
+            torch.empty(tokens),
+        )
+    logits, probs, routed = logits[:4], probs[:4], routed[:4]
     hip_router.biased_topk(
         rt,
         logits,
@@ -306,7 +335,24 @@ def _record_launches():
         torch.empty(4, 2),
         torch.empty(4, 2, dtype=torch.int32),
     )
-    return rt.calls
+    hip_router_bwd.router_bwd(
+        rt, RouterCall(16, 2), torch.zeros(4, 16), logits, routed, torch.empty(4, 16)
+    )
+    # amdqb_topk: the serving form (every output) and the grouped router's dense form
+    tei = torch.empty(4, 2, dtype=torch.int32)
+    hip_topk.biased_topk(
+        rt,
+        TopkCall(16, 2, score_function="sigmoid", num_groups=4, group_topk=2),
+        logits,
+        torch.zeros(16),
+        torch.empty(4, 2),
+        torch.empty(4, 2, dtype=torch.int64),
+        tei,
+        torch.ones(1, dtype=torch.int64),
+    )
+    grouped = RouterCall(16, 2, num_groups=4, group_topk=2, score_function="sigmoid")
+    hip_topk.router_fwd_grouped(rt, grouped, logits, None, probs, routed, None, None, None, None)
+    return rt
 
 
 _PTX_WIDTH = {"u64": 8, "b64": 8, "s64": 8, "u32": 4, "b32": 4, "s32": 4, "f32": 4}
@@ -340,13 +386,14 @@ def test_nvrtc_compiles_every_module_like_the_runtime():
 
 
 def test_launch_arguments_match_the_kernel_signatures():
-    """Every launch passes exactly the kernel's parameters, each with its exact width/kind."""
+    """Every launch passes exactly the kernel's parameters, each with its exact width/kind, and
+    every kernel of the modules launched is launched by some launcher."""
     import ctypes
 
     nvrtc = _nvrtc()
-    calls = _record_launches()
+    rt = _record_launches()
     entries = {}
-    for spec in (_spec.layout_module(CFG), _spec.router_module(16, "float32", "sigmoid", CFG)):
+    for spec in rt.specs.values():
         source, _ = _spec.read_sources(spec, ROOT)
         ptx = nvrtc.compile(
             source, spec.kernel_file, _spec.nvrtc_flags("compute_90", spec), ROOT / "include"
@@ -357,15 +404,16 @@ def test_launch_arguments_match_the_kernel_signatures():
         ctypes.c_int32: (4, "u32|s32|b32"),
         ctypes.c_int64: (8, "u64|s64|b64"),
         ctypes.c_float: (4, "f32|u32|b32"),
-        # a by-value structure: an aligned byte array of its size
-        _spec.RouterParams: (ctypes.sizeof(_spec.RouterParams), "b8"),
     }
-    assert calls, "no launch recorded"
-    for name, signatures in calls.items():
-        assert name in entries, (name, sorted(entries))
+    assert rt.calls, "no launch recorded"
+    assert set(entries) == set(rt.calls), (sorted(entries), sorted(rt.calls))
+    for name, signatures in rt.calls.items():
         params = entries[name]
         for sig in signatures:
             assert len(sig) == len(params), (name, sig, params)
             for ctype, (width, ptx_type) in zip(sig, params):
-                want_width, allowed = kinds[ctype]
+                if issubclass(ctype, ctypes.Structure):  # by value: a byte array of its size
+                    want_width, allowed = ctypes.sizeof(ctype), "b8"
+                else:
+                    want_width, allowed = kinds[ctype]
                 assert want_width == width and re.fullmatch(allowed, ptx_type), (name, sig, params)

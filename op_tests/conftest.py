@@ -8,6 +8,7 @@ available ``triton`` and ``hip``; on the CPU ``triton`` (interpreter) and ``hip`
 emulator of op_tests/hip_emu (marked ``emulator``), both through the public ops.
 """
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -213,6 +214,25 @@ def device_config(device=None):
     from amdqb import devices
 
     return devices.arch_config(DEVICE if device is None else device)
+
+
+@contextlib.contextmanager
+def gpu_kernel_names():
+    """Yields a list that receives the names of the GPU kernels the block runs (the torch
+    profiler's; copies and fills excluded) when it exits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    names: list[str] = []
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield names
+        torch.cuda.synchronize()
+    names.extend(
+        ev.name
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+        and not ev.name.startswith(("Memcpy", "Memset"))
+    )
 
 
 @pytest.fixture

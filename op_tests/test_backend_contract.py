@@ -31,7 +31,7 @@ from amdqb.backends.calls import (
 )
 from amdqb.ref.router import qb_cutoff_and_routes, sigmoid_complement, unpack_bitmap
 
-from conftest import DEVICE, HAS_GPU, over_backends
+from conftest import DEVICE, HAS_GPU, gpu_kernel_names, over_backends
 from router_cases import E_MAIN as E
 from router_cases import GROUPS
 from router_cases import K_MAIN as K
@@ -268,23 +268,6 @@ def test_every_field_is_honoured(backend, case):
             ), f"{key}: {what}"
 
 
-@contextlib.contextmanager
-def _gpu_kernel_names(profiled: bool):
-    """The names of the GPU kernels run inside the block (the profiler's), when ``profiled``."""
-    names = []
-    if not profiled:
-        yield names
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        yield names
-        torch.cuda.synchronize()
-    cuda = torch.autograd.DeviceType.CUDA
-    names.extend(ev.name for ev in prof.events() if ev.device_type == cuda)
-
-
 @over_backends("router_fwd", waves=(32,))
 def test_qb_modes_are_honoured_and_agree(backend, monkeypatch):
     """two_kernel, fused_atomic and auto give identical histograms (the contract), by different
@@ -306,7 +289,8 @@ def test_qb_modes_are_honoured_and_agree(backend, monkeypatch):
         rt = active_runtime()
         before = len(rt.launches) if rt else 0
         second_pass.clear()
-        with _gpu_kernel_names(backend == "hip" and rt is None) as gpu_names:
+        profiled = backend == "hip" and rt is None
+        with gpu_kernel_names() if profiled else contextlib.nullcontext([]) as gpu_names:
             hists[mode] = _run(fn, _r(QB, qb_mode=mode), z, bias)["hist"]
         names = [n for n, *_ in rt.launches[before:]] if rt else gpu_names
         two = bool(second_pass) or "amdqb_qb_hist" in names

@@ -68,10 +68,11 @@ def test_biased_topk(backend, score, bias, grouped, renormalize):
 
 @over_backends("biased_topk")
 @pytest.mark.parametrize("score,bias", [("softmax", False), ("sigmoid", True)])
-@pytest.mark.parametrize("e,k", [(8, 2), (40, 12), (64, 6)])
+@pytest.mark.parametrize("e,k", [(8, 2), (40, 12), (64, 6), (64, 3), (64, 1)])
 def test_biased_topk_rows_of_few_lanes(monkeypatch, backend, score, bias, e, k):
     """hip's rows of few lanes (from hip.topk.wide_min_tokens tokens on; E=8: a thread per row,
-    E=40: k=12 routes over 8 lanes) give the oracle's ids and the same bits as its decode rows
+    E=40: k=12 routes over 8 lanes; E=64, k <= 4: each lane's best k of its 8 by the partial
+    selection) give the oracle's ids and the same bits as its decode rows
     (the softmax sum and the weights' sum keep their order)."""
     z = tie_free_logits(9, e, seed=e + k)
     eb = torch.linspace(0.2, -0.2, e, device=DEVICE) if bias else None

@@ -182,6 +182,51 @@ AMDQB_DEVICE void merge_desc(u64 (&a)[N]) {
   }
 }
 
+// The best M of a[0, N) (powers of two), sorted descending into a[0, M); the rest is scratch.
+// M >= N is the full sort. Else every run of M is sorted descending (the bitonic stages up to
+// M, the last one all descending), then runs merge pairwise, keeping their best M: a run and its
+// partner reversed form a bitonic sequence whose element-wise maxima are the best M of both,
+// bitonic again (one merge). N = 8, M = 2 (Mixtral's k = 2 on one thread per row): 7
+// compare-exchanges and 6 maxima where the full sort takes 24 compare-exchanges.
+template <int N, int M>
+AMDQB_DEVICE void top_desc(u64 (&a)[N]) {
+  if (M >= N) {
+    sort_desc(a);
+    return;
+  }
+#pragma unroll
+  for (int size = 2; size <= M; size <<= 1) {
+#pragma unroll
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const int j = i ^ stride;
+        if (j > i) {
+          if (size == M || (i & size) == 0)
+            order_desc(a[i], a[j]);
+          else
+            order_desc(a[j], a[i]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int width = M; width < N; width <<= 1) {
+#pragma unroll
+    for (int base = 0; base < N; base += 2 * width) {
+      u64 c[M < N ? M : 1];
+#pragma unroll
+      for (int i = 0; i < M && i < N; ++i) {
+        const u64 x = a[base + i], y = a[base + width + M - 1 - i];
+        c[i] = x > y ? x : y;
+      }
+      merge_desc(c);
+#pragma unroll
+      for (int i = 0; i < M && i < N; ++i) a[base + i] = c[i];
+    }
+  }
+}
+
 // The best N of the union of the caller's sorted list and that of lane (lane ^ mask), sorted:
 // both partners end with the same list.
 template <int N>
@@ -361,7 +406,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   u64 srt[NSORT];
 #pragma unroll
   for (int i = 0; i < NSORT; ++i) srt[i] = i < V ? mine[i] : 0;
-  sort_desc(srt);
+  // the entries the row's lists need: its Top-KP, and a group's best GBP
+  top_desc<NSORT, (GROUPS > 0 && GBP > KP) ? GBP : KP>(srt);
   u64 top[KP];
 #pragma unroll
   for (int i = 0; i < KP; ++i) top[i] = i < NSORT ? srt[i] : 0;

@@ -1,7 +1,7 @@
 """Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
 ``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
 
-    python -m amdqb.bench.tune --parts route,gate,align,topk,decode,qbhist,router [--json PATH] [--write]
+    python -m amdqb.bench.tune --parts route,gate,align,topk,topk_lanes,decode,qbhist,router [--json PATH] [--write]
 
 A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
 config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
@@ -14,6 +14,7 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
   ``route.lds_gate_scale``;
 * ``align``  -- amdqb_align's single-block crossover and tile shape (E=256, k=8, block 64);
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
+* ``topk_lanes`` -- amdqb_topk's experts per lane (decode and wide) and the switch between them;
 * ``decode`` -- one block per token against one warp per token over T: the decode thresholds;
 * ``qbhist`` -- the two-kernel histogram pass's launch shape;
 * ``router`` -- the router's register cap at few tokens (``hip.router.few_tokens_min_blocks``).
@@ -196,6 +197,52 @@ def topk_blocks(dev, cfg, blocks=(64, 128, 256, 512), tokens=(1, 256, 4096, 1638
     return report, {"hip.topk.block": (int(best[5:]), why)}
 
 
+def topk_lanes(dev, cfg, tokens=(1, 64, 256, 1024, 4096, 16384), slots=(1, 2, 4, 8)):
+    """amdqb_topk's experts per lane without groups (E=8 k=2 fp32 and E=128 k=8 bf16 softmax,
+    vLLM's fused_topk shapes): every ``slots`` value as the one plan for every T, then the decode
+    value, the wide value and the token count between them that minimise the time summed over
+    the shapes and T."""
+    report = Report("tune_topk_lanes", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    times: dict = {}  # (shape, T) -> {slots: us}
+    for e, k, dtype in ((8, 2, torch.float32), (128, 8, torch.bfloat16)):
+        for t in tokens:
+            x = torch.randn(t, e, generator=g).to(dev, dtype)
+            want = amdqb.biased_topk(x, k, score_function="softmax", backend="torch")
+            impls = {
+                s: _with(
+                    {"hip.topk.wide_min_tokens": 1, "hip.topk.lane_slots": s},
+                    lambda x=x: amdqb.biased_topk(x, k, score_function="softmax", backend="hip"),
+                )
+                for s in slots
+            }
+            outs = {s: fn() for s, fn in impls.items()}
+            for s, got in outs.items():  # the softmax and weight sums keep their order
+                assert torch.equal(got[1], want[1]), f"topk slots {s} E={e} T={t} ids differ"
+                assert _same(got, outs[slots[0]]), f"topk slots {s} E={e} T={t} bits differ"
+            measured = time_alternating(impls, dev, cfg)
+            for s, us in measured.items():
+                report.add(E=e, k=k, T=t, slots=s, us=us)
+            times[(e, t)] = measured
+    best = None
+    for wide_min in (*tokens, 1 << 30):
+        for decode in slots:
+            for wide in slots:
+                total = sum(row[decode if t < wide_min else wide] for (_, t), row in times.items())
+                if best is None or total < best[0]:
+                    best = (total, decode, wide, wide_min)
+    total, decode, wide, wide_min = best
+    why = (
+        f"{decode} / {wide} experts per lane below / from T={wide_min}: {total:.1f} us summed "
+        f"over E=8 and E=128 softmax, T = {tokens[0]} .. {tokens[-1]}"
+    )
+    return report, {
+        "hip.topk.decode_lane_slots": (decode, why),
+        "hip.topk.lane_slots": (wide, why),
+        "hip.topk.wide_min_tokens": (wide_min, why),
+    }
+
+
 def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024, 2048)):
     """The largest T at which one block per token is at least as fast as one warp per token."""
     report = Report("tune_decode", environment(dev))
@@ -310,6 +357,7 @@ PARTS = {
     "gate": route_gate,
     "align": align_tiles,
     "topk": topk_blocks,
+    "topk_lanes": topk_lanes,
     "decode": decode_sweep,
     "qbhist": qb_hist_shapes,
     "router": router_caps,

@@ -89,6 +89,27 @@ def test_biased_topk_rows_of_few_lanes(monkeypatch, backend, score, bias, e, k):
     assert torch.equal(ids, decode[1]) and torch.equal(w, decode[0])
 
 
+@over_backends("biased_topk", only=("hip",), gcn=GCN[:1])
+@pytest.mark.parametrize("score,bias", [("softmax", False), ("sigmoid", True)])
+@pytest.mark.parametrize("e,k,groups", [(64, 6, None), (40, 12, None), (64, 8, (4, 2))])
+def test_biased_topk_rounds_give_the_merged_list(monkeypatch, backend, score, bias, e, k, groups):
+    """hip's row Top-k by rounds of a butterfly max (from hip.topk.rounds_min_tokens tokens on)
+    gives the ids and the bits of its list merges, tied and NaN rows included."""
+    z = torch.cat([tie_free_logits(9, e, seed=e + k), adversarial_rows(e)])
+    eb = torch.linspace(0.2, -0.2, e, device=DEVICE) if bias else None
+    kw = dict(score_function=score, renormalize=True, scaling_factor=2.5)
+    if groups:
+        kw.update(num_groups=groups[0], group_topk=groups[1])
+    merged = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
+    set_config(monkeypatch, {"hip.topk.rounds_min_tokens": 1})
+    plan = topk_plan(e, k, score, *(groups or (None, None)), device_config(), tokens=z.shape[0])
+    assert plan is not None and plan.rounds
+    rounds = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
+    bits = [w.view(torch.int32) for w in (rounds[0], merged[0])]  # NaN weights compare too
+    assert torch.equal(rounds[1], merged[1]) and torch.equal(*bits)
+    assert torch.equal(rounds[1], ref.biased_topk(z, k, eb, **kw)[1])
+
+
 @over_backends("biased_topk")
 def test_biased_topk_shapes_and_ties(backend):
     e = E_MAIN

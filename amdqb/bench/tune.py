@@ -1,7 +1,7 @@
 """Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
 ``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
 
-    python -m amdqb.bench.tune --parts route,gate,align,topk,topk_lanes,decode,qbhist,router [--json PATH] [--write]
+    python -m amdqb.bench.tune --parts route,gate,align,topk,topk_lanes,topk_rounds,decode,qbhist,router [--json PATH] [--write]
 
 A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
 config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
@@ -15,6 +15,7 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
 * ``align``  -- amdqb_align's single-block crossover and tile shape (E=256, k=8, block 64);
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
 * ``topk_lanes`` -- amdqb_topk's experts per lane (decode and wide) and the switch between them;
+* ``topk_rounds`` -- amdqb_topk's row Top-k by list merges or by rounds of a butterfly max, over T;
 * ``decode`` -- one block per token against one warp per token over T: the decode thresholds;
 * ``qbhist`` -- the two-kernel histogram pass's launch shape;
 * ``router`` -- the router's register cap at few tokens (``hip.router.few_tokens_min_blocks``).
@@ -243,6 +244,55 @@ def topk_lanes(dev, cfg, tokens=(1, 64, 256, 1024, 4096, 16384), slots=(1, 2, 4,
     }
 
 
+def topk_rounds(dev, cfg, tokens=(1, 256, 1024, 4096, 8192, 16384)):
+    """amdqb_topk's row Top-k by list merges against rounds of a butterfly max over T (E=128 k=8
+    bf16 softmax; DeepSeek-V3's grouped gate): the smallest T of the sweep from which rounds win
+    at every larger T of both shapes."""
+    report = Report("tune_topk_rounds", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    never = 1 << 30
+    wins: dict = {}
+    shapes = [
+        (128, 8, torch.bfloat16, "softmax", None),
+        (256, 8, torch.float32, "sigmoid", (8, 4)),
+    ]
+    for e, k, dtype, sf, groups in shapes:
+        bias = (torch.randn(e, generator=g) * 0.1).to(dev) if sf == "sigmoid" else None
+        kw = dict(score_function=sf)
+        if groups:
+            kw.update(num_groups=groups[0], group_topk=groups[1])
+        for t in tokens:
+            x = torch.randn(t, e, generator=g).to(dev, dtype)
+            want = amdqb.biased_topk(x, k, bias, backend="torch", **kw)
+            impls = {
+                name: _with(
+                    {"hip.topk.rounds_min_tokens": value},
+                    lambda x=x, bias=bias, kw=kw: amdqb.biased_topk(
+                        x, k, bias, backend="hip", **kw
+                    ),
+                )
+                for name, value in (("merges", never), ("rounds", 1))
+            }
+            outs = {name: fn() for name, fn in impls.items()}
+            assert torch.equal(outs["merges"][1], want[1]), f"topk E={e} T={t} ids differ"
+            assert _same(outs["rounds"], outs["merges"]), f"topk rounds E={e} T={t} differ"
+            times = time_alternating(impls, dev, cfg)
+            report.add(E=e, k=k, T=t, **{f"{n}_us": us for n, us in times.items()})
+            wins[t] = wins.get(t, True) and times["rounds"] < times["merges"]
+    start = never
+    for t in sorted(tokens, reverse=True):
+        if not wins[t]:
+            break
+        start = t
+    why = (
+        f"rounds ahead of merges from T={start} on (E=128 k=8 bf16, E=256 grouped), "
+        f"sweep T = {tokens[0]} .. {tokens[-1]}"
+        if start != never
+        else f"merges ahead at T={tokens[-1]} (E=128 k=8 bf16, E=256 grouped)"
+    )
+    return report, {"hip.topk.rounds_min_tokens": (start, why)}
+
+
 def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024, 2048)):
     """The largest T at which one block per token is at least as fast as one warp per token."""
     report = Report("tune_decode", environment(dev))
@@ -358,6 +408,7 @@ PARTS = {
     "align": align_tiles,
     "topk": topk_blocks,
     "topk_lanes": topk_lanes,
+    "topk_rounds": topk_rounds,
     "decode": decode_sweep,
     "qbhist": qb_hist_shapes,
     "router": router_caps,

@@ -9,7 +9,8 @@
 //   else the same codes), AMDQB_SCORE (0 sigmoid, 1 sqrtsoftplus, 2 softmax over E),
 //   AMDQB_APPROX_ACTIVATION (0: torch's bits), AMDQB_TOPK (k routed experts), AMDQB_ROW_LANES (L,
 //   a power of two <= 32), AMDQB_SLOTS (V experts per lane), AMDQB_CONTIGUOUS (0: lane l holds
-//   experts l + L * i, 1: experts l * V + i), AMDQB_GROUPS (0: no groups), AMDQB_GROUP_LANES (lanes
+//   experts l + L * i, 1: experts l * V + i), AMDQB_ROW_ROUNDS (1: the row's Top-k by rounds of a
+//   butterfly max instead of list merges), AMDQB_GROUPS (0: no groups), AMDQB_GROUP_LANES (lanes
 //   per group, contiguous layout), AMDQB_TOPK_GROUP, AMDQB_GROUP_BEST (the best entries a group's
 //   score sums: vLLM / SGLang 2 with a bias, 1 without; TransformerEngine k / topk_group),
 //   AMDQB_DENSE (1: the TransformerEngine router's outputs over every expert -- probs in the
@@ -37,7 +38,11 @@
 // best KP = next_pow2(k); log2(L) butterfly steps then merge the lanes' sorted lists pairwise (the
 // better half of a list and its partner's reversed list is bitonic; a bitonic merge sorts it), so
 // that every lane of the row ends with the row's Top-KP in selection order (L = 1: one thread per
-// row, no cross-lane step). Route r is written by lane r % L. Groups first combine each group's
+// row, no cross-lane step). With AMDQB_ROW_ROUNDS the row's Top-k comes from k rounds instead:
+// every lane offers the best entry of its sorted list, a butterfly max over the row gives every
+// lane the round's winner, and the lane that held it drops it -- k log2(L) dependent shuffles
+// (the merges: log2(L) steps of KP shuffles each) for about half the 64-bit compares and selects,
+// which is what bounds a full GPU. Both give the same list. Route r is written by lane r % L. Groups first combine each group's
 // best entries across its AMDQB_GROUP_LANES lanes and rank the group scores.
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
@@ -46,9 +51,10 @@ using namespace amdqb;
 
 #if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_BIAS_DTYPE) ||       \
     !defined(AMDQB_SCORE) || !defined(AMDQB_TOPK) || !defined(AMDQB_ROW_LANES) ||                  \
-    !defined(AMDQB_SLOTS) || !defined(AMDQB_CONTIGUOUS) || !defined(AMDQB_GROUPS) ||               \
-    !defined(AMDQB_GROUP_LANES) || !defined(AMDQB_TOPK_GROUP) || !defined(AMDQB_GROUP_BEST) ||     \
-    !defined(AMDQB_DENSE) || !defined(AMDQB_IN_DTYPE_MATH) || !defined(AMDQB_TOPK_BLOCK)
+    !defined(AMDQB_SLOTS) || !defined(AMDQB_CONTIGUOUS) || !defined(AMDQB_ROW_ROUNDS) ||           \
+    !defined(AMDQB_GROUPS) || !defined(AMDQB_GROUP_LANES) || !defined(AMDQB_TOPK_GROUP) ||         \
+    !defined(AMDQB_GROUP_BEST) || !defined(AMDQB_DENSE) || !defined(AMDQB_IN_DTYPE_MATH) ||        \
+    !defined(AMDQB_TOPK_BLOCK)
 #error "topk.hip needs its -D constants (amdqb.backends.hip._spec.topk_module)"
 #endif
 
@@ -63,6 +69,7 @@ constexpr int K = AMDQB_TOPK;
 constexpr int L = AMDQB_ROW_LANES;
 constexpr int V = AMDQB_SLOTS;
 constexpr bool CONTIGUOUS = AMDQB_CONTIGUOUS != 0;
+constexpr bool ROUNDS = AMDQB_ROW_ROUNDS != 0;  // the row's Top-k by rounds of a butterfly max
 constexpr int GROUPS = AMDQB_GROUPS;
 constexpr int GROUP_LANES = AMDQB_GROUP_LANES;
 constexpr int TOPK_GROUP = AMDQB_TOPK_GROUP;
@@ -240,6 +247,34 @@ AMDQB_DEVICE void merge_with(u64 (&a)[N], int mask) {
   merge_desc(c);
 #pragma unroll
   for (int i = 0; i < N; ++i) a[i] = c[i];
+}
+
+// The row's best K, sorted, into every lane's a[0, K) (a[K, N) zero), from each lane's sorted
+// list a[0, N) (N >= K): K rounds of a butterfly max over the row's L lanes; the lane that held
+// the round's winner drops it (entries are distinct; 0 is the sentinel below every expert).
+template <int N>
+AMDQB_DEVICE void row_top_rounds(u64 (&a)[N]) {
+  u64 out[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = 0;
+#pragma unroll
+  for (int r = 0; r < K; ++r) {
+    u64 best = a[0];
+#pragma unroll
+    for (int m = 1; m < L; m <<= 1) {
+      const u64 other = shfl_xor_u64(best, m);
+      best = other > best ? other : best;
+    }
+    out[r] = best;
+    if (r + 1 < K) {
+      const bool drop = best != 0 && a[0] == best;
+#pragma unroll
+      for (int i = 0; i + 1 < N; ++i) a[i] = drop ? a[i + 1] : a[i];
+      a[N - 1] = drop ? 0 : a[N - 1];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] = out[i];
 }
 
 // Element-wise activation of V loaded logits; sigmoid: every element through the branch-free
@@ -437,8 +472,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     }
   }
 
+  if (ROUNDS) {
+    row_top_rounds(top);
+  } else {
 #pragma unroll
-  for (int m = 1; m < L; m <<= 1) merge_with(top, m);
+    for (int m = 1; m < L; m <<= 1) merge_with(top, m);
+  }
 
   // Routes r < k: every lane of the row holds the row's sorted top[]. Unbiased weights, their
   // sum in routes_sum's order (a 32-lane butterfly over the k values; the steps past KP add exact

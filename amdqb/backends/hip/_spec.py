@@ -185,6 +185,7 @@ def topk_module(
             ("AMDQB_ROW_LANES", str(int(plan.lanes))),
             ("AMDQB_SLOTS", str(int(plan.slots))),
             ("AMDQB_CONTIGUOUS", "1" if plan.contiguous else "0"),
+            ("AMDQB_ROW_ROUNDS", "1" if plan.rounds else "0"),
             ("AMDQB_GROUPS", str(int(plan.groups))),
             ("AMDQB_GROUP_LANES", str(int(plan.group_lanes))),
             ("AMDQB_TOPK_GROUP", str(int(plan.topk_group))),

@@ -17,7 +17,8 @@ groups a lane holds ``slots`` consecutive experts and each group spans ``group_l
 (its best two combine over them); the largest power-of-two split of the group that fits 32 lanes.
 Configurations without a plan (more than ``hip.topk.max_slots`` experts per lane, k above 32,
 groups that do not split into whole lanes) are declined: the router kernels
-(``amdqb.backends.hip.router``) run them.
+(``amdqb.backends.hip.router``) run them. From ``hip.topk.rounds_min_tokens`` tokens on the row's
+Top-k comes from rounds of a butterfly max instead of merges of the lanes' lists (the same list).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class TopkPlan:
     group_lanes: int = 1
     topk_group: int = 0
     group_best: int = 1  # the best entries a group's score sums
+    rounds: bool = False  # the row's Top-k by rounds of a butterfly max (else list merges)
 
 
 def plan(
@@ -84,7 +86,7 @@ def plan(
         slots = cdiv(num_experts, lanes)
         if slots > max_slots:
             return None
-        return TopkPlan(num_experts, topk, lanes, slots, contiguous=False)
+        return TopkPlan(num_experts, topk, lanes, slots, False, rounds=_rounds(lanes, tokens, cfg))
     size = num_experts // num_groups
     split = 1  # lanes per group: the largest power of two dividing the group that fits 32 lanes
     while size % (2 * split) == 0 and num_groups * 2 * split <= 32:
@@ -99,8 +101,23 @@ def plan(
     if group_best > min(32, size):
         return None
     return TopkPlan(
-        num_experts, topk, lanes, slots, True, num_groups, split, int(group_topk), group_best
+        num_experts,
+        topk,
+        lanes,
+        slots,
+        True,
+        num_groups,
+        split,
+        int(group_topk),
+        group_best,
+        _rounds(lanes, tokens, cfg),
     )
+
+
+def _rounds(lanes: int, tokens: int | None, cfg) -> bool:
+    """Rounds of a butterfly max for the row's Top-k from ``hip.topk.rounds_min_tokens`` tokens
+    on: fewer 64-bit compares than the list merges, a longer chain of shuffles (for a full GPU)."""
+    return lanes > 1 and tokens is not None and tokens >= int(cfg["hip.topk.rounds_min_tokens"])
 
 
 class TopkParams(ctypes.Structure):

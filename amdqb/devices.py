@@ -126,6 +126,11 @@ def device_info(device: torch.device | str | None = None) -> DeviceInfo:
     return _device_info_cached(str(dev))
 
 
+def tensor_device_info(t: torch.Tensor) -> DeviceInfo:
+    """:func:`device_info` of a tensor's device (a valid device with its index: no parsing)."""
+    return _device_info_cached(str(t.device))
+
+
 def arch_config(device: torch.device | str | None = None) -> configs.ArchConfig:
     """The config (``amdqb/configs``) of ``device``'s architecture family."""
     return configs.load(device_info(device).arch_family)

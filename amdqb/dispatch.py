@@ -259,6 +259,8 @@ def kernel_backend(
     trace-time constant under ``torch.compile``."""
     if call is None:
         call = calls.request(op, **features)
+    if not torch.compiler.is_compiling():  # eager: the cached choice, nothing rebuilt per call
+        return select(op, device, backend, call, prefer=prefer).token
     # numbers specialise with a guard (an int argument of a function compiled with dynamic=True
     # arrives symbolic; the token must be a trace-time constant)
     values = tuple(_specialised(getattr(call, f.name)) for f in dataclasses.fields(call))

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ...devices import arch_config
+from ... import configs
+from ...devices import tensor_device_info
 from ._spec import arg_ptr
 
 _STATIC_LDS_LIMIT = 48 * 1024  # dynamic + static LDS of a launch without an opt-in
@@ -33,4 +34,4 @@ def cdiv(a: int, b: int) -> int:
 
 def config(t: torch.Tensor):
     """The architecture config (``amdqb/configs``) of ``t``'s device."""
-    return arch_config(t.device)
+    return configs.load(tensor_device_info(t).arch_family)

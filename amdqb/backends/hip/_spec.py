@@ -12,6 +12,7 @@ recompute the sigmoid in different inlining contexts.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -76,6 +77,7 @@ class ModuleSpec:
 # Compile-time constants of each module, from the architecture's config (``amdqb/configs``): the
 # launchers read the same entries for their grid arithmetic, and a kernel file #errors when one
 # of its constants is missing, so no value is written twice.
+@functools.lru_cache(maxsize=1024)  # launchers ask per call; specs are immutable
 def layout_module(cfg) -> ModuleSpec:
     """layout.hip: route rows and align."""
     return ModuleSpec(
@@ -102,6 +104,7 @@ def router_min_blocks(cfg, num_experts: int) -> int:
     return 1
 
 
+@functools.lru_cache(maxsize=1024)  # launchers ask per call; specs are immutable
 def router_module(
     num_experts: int,
     dtype_name: str,
@@ -136,6 +139,7 @@ def router_module(
     )
 
 
+@functools.lru_cache(maxsize=1024)  # launchers ask per call; specs are immutable
 def router_bwd_module(
     num_experts: int, dtype_name: str, grad_dtype_name: str, score_function: str
 ) -> ModuleSpec:
@@ -158,6 +162,7 @@ def router_bwd_module(
     )
 
 
+@functools.lru_cache(maxsize=1024)  # launchers ask per call; specs are immutable
 def topk_module(
     plan,
     dtype_name: str,

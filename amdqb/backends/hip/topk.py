@@ -24,6 +24,7 @@ Top-k comes from rounds of a butterfly max instead of merges of the lanes' lists
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,27 @@ def plan(
 ) -> TopkPlan | None:
     """The row plan of amdqb_topk for this configuration, or None (declined). ``group_best``: the
     best entries a group's score sums (vLLM / SGLang: 2 with a bias, 1 without; TE: k /
-    group_topk)."""
+    group_topk); ``tokens`` (None: unknown) picks the wide rows and the rounds."""
+    wide = tokens is not None and tokens >= int(cfg["hip.topk.wide_min_tokens"])
+    rounds = tokens is not None and tokens >= int(cfg["hip.topk.rounds_min_tokens"])
+    return _row_plan(
+        num_experts,
+        topk,
+        score_function,
+        num_groups,
+        group_topk,
+        cfg,
+        group_best,
+        dense,
+        wide,
+        rounds,
+    )
+
+
+@functools.lru_cache(maxsize=1024)  # per call shape and config object (an override is another)
+def _row_plan(
+    num_experts, topk, score_function, num_groups, group_topk, cfg, group_best, dense, wide, rounds
+) -> TopkPlan | None:
     max_slots = int(cfg["hip.topk.max_slots"])
     if topk > min(num_experts, 32):
         return None
@@ -80,13 +101,12 @@ def plan(
         if dense:  # the strided bit map packs a byte per 8 lanes: torch's lanes
             lanes = min(32, _pow2_at_least(num_experts))
         else:
-            wide = tokens is not None and tokens >= int(cfg["hip.topk.wide_min_tokens"])
             per_lane = int(cfg["hip.topk.lane_slots" if wide else "hip.topk.decode_lane_slots"])
             lanes = min(32, _pow2_at_least(cdiv(num_experts, per_lane)))
         slots = cdiv(num_experts, lanes)
         if slots > max_slots:
             return None
-        return TopkPlan(num_experts, topk, lanes, slots, False, rounds=_rounds(lanes, tokens, cfg))
+        return TopkPlan(num_experts, topk, lanes, slots, False, rounds=rounds and lanes > 1)
     size = num_experts // num_groups
     split = 1  # lanes per group: the largest power of two dividing the group that fits 32 lanes
     while size % (2 * split) == 0 and num_groups * 2 * split <= 32:
@@ -110,14 +130,8 @@ def plan(
         split,
         int(group_topk),
         group_best,
-        _rounds(lanes, tokens, cfg),
+        rounds and lanes > 1,
     )
-
-
-def _rounds(lanes: int, tokens: int | None, cfg) -> bool:
-    """Rounds of a butterfly max for the row's Top-k from ``hip.topk.rounds_min_tokens`` tokens
-    on: fewer 64-bit compares than the list merges, a longer chain of shuffles (for a full GPU)."""
-    return lanes > 1 and tokens is not None and tokens >= int(cfg["hip.topk.rounds_min_tokens"])
 
 
 class TopkParams(ctypes.Structure):
@@ -151,10 +165,9 @@ def _address(t) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _launch(rt, logits, spec, params, lanes: int) -> None:
+def _launch(rt, cfg, logits, spec, params, lanes: int) -> None:
     tokens = logits.shape[0]
-    cfg = config(logits)
-    info = devices.device_info(logits.device)
+    info = devices.tensor_device_info(logits)
     rows_per_warp = 32 // lanes
     warps = cdiv(tokens, rows_per_warp)
     # The rows go over the CUs first, then fill blocks of up to hip.topk.block threads: at decode
@@ -182,16 +195,20 @@ def _params(logits, bias, **fields) -> TopkParams:
     return TopkParams(**values)
 
 
-def launch(rt, call, topk_plan, logits, bias, weights_out, ids_out, tei_out, non_padded) -> None:
-    """amdqb_topk's compact (serving) outputs over ``logits [T, E]`` (``logits.stride(1) == 1``)."""
+def launch(
+    rt, call, topk_plan, logits, bias, weights_out, ids_out, tei_out, non_padded, cfg=None
+) -> None:
+    """amdqb_topk's compact (serving) outputs over ``logits [T, E]`` (``logits.stride(1) == 1``);
+    ``cfg``: the logits' device config (looked up when not given)."""
     if logits.shape[0] == 0:
         return
+    cfg = config(logits) if cfg is None else cfg
     spec = _spec.topk_module(
         topk_plan,
         _DTYPE_NAMES[logits.dtype],
         None if bias is None else _DTYPE_NAMES[bias.dtype],
         call.score_function,
-        config(logits),
+        cfg,
         approximate=call.approximate,
         input_dtype_math=call.input_dtype_math,
     )
@@ -217,7 +234,7 @@ def launch(rt, call, topk_plan, logits, bias, weights_out, ids_out, tei_out, non
         shared_div=1.0 if call.shared_div is None else float(call.shared_div),
         flags=flags,
     )
-    _launch(rt, logits, spec, params, topk_plan.lanes)
+    _launch(rt, cfg, logits, spec, params, topk_plan.lanes)
 
 
 def biased_topk(rt, call: TopkCall, logits, expert_bias, weights_out, ids_out, tei_out, non_padded):
@@ -242,7 +259,9 @@ def biased_topk(rt, call: TopkCall, logits, expert_bias, weights_out, ids_out, t
         tokens=tokens,
     )
     if row_plan is not None:
-        launch(rt, call, row_plan, logits, expert_bias, weights_out, ids_out, tei_out, non_padded)
+        launch(
+            rt, call, row_plan, logits, expert_bias, weights_out, ids_out, tei_out, non_padded, cfg
+        )
         return
     if call.grouped:  # the dispatcher passes hip over (biased_topk_limits); direct calls
         raise ValueError("hip biased_topk: grouped Top-k without an amdqb_topk row plan")
@@ -357,7 +376,7 @@ def router_fwd_grouped(
         scale=1.0 if call.scaling_factor is None else float(call.scaling_factor),
         flags=flags,
     )
-    _launch(rt, logits, spec, params, row_plan.lanes)
+    _launch(rt, cfg, logits, spec, params, row_plan.lanes)
 
 
 def router_fwd_limits(info, call: RouterCall) -> str | None:

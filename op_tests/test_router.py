@@ -455,7 +455,7 @@ def test_router_half_dtypes(backend, warp_router, dtype):
 @pytest.mark.parametrize(
     "score,pre", [("sqrtsoftplus", False), ("softmax", True), ("softmax", False)]
 )
-@over_backends("router_fwd", emulator=True)
+@over_backends("router_fwd", emulator=True, gcn=GCN)
 def test_router_score_functions_in_selection_order(backend, warp_router, score, pre):
     e = 200
     logits = make_logits(11, e, "normal", 9) * 3

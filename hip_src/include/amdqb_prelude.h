@@ -220,6 +220,17 @@ AMDQB_DEVICE void keep_loaded(float& v) {
   v = bits_float(b);
 }
 
+// v, which the AMD compiler must take as computed at this point (an empty asm on its VGPR);
+// elsewhere v itself. At the top of a loop body, applied to the lane index, it keeps the values
+// derived from the lane (a sort network's lane masks, per-slot ids) inside the loop instead of
+// hoisted and held across it -- on wave64 each lane mask is a pair of SGPRs.
+AMDQB_DEVICE int opaque_lane(int v) {
+#if defined(AMDQB_HIP)
+  asm volatile("" : "+v"(v));
+#endif
+  return v;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Raw platform primitives
 // ------------------------------------------------------------------------------------------------

@@ -1,17 +1,21 @@
-// Exact Top-n selection over a 32-lane logical warp (amdqb.ref.ordering): experts ranked by a
-// monotone int32 key (value descending), then id ascending; -0.0 == +0.0, NaN below every number.
+// Exact Top-n selection over a row of W lanes (amdqb.ref.ordering): experts ranked by a monotone
+// int32 key (value descending), then id ascending; -0.0 == +0.0, NaN below every number.
 //
-// Each lane holds V keys, key[j] of the expert with id j * 32 + lane (callers map these local ids
-// to their own), padding slots holding kInt32Min. select_top<CAP> writes the Top-n into per-warp
-// buffers in selection order:
-//   1. lower bound: the n-th best of the 32 lane maxima (bitonic sort across the warp), valid for
-//      n <= 32 -- the n lanes with the best maxima hold n distinct experts at or above it;
-//   2. candidates with a key at or above the bound are compacted (warp prefix sum) into a buffer
+// A row is a 32-lane logical warp (W = 32), or on wave64 AMD a whole wave (W = 64). Lane p holds V
+// keys, key[j] of the expert with id row_id<W, V>(j, p) = h * 32V + j * 32 + l (h = p / 32, l =
+// p % 32): each 32-lane half holds a contiguous half of the ids in the 32-lane layout (W = 32: id
+// j * 32 + p); callers map these local ids to their own, padding slots holding kInt32Min.
+// select_top<CAP, W> writes the Top-n into per-row buffers in selection order:
+//   1. lower bound: the n-th best of the lane maxima, valid for n <= 32 -- a bitonic sort of each
+//      32 lanes' maxima (W = 64: then the top 32 of both halves' sorted lists, merged in both) puts
+//      the n-th best maximum in lane n - 1, and the n lanes with the best maxima hold n distinct
+//      experts at or above it;
+//   2. candidates with a key at or above the bound are compacted (row prefix sum) into a buffer
 //      of CAP entries; if they overflow (or n > 32) the bound is recomputed exactly: a bitwise
-//      binary search on the key gives the n-th key, ties at that key are taken in id order via
-//      warp ballots, so exactly n candidates remain;
+//      binary search on the key gives the n-th key, ties at that key are taken in id order, so
+//      exactly n candidates remain;
 //   3. pairwise ranks among the candidates give the Top-n in selection order.
-// Every lane of the warp must call these (warp primitives inside); n is the same in every lane of
+// Every lane of the row must call these (row primitives inside); n is the same in every lane of
 // the wave (a kernel argument: the AMD branch reads the n-th lane with v_readlane).
 #pragma once
 
@@ -113,23 +117,59 @@ AMDQB_DEVICE void warp_sort_desc(i32& k, i32& id, int lane) {
   warp_merge_desc(k, id, lane);
 }
 
+// Local id of slot j of lane p of a W-lane row of V slots per lane (the header's layout).
+template <int W, int V>
+AMDQB_DEVICE i32 row_id(int j, int p) {
+  static_assert(W == 32 || W == 64, "rows of 32 or 64 lanes");
+  if constexpr (W == 64)
+    return (p >> 5) * (32 * V) + j * 32 + (p & 31);
+  else
+    return j * 32 + p;
+}
+
+// Bits of the largest local id of a W-lane row of V slots per lane.
+constexpr int id_bits(int ids) {
+  int b = 0;
+  while ((1 << b) < ids) ++b;
+  return b;
+}
+
 // Exact n-th element of the token (n <= E): bitwise binary search on the offset-binary key for
 // the n-th largest key, then the (n - #greater)-th expert with that key in id order.
-template <int V>
-AMDQB_DEVICE void exact_nth(const i32 (&key)[V], int n, int lane, i32& out_key, i32& out_id) {
+template <int W, int V>
+AMDQB_DEVICE void exact_nth(const i32 (&key)[V], int n, int p, i32& out_key, i32& out_id) {
+  typedef Warp<W> Row;
   u32 thr = 0;
+#if defined(AMDQB_AMDGCN)
+#pragma unroll 1  // the rare path: rolled, so it holds few registers besides the keys
+#endif
   for (int b = 31; b >= 0; --b) {
     const u32 cand = thr | (1u << b);
     int c = 0;
 #pragma unroll
     for (int j = 0; j < V; ++j) c += ((u32)key[j] ^ 0x80000000u) >= cand ? 1 : 0;
-    if (warp_sum_i32(c) >= n) thr = cand;
+    if (Row::sum_i32(c) >= n) thr = cand;
   }
   const i32 kstar = (i32)(thr ^ 0x80000000u);
   int g = 0;
 #pragma unroll
   for (int j = 0; j < V; ++j) g += key[j] > kstar ? 1 : 0;
-  const int need = n - warp_sum_i32(g);  // >= 1 ties to take, smallest ids first
+  const int need = n - Row::sum_i32(g);  // >= 1 ties to take, smallest ids first
+#if defined(AMDQB_AMDGCN)
+  // AMD: a bitwise search on the id as well -- the largest x with fewer than `need` ties below it
+  // is the need-th tie's id. Counts and row sums only: a ballot per slot would hold V wave masks
+  // (SGPR pairs on wave64) at once.
+  i32 found = 0;
+#pragma unroll 1
+  for (int b = id_bits(W * V) - 1; b >= 0; --b) {
+    const i32 cand = found | (1 << b);
+    int c = 0;
+#pragma unroll
+    for (int j = 0; j < V; ++j) c += key[j] == kstar && row_id<W, V>(j, p) < cand ? 1 : 0;
+    if (Row::sum_i32(c) < need) found = cand;
+  }
+#else
+  static_assert(W == 32, "64-lane rows are AMD's");
   int running = 0;
   i32 found = -1;
 #pragma unroll
@@ -138,21 +178,22 @@ AMDQB_DEVICE void exact_nth(const i32 (&key)[V], int n, int lane, i32& out_key, 
     const int pc = popc32(m);
     if (found < 0 && running + pc >= need) {  // warp-uniform
       const int idx = need - running - 1;
-      const bool me = ((m >> lane) & 1u) && popc32(m & lanemask_lt()) == idx;
+      const bool me = ((m >> p) & 1u) && popc32(m & lanemask_lt()) == idx;
       found = j * 32 + lowest_bit(ballot32(me));
     }
     running += pc;
   }
+#endif
   out_key = kstar;
   out_id = found;
 }
 
 // How many of the lane's experts satisfy pred(key, id).
-template <int V, typename Pred>
-AMDQB_DEVICE int count_candidates(const i32 (&key)[V], int lane, Pred pred) {
+template <int W, int V, typename Pred>
+AMDQB_DEVICE int count_candidates(const i32 (&key)[V], int p, Pred pred) {
   int c = 0;
 #pragma unroll
-  for (int j = 0; j < V; ++j) c += pred(key[j], j * 32 + lane) ? 1 : 0;
+  for (int j = 0; j < V; ++j) c += pred(key[j], row_id<W, V>(j, p)) ? 1 : 0;
   return c;
 }
 
@@ -165,12 +206,12 @@ struct WarpBuffers {
 };
 
 // Appends the lane's experts that satisfy pred(key, id) to b.ckey/cid from slot pos on.
-template <int V, typename Pred>
-AMDQB_DEVICE void append_candidates(const i32 (&key)[V], int lane, int pos, const WarpBuffers& b,
+template <int W, int V, typename Pred>
+AMDQB_DEVICE void append_candidates(const i32 (&key)[V], int p, int pos, const WarpBuffers& b,
                                     Pred pred) {
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    const i32 id = j * 32 + lane;
+    const i32 id = row_id<W, V>(j, p);
     if (pred(key[j], id)) {
       b.ckey[pos] = key[j];
       b.cid[pos] = id;
@@ -179,49 +220,112 @@ AMDQB_DEVICE void append_candidates(const i32 (&key)[V], int lane, int pos, cons
   }
 }
 
-// Top-n of the token into b.skey/sid[0..n) in selection order (n <= CAP, n <= the experts held).
-// Candidates: every expert whose key is at least the key of (bk, bid), an entry at or behind the
-// n-th in the selection order -- a superset of the Top-n (one compare per expert instead of the
-// (key, id) order's three; extra candidates tied on bk rank >= n and are dropped). Only if they
-// overflow CAP, the exact n-th is searched and the candidates are taken by the full order.
-template <int CAP, int V>
-AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuffers& b) {
-  static_assert(CAP % 32 == 0 && CAP >= 32, "the candidate buffer holds whole warps of entries");
-  i32 bk, bid;
+// Top-n of the token into b.skey/sid[0..n) in selection order (n <= CAP, n <= the experts held),
+// lane p of a W-lane row. Candidates: every expert whose key is at least the key of (bk, bid), an
+// entry at or behind the n-th in the selection order -- a superset of the Top-n (one compare per
+// expert instead of the (key, id) order's three; extra candidates tied on bk rank >= n and are
+// dropped). Only if they overflow CAP, the exact n-th is searched and the candidates are taken by
+// the full order.
+template <int CAP, int W = 32, int V>
+AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int p, const WarpBuffers& b) {
+  static_assert(CAP % 32 == 0 && CAP >= W, "the candidate buffer holds whole rows of entries");
+  typedef Warp<W> Row;
+  i32 bk = 0, bid = 0;
+  // (bk, bid) by reference: the exact path below moves them to the exact n-th
+  const auto by_order = [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); };
+  const auto first = [&](i32 k, i32) { return k >= bk; };
+#if defined(AMDQB_AMDGCN)
+  // AMD: one exact path for n > 32 and the overflow (one copy of the search inlined: the SGPRs
+  // live around it fit without spills)
+  int c = 0, incl = 0, total = CAP + 1;
   if (n <= 32) {
-    i32 lk = key[0], lid = lane;
+    i32 lk = key[0], lid = row_id<W, V>(0, p);
 #pragma unroll
     for (int j = 1; j < V; ++j)
       if (key[j] > lk) {  // strict: the lane's earliest (smallest id) maximum
         lk = key[j];
-        lid = j * 32 + lane;
+        lid = row_id<W, V>(j, p);
       }
-    warp_sort_desc(lk, lid, lane);
-    bk = bcast_i32(lk, n - 1);  // n: the same in every lane of the wave
-    bid = bcast_i32(lid, n - 1);
-  } else {
-    exact_nth(key, n, lane, bk, bid);
+    warp_sort_desc(lk, lid, p & 31);  // each 32 lanes
+    if constexpr (W == 64) {
+      // The top 32 of the 64 maxima in both halves: lane p takes the better of its own and lane
+      // 63 - p's (both halves sorted descending, one read reversed: a bitonic sequence), then the
+      // merge sorts it. Through the candidate buffer, free until the compaction below.
+      b.ckey[p] = lk;
+      b.cid[p] = lid;
+      Row::sync();
+      const i32 ok = b.ckey[63 - p], oid = b.cid[63 - p];
+      Row::sync();
+      if (ahead(ok, oid, lk, lid)) {
+        lk = ok;
+        lid = oid;
+      }
+      warp_merge_desc(lk, lid, p & 31);
+    }
+    bk = Row::bcast(lk, n - 1);    // n: the same in every lane of the wave (W = 64: lane n - 1
+    bid = Row::bcast(lid, n - 1);  // of the lower half, whose list the upper half shares)
+    c = count_candidates<W>(key, p, first);
+    incl = (int)Row::inclusive_sum_u32((u32)c);
+    total = Row::bcast(incl, W - 1);
+    if (total > CAP) AMDQB_TRACE_OVERFLOW();  // row-uniform; rare for real router logits
   }
-  // (bk, bid) by reference: the overflow path below moves them to the exact n-th
-  const auto by_order = [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); };
-  const auto first = [&](i32 k, i32) { return k >= bk; };
-  int c = count_candidates(key, lane, first);
-  int incl = warp_inclusive_sum_i32(c);
-  int total = bcast_i32(incl, 31);
+  if (total > CAP) {
+    exact_nth<W>(key, n, p, bk, bid);
+    c = count_candidates<W>(key, p, by_order);
+    incl = (int)Row::inclusive_sum_u32((u32)c);
+    total = Row::bcast(incl, W - 1);  // == n
+    append_candidates<W>(key, p, incl - c, b, by_order);
+  } else {
+    append_candidates<W>(key, p, incl - c, b, first);
+  }
+#else
+  if (n <= 32) {
+    i32 lk = key[0], lid = row_id<W, V>(0, p);
+#pragma unroll
+    for (int j = 1; j < V; ++j)
+      if (key[j] > lk) {  // strict: the lane's earliest (smallest id) maximum
+        lk = key[j];
+        lid = row_id<W, V>(j, p);
+      }
+    warp_sort_desc(lk, lid, p & 31);  // each 32 lanes
+    if constexpr (W == 64) {
+      // The top 32 of the 64 maxima in both halves: lane p takes the better of its own and lane
+      // 63 - p's (both halves sorted descending, one read reversed: a bitonic sequence), then the
+      // merge sorts it. Through the candidate buffer, free until the compaction below.
+      b.ckey[p] = lk;
+      b.cid[p] = lid;
+      Row::sync();
+      const i32 ok = b.ckey[63 - p], oid = b.cid[63 - p];
+      Row::sync();
+      if (ahead(ok, oid, lk, lid)) {
+        lk = ok;
+        lid = oid;
+      }
+      warp_merge_desc(lk, lid, p & 31);
+    }
+    bk = Row::bcast(lk, n - 1);    // n: the same in every lane of the wave (W = 64: lane n - 1
+    bid = Row::bcast(lid, n - 1);  // of the lower half, whose list the upper half shares)
+  } else {
+    exact_nth<W>(key, n, p, bk, bid);
+  }
+  int c = count_candidates<W>(key, p, first);
+  int incl = (int)Row::inclusive_sum_u32((u32)c);
+  int total = Row::bcast(incl, W - 1);
   if (total > CAP) {  // warp-uniform; rare for real router logits
     AMDQB_TRACE_OVERFLOW();
-    exact_nth(key, n, lane, bk, bid);
-    c = count_candidates(key, lane, by_order);
-    incl = warp_inclusive_sum_i32(c);
-    total = bcast_i32(incl, 31);  // == n
-    append_candidates(key, lane, incl - c, b, by_order);
+    exact_nth<W>(key, n, p, bk, bid);
+    c = count_candidates<W>(key, p, by_order);
+    incl = (int)Row::inclusive_sum_u32((u32)c);
+    total = Row::bcast(incl, W - 1);  // == n
+    append_candidates<W>(key, p, incl - c, b, by_order);
   } else {
-    append_candidates(key, lane, incl - c, b, first);
+    append_candidates<W>(key, p, incl - c, b, first);
   }
-  warp_sync();
+#endif
+  Row::sync();
 #pragma unroll
-  for (int q = 0; q < CAP / 32; ++q) {
-    const int slot = lane + 32 * q;
+  for (int q = 0; q < CAP / W; ++q) {
+    const int slot = p + W * q;
     if (slot < total) {
       const i32 mk = b.ckey[slot], mid = b.cid[slot];
       int rank = 0;
@@ -232,7 +336,7 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int lane, const WarpBuf
       }
     }
   }
-  warp_sync();
+  Row::sync();
 }
 
 }  // namespace amdqb

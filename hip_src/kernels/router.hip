@@ -1,5 +1,6 @@
 // Fused score function + exact Top-k router with opt-in Quantile Balancing (QB) histogram, and the
-// serving form (biased_topk), on 32-lane logical warps (wave32 and wave64).
+// serving form (biased_topk): one token per row of 32 lanes (a logical warp), or on wave64 AMD of
+// 64 (the whole wave).
 //
 // Compile-time constants (-D, amdqb.backends.hip._spec.router_module, from amdqb/configs):
 //   AMDQB_NUM_EXPERTS (E), AMDQB_IN_DTYPE (0 fp32, 1 fp16, 2 bf16), AMDQB_SCORE (0 sigmoid,
@@ -20,7 +21,9 @@
 //
 // Selection contract (amdqb.ref.ordering): experts are ranked by (value descending, id ascending)
 // through a monotone int32 key (-0.0 == +0.0, NaN below -inf); padding lanes (id >= E) rank below
-// every expert. Each lane holds VPL = ceil(E/32) experts (id = j*32 + lane) in registers and the
+// every expert. Each lane of a row of RW lanes holds VPL = ceil(E/RW) experts in registers (RW =
+// 32: id = j*32 + lane; RW = 64: each 32-lane half holds a contiguous half of the ids in that
+// layout, so logical lane l's entries l, l + 32, ... are lane l's, then lane 32 + l's) and the
 // Top-n (n = k, or k + 1 under QB) comes from select_top (amdqb_select.h); membership of every
 // expert is a local compare against the k-th element.
 // QB: Top-(k+1) of the selection values (u = s + b, or v = b - c with AMDQB_TIE_FREE), alpha =
@@ -59,11 +62,24 @@ using namespace amdqb;
 namespace {
 
 constexpr int E = AMDQB_NUM_EXPERTS;
-constexpr int VPL = (E + 31) / 32;         // experts per lane
+// Lanes per token row of amdqb_router / amdqb_router_scores: a whole wave on wave64 AMD (half the
+// experts per lane of a 32-lane row: the E=896 router's selection state fits 4 waves per SIMD),
+// else a 32-lane logical warp (amdqb.backends.hip.router.row_lanes says the same).
+#if defined(AMDQB_AMDGCN) && AMDQB_WAVE_SIZE == 64
+#define AMDQB_ROW64 1
+constexpr int RW = 64;
+#else
+#define AMDQB_ROW64 0
+constexpr int RW = 32;
+#endif
+typedef Warp<RW> RowWarp;
+constexpr int VPL = (E + RW - 1) / RW;     // experts per lane
 constexpr int NBYTES = (E + 7) / 8;        // bitmap bytes per token
-constexpr int WARPS = AMDQB_ROUTER_WARPS;  // logical warps (tokens in flight) per block
+constexpr int WARPS = AMDQB_ROUTER_WARPS;  // logical warps per block
 constexpr int ROUTER_BLOCK = 32 * WARPS;
-constexpr int CAP = AMDQB_ROUTER_CAP;  // candidate buffer per warp; the largest n
+constexpr int ROWS = ROUTER_BLOCK / RW;  // tokens in flight per block
+constexpr int CAP = AMDQB_ROUTER_CAP;    // candidate buffer per row; the largest n
+static_assert(ROUTER_BLOCK % RW == 0, "whole rows per block");
 
 enum MapKind { kMapNone = 0, kByteMap = 1, kBitMap = 2, kIdx16 = 3, kIdx32 = 4, kIdx64 = 5 };
 enum QbMode { kQbNone = 0, kQbFused = 1, kQbAlpha = 2 };  // two-kernel: alpha (or the bins)
@@ -107,7 +123,28 @@ AMDQB_DEVICE float routes_sum(int topk, int lane, Value value) {
   return warp_sum_f32(v);
 }
 
-AMDQB_DEVICE bool valid_slot(int j, int lane) { return j < VPL - 1 || j * 32 + lane < E; }
+// Lane p of a row (0 .. RW - 1) and the row in the block.
+AMDQB_DEVICE int row_lane() { return RW == 64 ? RowWarp::lane() : lane_id(); }
+// AMD, rows of a whole wave (64 lanes on wave64, 32 on wave32): the row index is read as a scalar,
+// so that the token, its row pointer and the loop over tokens are scalar too.
+AMDQB_DEVICE int row_in_block() {
+#if defined(AMDQB_AMDGCN) && !defined(AMDQB_EMU)
+  if (RW == AMDQB_WAVE_SIZE) return __builtin_amdgcn_readfirstlane((int)threadIdx.x / RW);
+#endif
+  return RW == 64 ? RowWarp::index() : warp_in_block();
+}
+
+// Slot j of row lane p holds expert slot_id(j, p) (amdqb_select.h's layout: each 32-lane half of a
+// 64-lane row a contiguous half of the experts); slot_base(j, p) = slot_id(j, p) - (p & 31).
+AMDQB_DEVICE int slot_id(int j, int p) { return row_id<RW, VPL>(j, p); }
+AMDQB_DEVICE int slot_base(int j, int p) {
+  return RW == 64 ? (p >> 5) * (32 * VPL) + j * 32 : j * 32;
+}
+// (Row-uniform where the compiler can tell: every slot j below the last full one is valid.)
+AMDQB_DEVICE bool valid_slot(int j, int p) {
+  if (RW == 64) return (RW == 64 && 32 * VPL + (j + 1) * 32 <= E) || slot_id(j, p) < E;
+  return j < VPL - 1 || j * 32 + p < E;
+}
 
 // The token's logits of expert j*32 + lane, every load issued before any arithmetic uses them.
 // The order matters on NVIDIA: ptxas expands each IEEE division of the activation into a fast path
@@ -116,7 +153,7 @@ AMDQB_DEVICE bool valid_slot(int j, int lane) { return j < VPL - 1 || j * 32 + l
 // per token, half of all stall cycles). keep_loaded pins the batch.
 AMDQB_DEVICE void load_row(const in_t* row, int lane, in_t (&raw)[VPL]) {
 #pragma unroll
-  for (int j = 0; j < VPL; ++j) raw[j] = valid_slot(j, lane) ? row[j * 32 + lane] : in_t(0);
+  for (int j = 0; j < VPL; ++j) raw[j] = valid_slot(j, lane) ? row[slot_id(j, lane)] : in_t(0);
 #pragma unroll
   for (int j = 0; j < VPL; ++j) keep_loaded(raw[j]);
 }
@@ -175,10 +212,11 @@ AMDQB_DEVICE void activate_tie_free(const in_t (&raw)[V], Valid valid, Bias bias
   }
 }
 
-// Scores of one token from its loaded logits: s[j] of expert j*32 + lane (0 on padding). softmax:
-// softmax over the E experts when softmax_pre (its statistics go to st), else the raw logits.
+// Scores of one token from its loaded logits: s[j] of expert slot_id(j, lane) (0 on padding).
+// softmax: softmax over the E experts when softmax_pre (its statistics go to st), else the raw
+// logits. xfer: 32 floats of LDS for the row (64-lane rows: the lower half's running sums).
 AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[VPL],
-                                  int softmax_pre, RowStats& st) {
+                                  int softmax_pre, RowStats& st, float* xfer) {
   activate(raw, [&](int j) { return valid_slot(j, lane); }, s);
 #if AMDQB_SCORE == AMDQB_SCORE_SOFTMAX
   if (softmax_pre) {
@@ -186,7 +224,34 @@ AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[V
 #pragma unroll
     for (int j = 0; j < VPL; ++j)
       if (valid_slot(j, lane)) m = fmaxf(m, s[j]);
-    m = warp_max_f32(m);
+    m = RowWarp::max_f32(m);  // order-free: expf(x - m) is the same for m = +0.0 and -0.0
+#if AMDQB_ROW64
+    // Logical lane l's entries l, l + 32, ... are lane l's, then lane 32 + l's (the upper half
+    // holds the later ids): the upper lane continues the lower lane's running sum, handed over
+    // through LDS; the upper half's butterfly gives the row's sum.
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) s[j] = expf(s[j] - m);
+    float sum = 0.0f;
+    if (lane < 32) {
+#pragma unroll
+      for (int j = 0; j < VPL; ++j)
+        if (valid_slot(j, lane)) sum += s[j];
+      xfer[lane] = sum;
+    }
+    RowWarp::sync();
+    if (lane >= 32) {
+      sum = xfer[lane & 31];
+#pragma unroll
+      for (int j = 0; j < VPL; ++j)
+        if (valid_slot(j, lane)) sum += s[j];
+    }
+    RowWarp::sync();  // xfer is free again
+    sum = warp_sum_f32(sum);
+    sum = bits_float((u32)RowWarp::bcast((int)float_bits(sum), 32));
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) s[j] = valid_slot(j, lane) ? s[j] / sum : 0.0f;
+#else
+    (void)xfer;
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < VPL; ++j)
@@ -194,12 +259,14 @@ AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[V
     sum = warp_sum_f32(sum);
 #pragma unroll
     for (int j = 0; j < VPL; ++j) s[j] = valid_slot(j, lane) ? expf(s[j] - m) / sum : 0.0f;
+#endif
     st.m = m;
     st.sum = sum;
   }
 #else
   (void)softmax_pre;
   (void)st;
+  (void)xfer;
 #endif
 }
 
@@ -310,6 +377,29 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
   const int margin_fine = (p).margin_fine;                                                         \
   const float scale = (p).scale
 
+// The kernel's arguments as each stage of a token reads them: on AMD hardware re-read from the
+// kernel-argument segment there, in every token (scalar loads, the scalar cache's), so that neither
+// they nor the conditions derived from them stay in SGPRs through the whole loop (the E=896 wave64
+// router spilled 40 of them into VGPR lanes); elsewhere the parameter itself. opaque_row: the
+// same for the row index (the row's LDS buffer addresses).
+#if defined(AMDQB_HIP)
+typedef const __attribute__((address_space(4))) RouterParams* KernelParams;
+AMDQB_DEVICE KernelParams kernel_params(const RouterParams&) {
+  auto p =
+      (KernelParams)__builtin_amdgcn_kernarg_segment_ptr();  // RouterParams is the only argument
+  asm volatile("" : "+s"(p));  // a new pointer in every token: the loads stay here
+  return p;
+}
+AMDQB_DEVICE int opaque_row(int w) {
+  asm volatile("" : "+s"(w));
+  return w;
+}
+#else
+typedef const RouterParams* KernelParams;
+AMDQB_DEVICE KernelParams kernel_params(const RouterParams& p) { return &p; }
+AMDQB_DEVICE int opaque_row(int w) { return w; }
+#endif
+
 // One logical warp per token, WARPS tokens per block, persistent grid-stride loop over tokens.
 //   nsel = topk (+1 under QB); normalize: p = s / (sum_selected s + 1e-20); softmax_pre: scores are
 //   the softmax over E (else, for AMDQB_SCORE softmax, the selected logits are softmax-ed);
@@ -319,13 +409,13 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     amdqb_router(const RouterParams params) {
   AMDQB_ROUTER_PARAMS(params);
-  AMDQB_SHARED(i32, sh_ckey, WARPS * CAP);
-  AMDQB_SHARED(i32, sh_cid, WARPS * CAP);
-  AMDQB_SHARED(i32, sh_skey, WARPS * CAP);
-  AMDQB_SHARED(i32, sh_sid, WARPS * CAP);
-  AMDQB_SHARED(float, sh_ss, WARPS * CAP);
-  const int lane = lane_id();
-  const int w = warp_in_block();
+  AMDQB_SHARED(i32, sh_ckey, ROWS * CAP);
+  AMDQB_SHARED(i32, sh_cid, ROWS * CAP);
+  AMDQB_SHARED(i32, sh_skey, ROWS * CAP);
+  AMDQB_SHARED(i32, sh_sid, ROWS * CAP);
+  AMDQB_SHARED(float, sh_ss, ROWS * CAP);
+  const int lane0 = row_lane();  // 0 .. RW - 1 (lane, below; l32: the lane in its 32-lane half)
+  const int w = row_in_block();
   const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
                       sh_ss + w * CAP};
   const bool post_softmax = AMDQB_SCORE == AMDQB_SCORE_SOFTMAX && !softmax_pre;
@@ -344,15 +434,27 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
   // bias is then read from LDS by every token. (A prefetch, not a load into registers: a row
   // held across the loop would cost VPL registers.)
   AMDQB_SHARED(float, sh_bias, E);
-  const i64 t_first = (i64)blockIdx.x * WARPS + w;
+  const i64 t_first = (i64)blockIdx.x * ROWS + w;
   if (t_first < num_tokens)
     for (int j = 0; j < VPL; ++j)
-      if (valid_slot(j, lane)) prefetch_l1(logits + t_first * E + j * 32 + lane);
+      if (valid_slot(j, lane0)) prefetch_l1(logits + t_first * E + slot_id(j, lane0));
   if (bias != nullptr)
     for (int e = (int)threadIdx.x; e < E; e += (int)blockDim.x) sh_bias[e] = bias[e];
   block_sync();
 
-  for (i64 t = t_first; t < num_tokens; t += (i64)gridDim.x * WARPS) {
+  for (i64 t = t_first; t < num_tokens; t += (i64)gridDim.x * ROWS) {
+    const int lane = opaque_lane(lane0), l32 = lane & 31;
+#if defined(AMDQB_HIP)
+    // The selection's arguments, read again here (kernel_params).
+    const KernelParams ip = kernel_params(params);
+    const in_t* const logits = static_cast<const in_t*>(ip->logits);
+    const float* const bias = ip->bias;
+    const int nsel = ip->nsel, softmax_pre = ip->softmax_pre;
+    const bool post_softmax = AMDQB_SCORE == AMDQB_SCORE_SOFTMAX && !softmax_pre;
+    const int wr = RW == AMDQB_WAVE_SIZE ? opaque_row(w) : w;
+    const WarpBuffers b{sh_ckey + wr * CAP, sh_cid + wr * CAP, sh_skey + wr * CAP,
+                        sh_sid + wr * CAP, sh_ss + wr * CAP};
+#endif
     const in_t* row = logits + t * E;
     // Only the selection keys stay in registers through the selection (VPL registers rather than
     // 2 * VPL with the scores: the H200 profile found this kernel latency-bound at 25% occupancy,
@@ -368,15 +470,15 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
       float v[VPL];
       activate_tie_free(
           raw, [&](int j) { return valid_slot(j, lane); },
-          [&](int j) { return valid_slot(j, lane) ? sh_bias[j * 32 + lane] : 0.0f; }, s, v);
+          [&](int j) { return valid_slot(j, lane) ? sh_bias[slot_id(j, lane)] : 0.0f; }, s, v);
 #pragma unroll
       for (int j = 0; j < VPL; ++j) key[j] = valid_slot(j, lane) ? order_key(v[j]) : kInt32Min;
 #else
-      scores_from_raw(raw, lane, s, softmax_pre, st);
+      scores_from_raw(raw, lane, s, softmax_pre, st, b.ss);
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
         if (valid_slot(j, lane)) {
-          const float u = bias != nullptr ? s[j] + sh_bias[j * 32 + lane] : s[j];
+          const float u = bias != nullptr ? s[j] + sh_bias[slot_id(j, lane)] : s[j];
           key[j] = order_key(u);
         } else {
           key[j] = kInt32Min;  // padding: ids >= E rank below every expert
@@ -384,59 +486,82 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
       }
 #endif
     }
-    select_top<CAP>(key, nsel, lane, b);
+    select_top<CAP, RW>(key, nsel, lane, b);
 #pragma unroll
-    for (int q = 0; q < CAP / 32; ++q) {
-      const int r = lane + 32 * q;
+    for (int q = 0; q < CAP / RW; ++q) {
+      const int r = lane + RW * q;
       if (r < nsel) b.ss[r] = score_of(row[b.sid[r]], softmax_pre, st);
     }
-    warp_sync();
+    RowWarp::sync();
 
-    // Route cutoff (k-th element) and weights. The sums over the k routes run in the order of
-    // routes_sum: post-softmax torch.softmax's over the k selected logits, the sigmoid /
-    // sqrtsoftplus normalisation TE's.
-    const i32 ck = b.skey[topk - 1], cid = b.sid[topk - 1];
-    float denom = 1.0f, zmax = 0.0f;
-    if (post_softmax) {
-      zmax = b.ss[0];  // the largest selected logit
-      denom = routes_sum(topk, lane, [&](int r) { return expf(b.ss[r] - zmax); });
-    } else if (normalize) {
-      denom = routes_sum(topk, lane, [&](int r) { return b.ss[r]; }) + 1e-20f;
-    }
-    auto weight = [&](float v) -> float {
-      float p;
-      if (post_softmax)
-        p = expf(v - zmax) / denom;
-      else
-        p = normalize ? v / denom : v;
-      return p * scale;
-    };
+    {
+#if defined(AMDQB_HIP)
+      // The output stage's arguments, read again here (kernel_params).
+      const KernelParams op = kernel_params(params);
+      in_t* const probs = static_cast<in_t*>(op->probs);
+      void* const map = op->map;
+      int* const hist = op->hist;
+      const float* const bounds = op->bounds;
+      float* const alpha_out = op->alpha_out;
+      float* const w_out = op->w_out;
+      int* const id_out = op->id_out;
+      u8* const bins_out = op->bins_out;
+      const int topk = op->topk, normalize = op->normalize, map_kind = op->map_kind;
+      const int qb_mode = op->qb_mode, num_bins = op->num_bins, qb_binning = op->qb_binning;
+      const int margin_fine = op->margin_fine;
+      const float scale = op->scale;
+      float qb_lower = 0.0f, qb_scale = 0.0f;
+      if (qb_mode == kQbFused && qb_binning == kUniform) {
+        qb_lower = bounds[0];
+        qb_scale = (float)num_bins / (bounds[1] - qb_lower);
+      }
+#endif
+      // Route cutoff (k-th element) and weights. The sums over the k routes run in the order of
+      // routes_sum: post-softmax torch.softmax's over the k selected logits, the sigmoid /
+      // sqrtsoftplus normalisation TE's; on 64-lane rows each half computes the same sum.
+      const i32 ck = b.skey[topk - 1], cid = b.sid[topk - 1];
+      float denom = 1.0f, zmax = 0.0f;
+      if (post_softmax) {
+        zmax = b.ss[0];  // the largest selected logit
+        denom = routes_sum(topk, l32, [&](int r) { return expf(b.ss[r] - zmax); });
+      } else if (normalize) {
+        denom = routes_sum(topk, l32, [&](int r) { return b.ss[r]; }) + 1e-20f;
+      }
+      auto weight = [&](float v) -> float {
+        float p;
+        if (post_softmax)
+          p = expf(v - zmax) / denom;
+        else
+          p = normalize ? v / denom : v;
+        return p * scale;
+      };
 
-    const auto base = [](int j) { return j * 32; };
-    const auto valid = [&](int j) { return valid_slot(j, lane); };
-    if (has_dense_outputs(probs, map_kind))
-      write_dense_outputs(key, base, valid, lane, t, ck, cid, probs, map, map_kind);
+      const auto base = [&](int j) { return slot_base(j, lane); };
+      const auto valid = [&](int j) { return valid_slot(j, lane); };
+      if (has_dense_outputs(probs, map_kind))
+        write_dense_outputs(key, base, valid, l32, t, ck, cid, probs, map, map_kind);
 #pragma unroll
-    for (int q = 0; q < CAP / 32; ++q) {
-      const int r = lane + 32 * q;
-      if (r < topk)
-        write_route(t, topk, r, b.sid[r], weight(b.ss[r]), probs, map, map_kind, w_out, id_out);
-    }
+      for (int q = 0; q < CAP / RW; ++q) {
+        const int r = lane + RW * q;
+        if (r < topk)
+          write_route(t, topk, r, b.sid[r], weight(b.ss[r]), probs, map, map_kind, w_out, id_out);
+      }
 
-    if (qb_mode != kQbNone) {
-      const float alpha = key_value(b.skey[topk]);                  // the (k+1)-th selection value
-      if (alpha_out != nullptr && lane == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
-      if (qb_binning == kLogMargin) {
-        margin_bins_out(key, base, valid, lane, t, alpha, bounds, num_bins, margin_fine, qb_mode,
-                        hist, bins_out);
-      } else if (qb_mode == kQbFused) {
-        const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
-        in_t raw[VPL];  // QB is sigmoid-only: the bin needs the logit alone
-        load_row(row, lane, raw);
-        add_fused_bins(raw, base, valid, lane, cut, qb_lower, qb_scale, num_bins, hist);
+      if (qb_mode != kQbNone) {
+        const float alpha = key_value(b.skey[topk]);  // the (k+1)-th selection value
+        if (alpha_out != nullptr && lane == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
+        if (qb_binning == kLogMargin) {
+          margin_bins_out(key, base, valid, l32, t, alpha, bounds, num_bins, margin_fine, qb_mode,
+                          hist, bins_out);
+        } else if (qb_mode == kQbFused) {
+          const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
+          in_t raw[VPL];  // QB is sigmoid-only: the bin needs the logit alone
+          load_row(row, lane, raw);
+          add_fused_bins(raw, base, valid, l32, cut, qb_lower, qb_scale, num_bins, hist);
+        }
       }
     }
-    warp_sync();  // the next token reuses this warp's buffers
+    RowWarp::sync();  // the next token reuses this row's buffers
   }
 }
 
@@ -850,23 +975,26 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
 // gfx942 lost half its waves). One logical warp per token.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(ROUTER_BLOCK)
     amdqb_router_scores(const in_t* logits, int num_tokens, float* out, int softmax_pre) {
-  const int lane = lane_id();
-  for (i64 t = (i64)blockIdx.x * WARPS + warp_in_block(); t < num_tokens;
-       t += (i64)gridDim.x * WARPS) {
+  AMDQB_SHARED(float, sh_xfer, ROWS * 32);
+  const int lane = row_lane();
+  float* const xfer = sh_xfer + row_in_block() * 32;
+  for (i64 t = (i64)blockIdx.x * ROWS + row_in_block(); t < num_tokens;
+       t += (i64)gridDim.x * ROWS) {
     in_t raw[VPL];
     float s[VPL];
     load_row(logits + t * E, lane, raw);
 #if AMDQB_TIE_FREE
     float v[VPL];  // unused: the sigmoid does not depend on the bias
     (void)softmax_pre;
+    (void)xfer;
     activate_tie_free(
         raw, [&](int j) { return valid_slot(j, lane); }, [](int) { return 0.0f; }, s, v);
 #else
     RowStats st;
-    scores_from_raw(raw, lane, s, softmax_pre, st);
+    scores_from_raw(raw, lane, s, softmax_pre, st, xfer);
 #endif
 #pragma unroll
     for (int j = 0; j < VPL; ++j)
-      if (valid_slot(j, lane)) out[t * E + j * 32 + lane] = s[j];
+      if (valid_slot(j, lane)) out[t * E + slot_id(j, lane)] = s[j];
   }
 }

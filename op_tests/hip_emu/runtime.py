@@ -208,6 +208,10 @@ class EmuRuntime:
         self.launch(kernel, grid, block, smem, args)
         self.dependent_launches.append(kernel.name)
 
+    def amdgcn_wave_size(self, device_index):
+        """The AMDGCN model's wave size; None with the prelude's substitutes (32-lane rows)."""
+        return None if self.arch is None else self.wave_size
+
     def num_cus(self, device_index):
         return self.cus
 

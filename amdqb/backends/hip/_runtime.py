@@ -615,6 +615,12 @@ class GpuRuntime:
     def launch(self, kernel: Kernel, grid, block: int, smem: int, args) -> None:
         self._launch(self.toolchain.launch, kernel, grid, block, smem, args)
 
+    def amdgcn_wave_size(self, device_index: int) -> int | None:
+        """The wave size the AMD branches of the kernels are built for (hiprtc), None on NVIDIA."""
+        if self.toolchain.name == "nvrtc":
+            return None
+        return int(self.toolchain.target(device_index)[1])
+
     @property
     def caps_registers_by_blocks(self) -> bool:
         """Whether a kernel's minimum resident blocks per CU caps its registers (NVIDIA's launch

@@ -8,7 +8,8 @@ modes give bitwise-identical histograms.
 
 Kernels and when each runs:
 
-* ``amdqb_router`` -- one logical warp per token, a persistent grid of one wave of resident blocks;
+* ``amdqb_router`` -- one row per token (a 32-lane logical warp; on wave64 AMD a whole wave), a
+  persistent grid of one wave of resident blocks;
 * ``amdqb_router_decode`` -- one block per token, for element-wise scores up to
   ``hip.router.decode_max_tokens`` tokens (``..._fused`` with the fused QB histogram,
   ``hip.biased_topk.decode_max_tokens`` for ``biased_topk``): the same outputs bit for bit;
@@ -49,8 +50,21 @@ def max_select(cfg) -> int:
 
 
 def router_block(cfg) -> int:
-    """Threads per block of amdqb_router: one logical warp of 32 per token in flight."""
+    """Threads per block of amdqb_router / amdqb_router_scores: ``hip.router.warps`` logical
+    warps of 32."""
     return 32 * int(cfg["hip.router.warps"])
+
+
+def row_lanes(rt, device) -> int:
+    """Lanes per token row of amdqb_router / amdqb_router_scores: a whole wave64 where the AMD
+    branches run on a wave64 target (router.hip's ``RW``), else a 32-lane logical warp."""
+    wave = getattr(rt, "amdgcn_wave_size", None)
+    return 64 if wave is not None and wave(device) == 64 else 32
+
+
+def router_rows(rt, cfg, device) -> int:
+    """Tokens in flight per block of amdqb_router / amdqb_router_scores."""
+    return router_block(cfg) // row_lanes(rt, device)
 
 
 def router_spec(
@@ -87,7 +101,8 @@ def _router_grid(rt, cfg, kernel, device, tokens):
     query = getattr(rt, "blocks_per_cu", None)
     per_cu = query(kernel, router_block(cfg), 0) if query is not None else None
     per_cu = per_cu or cfg["hip.fallback_blocks_per_cu"]
-    return max(1, min(cdiv(tokens, cfg["hip.router.warps"]), rt.num_cus(device) * per_cu))
+    rows = router_rows(rt, cfg, device)
+    return max(1, min(cdiv(tokens, rows), rt.num_cus(device) * per_cu))
 
 
 def auto_qb_mode(tokens: int, num_experts: int, cfg) -> str:

@@ -128,7 +128,7 @@ AMDQB_DEVICE i32 row_id(int j, int p) {
 }
 
 // Bits of the largest local id of a W-lane row of V slots per lane.
-constexpr int id_bits(int ids) {
+AMDQB_DEVICE constexpr int id_bits(int ids) {
   int b = 0;
   while ((1 << b) < ids) ++b;
   return b;

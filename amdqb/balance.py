@@ -20,10 +20,10 @@ It owns buffers whose addresses never change:
 ``step()`` sums the histogram over ``process_group`` (one integer all-reduce, so the recovered
 quantile is the pooled global-batch quantile, not a mean of per-rank quantiles), recovers the
 App. D bias (uniform) or bias change (log_margin), mixes it with the old bias (``ema``), centres
-it (uniform: the mean; log_margin: the minimum at 0, where fp32 spacing is finest, with the spread
-capped at 4), sets the new axis, marks the bounds validated and zeroes the histogram -- all in
-place, with no host synchronisation, so it can be captured in a CUDA/HIP graph with the training
-step. A step whose result is not finite, or whose histogram holds a negative (wrapped) count,
+it (uniform: the mean; log_margin: the median at 0, so that fp32 spacing is finest where most
+experts sit, with every bias within +-2), sets the new axis, marks the bounds validated and
+zeroes the histogram -- all in place, with no host synchronisation, so it can be captured in a
+CUDA/HIP graph with the training step. A step whose result is not finite, or whose histogram holds a negative (wrapped) count,
 commits nothing and counts in ``rejected_steps``; a bias or bounds overwritten with non-finite
 values from outside are restored from the last committed state before the update.
 

@@ -7,7 +7,7 @@ bias. The slice reruns three cells of ``bench/results/qb_first_step_balance`` (E
 T=4096, 60 steps: the study's protocol, ``amdqb.demo.suite_case``) on the torch backend and
 asserts the study's claims for the default ``QuantileBalancer(E, k)``: the late MaxVio within
 1.10x of the reference's and the first step within 1.5x of the reference's late MaxVio at most 3,
-from a cold start and after a shift (measured: 0.97-1.04x, steps 2-3). Where the study's torch
+from a cold start and after a shift (measured: 0.99-1.00x, steps 2-3). Where the study's torch
 version is the running one, the rerun must reproduce the recorded MaxVio series exactly.
 """
 

@@ -41,7 +41,7 @@ No output overlaps an input or another output. Signatures:
 ``qb_recover(histogram [E,B] int32, bin_bounds fp32, topk, out fp32 [E], binning,
     expert_bias fp32 [E]|None) -> None`` (``bin_bounds``: uniform ``[L, U]``, log_margin the
     per-expert inverse scales [E]; ``expert_bias``: the log_margin binning's current bias, which
-    its recovery is relative to; uniform centred, log_margin pinned at a minimum of 0)
+    its recovery is relative to; uniform centred, log_margin pinned at a median of 0)
 ``qb_step(bias fp32 [E], histogram int32 [E,B], bin_bounds fp32 [2]|[E], topk, ema, binning,
     rejected int32 [1]|None, committed fp32 [E+2]|[2E]|None) -> None``
     (in place: bias, bounds; the histogram is left for the caller to zero). ``binning``

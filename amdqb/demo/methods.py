@@ -10,7 +10,7 @@ logits every step.
 * ``qb_exact``   -- QB with the exact, bin-free quantile of the fp32 router, ``amdqb.qb_exact_bias``
   (TE's ``s + b`` selection, fp32: it ties once the sigmoid saturates);
 * ``qb_exact_tie_free`` (an ablation, not in the default list) -- the default balancer's fp32
-  tie-free selection and minimum pinning with the exact quantile of its fp32 margins instead of
+  tie-free selection and median pinning with the exact quantile of its fp32 margins instead of
   the histogram: what the fp32 router allows without any binning;
 * ``exact64``    -- the yardstick, exact tie-free QB in float64 (:mod:`.reference`), the one row
   that routes outside the amdqb router.
@@ -112,7 +112,7 @@ class QBExact(Method):
 
 class QBExactTieFree(Method):
     """Tie-free fp32 routing (the amdqb router) and the exact quantile of the fp32 margins
-    ``d = alpha - v`` as the bias change, the minimum pinned at 0: the default balancer without
+    ``d = alpha - v`` as the bias change, the median pinned at 0: the default balancer without
     its histogram."""
 
     name = "qb_exact_tie_free"
@@ -139,7 +139,7 @@ class QBExactTieFree(Method):
         n = -(-tokens * self.topk // experts)
         smallest = torch.topk(margin, min(n + 1, tokens), dim=0, largest=False).values
         delta = (smallest[n - 1] + smallest[min(n, tokens - 1)]) / 2
-        self.bias.copy_(ref_qb.pin_minimum((self.bias.double() + delta).float()))
+        self.bias.copy_(ref_qb.pin_median((self.bias.double() + delta).float()))
 
 
 class Reference(Method):

@@ -145,11 +145,14 @@ def suite_case(
     names=STUDY_METHODS,
     device: torch.device | str = "cpu",
     backend: str | None = None,
+    known: dict | None = None,
 ) -> dict:
     """One cell of the balance suite: stream ``kind`` at ``logit_std``, ``steps`` steps (the
     ``shift`` stream shifts at ``steps // 2``; the late window is the last ``steps // 3``),
     the reference and the methods ``names`` on the same logits. Returns the configuration, the
-    MaxVio series, :func:`balance_metrics` and the wall time."""
+    MaxVio series, :func:`balance_metrics` and the wall time. ``known``: MaxVio series of this
+    cell already measured (``{name: series}``, the reference's included), taken as they are
+    instead of routing those methods again (the stream is the same draw for a given seed)."""
     from .methods import build_methods
     from .streams import suite_stream
 
@@ -157,14 +160,16 @@ def suite_case(
     shift_at = steps // 2 if kind == "shift" else None
     window = max(1, steps // 3)
     stream = suite_stream(kind, tokens, experts, logit_std, seed, device, shift_at=steps // 2)
-    methods = build_methods([REFERENCE, *names], experts, topk, device)
+    known = dict(known or {})
+    run_names = [n for n in (REFERENCE, *names) if n not in known]
+    methods = build_methods(run_names, experts, topk, device)
     for m in methods:
         m.backend = backend
     start = time.perf_counter()
     hist = simulate(stream, methods, steps, diagnostics=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    series = {name: h.maxvio for name, h in hist.items()}
+    series = {n: known[n] if n in known else hist[n].maxvio for n in (REFERENCE, *names)}
     return {
         "kind": kind,
         "shape": {"experts": experts, "topk": topk, "tokens": tokens},
@@ -176,4 +181,5 @@ def suite_case(
         "wall_s": time.perf_counter() - start,
         "series": series,
         "metrics": balance_metrics(series, window, shift_at),
+        "known": sorted(known),
     }

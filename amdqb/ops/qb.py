@@ -9,7 +9,7 @@ Binnings (``amdqb.ref.qb``): ``"uniform"`` recovers the bias from a histogram of
 ``r = alpha - s`` over the bounds ``[L, U]`` (mean-centred); ``"log_margin"`` recovers the bias
 change from a histogram of the biased margin on each expert's axis (the bounds: the per-expert
 inverse scales ``[E]``), adds it to the bias the margins were measured against and pins the
-minimum at 0.
+median at 0.
 
 The counts are values, never addresses: any histogram (negative counts, counts near the int32
 limit, an empty row) is memory-safe. The recovery gives the formula's result on the counts as
@@ -164,8 +164,8 @@ def qb_recover_bias(
     with no counts recovers ``(L+U)/2``), then the mean is subtracted. ``"log_margin"``:
     ``bhat = expert_bias + delta`` with the position mapped back to a margin on the expert's axis
     (``bin_bounds``: the inverse scales ``[E]``; ``expert_bias`` required: the bias the histogram
-    was routed with), then the minimum is subtracted and the spread capped
-    (``amdqb.ref.qb.pin_minimum``).
+    was routed with), then the lower median is subtracted and the result held within
+    ``+-2`` (``amdqb.ref.qb.pin_median``).
     """
     check_choice("binning", binning, BINNINGS)
     topk = check_histogram(histogram, bin_bounds, topk, binning)
@@ -198,7 +198,7 @@ def qb_step_(
     """In-place balancer update after the all-reduce (no host sync, graph-capturable).
 
     Uniform: ``bias <- centre(ema*bias + (1-ema)*recover(histogram))``, bounds
-    ``<- [min(bias) - 1, max(bias) + 1]``. log_margin: ``bias <- pin_minimum(ema*bias +
+    ``<- [min(bias) - 1, max(bias) + 1]``. log_margin: ``bias <- pin_median(ema*bias +
     (1-ema)*(bias + delta))`` and each expert's inverse scale moves to its own correction
     (``amdqb.ref.qb.margin_scale_update``). An empty histogram changes nothing. The update
     commits only a finite bias, valid bounds and a histogram without a negative count;

@@ -9,8 +9,8 @@ Two binnings of the per-expert histogram (``amdqb.ref.router``):
   (``b_hat = b + delta``). The bounds tensor holds the per-expert inverse scales ``inv`` (fp32
   ``[E]``, powers of two), and the step moves each expert's scale to its own last correction
   (:func:`margin_scale_update`), so the resolution follows the correction of that expert, not the
-  bias range. Biases are pinned at a minimum of 0 (fp32 keeps its finest spacing where the
-  saturated experts sit) and their spread is capped at :data:`BIAS_SPREAD_MAX`.
+  bias range. Biases are pinned at a median of 0 (fp32 keeps its finest spacing where most
+  experts sit, however far a few outliers lie) and held within ``+-BIAS_SPREAD_MAX / 2``.
 
 Precision contract:
 
@@ -21,8 +21,9 @@ Precision contract:
   A row with ``m == 0`` carries no information: uniform recovers the bounds' midpoint, log_margin
   a change of 0.
 * uniform centring subtracts the float64 mean of the fp32 values, then casts to fp32; log_margin
-  adds ``delta`` to the bias in float64 (one rounding to fp32), then subtracts the minimum in
-  float64 and caps the spread (one rounding).
+  adds ``delta`` to the bias in float64 (one rounding to fp32), then subtracts the lower median
+  (an fp32 element) in float64 and clamps to ``+-BIAS_SPREAD_MAX / 2`` (one rounding; a zero
+  result is +0).
 * a step whose histogram holds a negative count (an int32 bin that wrapped) commits nothing.
 """
 
@@ -33,7 +34,7 @@ import torch
 from .ordering import ranked_indices
 from .router import MARGIN_COARSE_SHIFT, activation, margin_fine_keys
 
-BIAS_SPREAD_MAX = 4.0  # log_margin: max - min bias; scores lie in [0, 1], so a gap of 1 decides
+BIAS_SPREAD_MAX = 4.0  # log_margin: max - min bias (|b| <= 2 about the median); a gap of 1 decides
 MARGIN_INV_COLD_EXP = 68  # inv = 2^68 before any step: the axis spans 2^-68 .. 2^0 (|d| < 1)
 MARGIN_INV_MIN_EXP = 0  # the coarsest axis: eps = 1 (corrections of the spread cap)
 MARGIN_INV_MAX_EXP = 120  # the finest axis: eps = 2^-120
@@ -130,12 +131,24 @@ def margin_scale(bias: torch.Tensor) -> torch.Tensor:
     return initial_margin_scale(bias.numel(), bias.device)
 
 
-def pin_minimum(bias: torch.Tensor) -> torch.Tensor:
-    """``min(b - min(b), BIAS_SPREAD_MAX)`` in float64, one rounding to fp32: the log_margin
-    centring (the lowest bias at 0, where fp32 is finest; a spread past the cap changes no
-    route)."""
+def lower_median(values: torch.Tensor) -> torch.Tensor:
+    """0-dim: the ``(E - 1) // 2``-th smallest of ``values`` ``[E]`` (0-based; the lower of the
+    two middle values for an even E, ``torch.median``'s), an element of ``values``."""
+    return values.median()
+
+
+def pin_median(bias: torch.Tensor) -> torch.Tensor:
+    """``clamp(b - median(b), -BIAS_SPREAD_MAX / 2, BIAS_SPREAD_MAX / 2)`` in float64 with the
+    lower median (:func:`lower_median`), one rounding to fp32, zeros as +0: the log_margin
+    centring. Most experts sit near the median, so their biases are small and fp32 keeps the
+    fine spacing their corrections need (pinning the minimum put them at the distance of the
+    lowest outlier: at logit std 20, one hot expert 1.5e-7 below the rest left the others with an
+    fp32 spacing of 1e-14 where their corrections were 1e-17). The clamp bounds the recovery
+    from an absurd state; scores lie in ``[0, 1]``, so a gap above 1 already decides every
+    comparison."""
     b = bias.double()
-    return (b - b.min()).clamp(max=BIAS_SPREAD_MAX).float()
+    half = BIAS_SPREAD_MAX / 2
+    return ((b - lower_median(b)) + 0.0).clamp(-half, half).float()
 
 
 def centre(bias: torch.Tensor) -> torch.Tensor:
@@ -153,11 +166,11 @@ def qb_recover_bias(
     """Centred App. D bias estimate from an int32 ``[E, B]`` histogram: ``"uniform"`` with fp32
     ``[L, U]`` bounds, mean-centred; ``"log_margin"`` with the per-expert inverse scales ``[E]``
     and the bias the margins were measured against: ``b + delta`` (float64, one rounding),
-    pinned at a minimum of 0 (:func:`pin_minimum`)."""
+    pinned at a median of 0 (:func:`pin_median`)."""
     if binning == "uniform":
         return centre(recover_uncentred(histogram, bin_bounds, topk))
     delta = recover_margin_delta(histogram, bin_bounds, topk)
-    return pin_minimum((expert_bias.double() + delta).float())
+    return pin_median((expert_bias.double() + delta).float())
 
 
 def required_bias(logits: torch.Tensor, topk: int, expert_bias: torch.Tensor) -> torch.Tensor:
@@ -202,7 +215,7 @@ def qb_step_update(
 
     Uniform: ``new = centre(ema * old + (1 - ema) * centre(recover(hist)))``, bounds
     ``[min(new) - 1, max(new) + 1]``. log_margin: ``t = fp32(old + delta)``,
-    ``new = pin_minimum(fp32(ema * old + (1 - ema) * t))``, bounds
+    ``new = pin_median(fp32(ema * old + (1 - ema) * t))``, bounds
     ``margin_scale_update(bounds, delta)``. An empty histogram keeps both.
     """
     total = histogram.to(torch.int64).sum()
@@ -214,7 +227,7 @@ def qb_step_update(
     delta = recover_margin_delta(histogram, bin_bounds, topk)
     moved = (bias.double() + delta).float()
     mixed = (ema * bias.double() + (1.0 - ema) * moved.double()).float()
-    new = torch.where(total > 0, pin_minimum(mixed), bias.float())
+    new = torch.where(total > 0, pin_median(mixed), bias.float())
     scale = torch.where(total > 0, margin_scale_update(bin_bounds, delta), bin_bounds.float())
     return new, scale
 

@@ -55,6 +55,62 @@ def _bias(bias_ptr, committed_ptr, idx, m, GUARD: tl.constexpr):
 
 
 @triton.jit
+def _order_key(x):
+    """fp32 ``x`` (zeros as +0) as an int64 in ``[0, 2^32)`` that orders like the floats."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648
+
+
+@triton.jit
+def _candidate(
+    bhat_ptr, bias_ptr, committed_ptr, idx, m, ema, keep, MIX: tl.constexpr, GUARD: tl.constexpr
+):
+    """log_margin: the fp32 value the median is taken of -- ``bhat`` (recover) or
+    ``fp32(ema * old + (1 - ema) * bhat)`` (``MIX``: the step)."""
+    v = tl.load(bhat_ptr + idx, mask=m, other=0.0)
+    if MIX:
+        old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
+        v = (ema * old.to(tl.float64) + keep * v.to(tl.float64)).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _lower_median(
+    bhat_ptr,
+    bias_ptr,
+    committed_ptr,
+    E,
+    ema,
+    keep,
+    EB: tl.constexpr,
+    MIX: tl.constexpr,
+    GUARD: tl.constexpr,
+):
+    """The ``(E - 1) // 2``-th smallest candidate (``amdqb.ref.qb.lower_median``), fp32: a radix
+    select on the order keys, one bit a pass (32 passes over E), exact and deterministic."""
+    rank = (E - 1) // 2
+    found = tl.zeros([], dtype=tl.int64)
+    for bit in range(31, -1, -1):
+        trial = found | (tl.full([], 1, tl.int64) << bit)
+        below = tl.zeros([], dtype=tl.int64)
+        for c0 in range(0, E, EB):
+            idx = c0 + tl.arange(0, EB)
+            m = idx < E
+            v = _candidate(bhat_ptr, bias_ptr, committed_ptr, idx, m, ema, keep, MIX, GUARD)
+            below += tl.sum((m & (_order_key(v) < trial)).to(tl.int64), 0)
+        found = tl.where(below <= rank, trial, found)
+    key = (found - 2147483648).to(tl.int32)
+    return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pin(v, mid, SPREAD: tl.constexpr):
+    """``amdqb.ref.qb.pin_median`` of the float64 ``v`` about the fp32 median ``mid``."""
+    x = (v - mid.to(tl.float64)) + 0.0
+    return tl.minimum(tl.maximum(x, -SPREAD / 2), SPREAD / 2).to(tl.float32)
+
+
+@triton.jit
 def _exponent(x):
     """floor(log2 |x|) of a float64 from its exponent field (-1023 for 0 and subnormals)."""
     return ((x.to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1023
@@ -196,10 +252,10 @@ def _qb_finish_kernel(
     GUARD: tl.constexpr,
     SPREAD: tl.constexpr,  # log_margin: the spread cap (amdqb.ref.qb.BIAS_SPREAD_MAX)
 ):
-    """Single program. Recover: ``out = centre(bhat)`` (log_margin: ``pin_minimum(bhat)``).
+    """Single program. Recover: ``out = centre(bhat)`` (log_margin: ``pin_median(bhat)``).
     Step (``amdqb.ref.qb.qb_step_update``), unless the histogram is empty:
     uniform ``bias = centre(fp32(ema*old + (1-ema)*centre(bhat)))``, bounds
-    ``[min(bias) - 1, max(bias) + 1]``; log_margin ``bias = pin_minimum(fp32(ema*old +
+    ``[min(bias) - 1, max(bias) + 1]``; log_margin ``bias = pin_median(fp32(ema*old +
     (1-ema)*bhat))``, bounds the rows kernel's new scales. Means and differences are float64 of
     fp32 values. The step commits only a finite bias, valid bounds and a histogram without a
     negative count (``msum < 0``); otherwise bias and bounds keep their values and
@@ -211,7 +267,6 @@ def _qb_finish_kernel(
     own scratch, read back after a barrier).
     """
     acc = tl.zeros([], dtype=tl.float64)
-    low = tl.full([], float("inf"), tl.float32)
     total = tl.zeros([], dtype=tl.int64)
     negative = tl.zeros([], dtype=tl.int32)
     for c0 in range(0, E, EB):
@@ -219,18 +274,19 @@ def _qb_finish_kernel(
         m = idx < E
         v = tl.load(bhat_ptr + idx, mask=m, other=0.0)
         acc += tl.sum(v.to(tl.float64), 0)
-        low = tl.minimum(low, tl.min(tl.where(m, v, float("inf")), 0))
         rows = tl.load(msum_ptr + idx, mask=m, other=0)
         total += tl.sum(tl.maximum(rows, 0), 0)
         negative += tl.sum((rows < 0).to(tl.int32), 0)
     mean1 = acc / E
     if not STEP:
+        if MARGIN:
+            mid = _lower_median(bhat_ptr, bias_ptr, committed_ptr, E, 0.0, 1.0, EB, False, GUARD)
         for c0 in range(0, E, EB):
             idx = c0 + tl.arange(0, EB)
             m = idx < E
             v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
             if MARGIN:
-                res = tl.minimum(v - low.to(tl.float64), SPREAD).to(tl.float32)
+                res = _pin(v, mid, SPREAD)
             else:
                 res = (v - mean1).to(tl.float32)
             tl.store(out_ptr + idx, res, mask=m)
@@ -238,19 +294,19 @@ def _qb_finish_kernel(
         ema = ema_bits.to(tl.int64).to(tl.float64, bitcast=True)
         keep = keep_bits.to(tl.int64).to(tl.float64, bitcast=True)
         # the level the mixed values are centred on: the float64 mean (uniform) or the fp32
-        # minimum (log_margin)
+        # lower median (log_margin)
         acc2 = tl.zeros([], dtype=tl.float64)
-        low2 = tl.full([], float("inf"), tl.float32)
-        for c0 in range(0, E, EB):
-            idx = c0 + tl.arange(0, EB)
-            m = idx < E
-            v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
-            if not MARGIN:
+        if MARGIN:
+            mid = _lower_median(bhat_ptr, bias_ptr, committed_ptr, E, ema, keep, EB, True, GUARD)
+        else:
+            for c0 in range(0, E, EB):
+                idx = c0 + tl.arange(0, EB)
+                m = idx < E
+                v = tl.load(bhat_ptr + idx, mask=m, other=0.0).to(tl.float64)
                 v = (v - mean1).to(tl.float32).to(tl.float64)
-            old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
-            mixed = (ema * old.to(tl.float64) + keep * v).to(tl.float32)
-            acc2 += tl.sum(tl.where(m, mixed.to(tl.float64), 0.0), 0)
-            low2 = tl.minimum(low2, tl.min(tl.where(m, mixed, float("inf")), 0))
+                old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
+                mixed = (ema * old.to(tl.float64) + keep * v).to(tl.float32)
+                acc2 += tl.sum(tl.where(m, mixed.to(tl.float64), 0.0), 0)
         mean2 = acc2 / E
         lo = tl.full([], float("inf"), tl.float32)
         hi = tl.full([], float("-inf"), tl.float32)
@@ -264,7 +320,7 @@ def _qb_finish_kernel(
             old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
             mixed = (ema * old.to(tl.float64) + keep * v).to(tl.float32)
             if MARGIN:
-                new = tl.minimum(mixed.to(tl.float64) - low2.to(tl.float64), SPREAD).to(tl.float32)
+                new = _pin(mixed.to(tl.float64), mid, SPREAD)
             else:
                 new = (mixed.to(tl.float64) - mean2).to(tl.float32)
             new = tl.where(total > 0, new, old)
@@ -281,7 +337,7 @@ def _qb_finish_kernel(
             old = _bias(bias_ptr, committed_ptr, idx, m, GUARD)
             mixed = (ema * old.to(tl.float64) + keep * v).to(tl.float32)
             if MARGIN:
-                new = tl.minimum(mixed.to(tl.float64) - low2.to(tl.float64), SPREAD).to(tl.float32)
+                new = _pin(mixed.to(tl.float64), mid, SPREAD)
             else:
                 new = (mixed.to(tl.float64) - mean2).to(tl.float32)
             new = tl.where(total > 0, new, old)

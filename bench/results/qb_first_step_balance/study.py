@@ -54,6 +54,19 @@ def machine(device: torch.device) -> str:
     return f"{platform.machine()} CPU ({os.cpu_count()} logical), {torch.get_num_threads()} thread"
 
 
+def head_commit() -> str | None:
+    """The checkout's commit (short hash), None outside a git checkout."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
 def _hit(value) -> str:
     return "never" if value is None else str(value)
 
@@ -115,6 +128,13 @@ def main(argv=None) -> int:
         help="also run qb_exact_tie_free (the fp32 tie-free router with the exact quantile) and "
         "store the cells under ablation/ (not in the table)",
     )
+    p.add_argument(
+        "--rerun",
+        default=None,
+        help="comma list of methods (of exact64 and the study's) to route again; the other "
+        "methods' series are kept from --out's cell of the same shape, stream, std, seed and "
+        "steps (the stream is the same draw), so a change to one balancer reruns only that one",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.exists() else {"cells": {}}
@@ -147,13 +167,23 @@ def main(argv=None) -> int:
             for std in (float(s) for s in args.stds.split(",")):
                 start = time.perf_counter()
                 names = (*METHODS, "qb_exact_tie_free") if args.ablation else METHODS
+                key = cell_key(shape, kind, std, args.seed)
+                old = results["cells"].get(key)
+                known = {}
+                if args.rerun is not None and old is not None and old["steps"] == steps:
+                    rerun = args.rerun.split(",")
+                    known = {n: v for n, v in old["series"].items() if n not in rerun}
                 cell = suite_case(
                     kind, e, k, t, std, steps, seed=args.seed, names=names, device=device,
-                    backend=backend,
+                    backend=backend, known=known,
                 )  # fmt: skip
-                cell.update(machine=machine(device), backend=backend or "dispatcher")
+                cell.update(
+                    machine=machine(device), backend=backend or "dispatcher", commit=head_commit()
+                )
                 where = results.setdefault("ablation", {}) if args.ablation else results["cells"]
-                where[cell_key(shape, kind, std, args.seed)] = cell
+                if known:  # the kept series were measured with the earlier cell's code
+                    cell["kept_from"] = {n: old.get("commit") or "an earlier run" for n in known}
+                where[key] = cell
                 out.write_text(json.dumps(results, indent=1) + "\n")
                 m = cell["metrics"]
                 print(

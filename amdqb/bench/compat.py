@@ -12,8 +12,9 @@ through vLLM's ``_custom_ops`` and SGLang's preallocated forms.
 
 Every case is checked against the torch backend (the oracles) before it is timed. Rows: ``us``
 per call (graph replay of ``calls`` calls, median of alternating samples), ``floor_us`` the launch
-floor of the same run and ``x_floor`` their ratio; ``launches`` the kernels one call issues
-(profiled, GPU only).
+floor of the same run and ``x_floor`` their ratio; ``eager_us`` / ``eager_floor_us`` the same
+two called eagerly back to back (GPU only: the host's time per call where it exceeds the
+kernel's); ``launches`` the kernels one call issues (profiled, GPU only).
 """
 
 from __future__ import annotations
@@ -179,9 +180,14 @@ def run(device, cfg: TimingConfig) -> list[Report]:
         ok = _same(got, want) if "align" in op else _close(got, want)
         if not ok:
             raise AssertionError(f"{op} {shape} T={t}: differs from the torch backend")
-        times = time_alternating({"op": fn, "floor": lambda: one.add_(1)}, device, cfg)
+        impls = {"op": fn, "floor": lambda: one.add_(1)}
+        times = time_alternating(impls, device, cfg)
         row = dict(op=op, shape=shape, T=t, us=times["op"], floor_us=float(times["floor"]))
         row["x_floor"] = float(times["op"]) / float(times["floor"])
+        if on_gpu(device):  # back-to-back eager calls: the host's time per call where it bounds
+            eager = time_alternating(impls, device, cfg, graphs=False)
+            row["eager_us"] = float(eager["op"])
+            row["eager_floor_us"] = float(eager["floor"])
         count = launches(fn, device)
         if count is not None:
             row["launches"] = count

@@ -286,22 +286,28 @@ def byte_span(value: torch.Tensor) -> tuple[int, int] | None:
     return start, start + extent * value.element_size()
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device:
-        return False
-    sa, sb = byte_span(a), byte_span(b)
-    return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
+def _placed(value: torch.Tensor):
+    """(device, byte span) of ``value``, the span None when it has no element."""
+    return value.device, byte_span(value)
+
+
+def _overlaps(a, b) -> bool:
+    """Whether two :func:`_placed` tensors share a byte."""
+    (da, sa), (db, sb) = a, b
+    return da == db and sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
 
 
 def _find_overlap(outputs, out_names, inputs, in_names) -> None:
-    for i, (out, name) in enumerate(zip(outputs, out_names)):
-        for other, other_name in zip(outputs[i + 1 :], out_names[i + 1 :]):
+    outs = [_placed(t) for t in outputs]  # each tensor's span once, not once per pair
+    ins = [_placed(t) for t in inputs]
+    for i, (out, name) in enumerate(zip(outs, out_names)):
+        for other, other_name in zip(outs[i + 1 :], out_names[i + 1 :]):
             if _overlaps(out, other):
                 raise ValueError(
                     f"{name} and {other_name} overlap in memory: two outputs of one call must "
                     "not share storage"
                 )
-        for inp, inp_name in zip(inputs, in_names):
+        for inp, inp_name in zip(ins, in_names):
             if _overlaps(out, inp):
                 raise ValueError(
                     f"{name} and {inp_name} overlap in memory: an output must not share storage "

@@ -41,9 +41,10 @@
 // row, no cross-lane step). With AMDQB_ROW_ROUNDS the row's Top-k comes from k rounds instead:
 // every lane offers the best entry of its sorted list, a butterfly max over the row gives every
 // lane the round's winner, and the lane that held it drops it -- k log2(L) dependent shuffles
-// (the merges: log2(L) steps of KP shuffles each) for about half the 64-bit compares and selects,
-// which is what bounds a full GPU. Both give the same list. Route r is written by lane r % L. Groups first combine each group's
-// best entries across its AMDQB_GROUP_LANES lanes and rank the group scores.
+// (the merges: log2(L) steps of KP shuffles each) for a third fewer 64-bit compares and selects
+// (instructions a full GPU has to issue). Both give the same list. Route r is written by lane
+// r % L. Groups first combine each group's best entries across its AMDQB_GROUP_LANES lanes and
+// rank the group scores.
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
 

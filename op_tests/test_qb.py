@@ -97,6 +97,30 @@ def test_qb_step_random(backend, shape, ema):
 
 
 @over_backends("qb_step")
+@pytest.mark.parametrize("e", [3, 130, 4097], ids=lambda e: f"E{e}")
+def test_qb_step_log_margin_median_pin(backend, e):
+    """log_margin steps pin the lower median of the mixed biases at 0, bit for bit the oracle's:
+    E <= 4096 selects it among register-resident keys, E = 4097 a chunk at a time; ties, a
+    signed zero and an outlier far from the rest included."""
+    b, k = 64, 2
+    hist = random_histogram(e, b, torch.int32, seed=e).to(DEVICE)
+    bias = torch.randn(e, generator=gen(e)) * 1e-3
+    bias[: e // 3] = bias[0]  # a tie at the median's side
+    bias[1] = -0.0
+    bias[-1] = -1.5  # an outlier: a minimum pin would move everyone by it
+    bounds = ref.qb.margin_scale(bias)
+    exp_bias, exp_bounds = ref.qb_step_update(
+        bias, hist.cpu(), bounds, k, 0.25, binning="log_margin"
+    )
+    got_bias, got_bounds = bias.to(DEVICE), bounds.to(DEVICE)
+    amdqb.mark_qb_bin_bounds_validated(got_bounds)
+    amdqb.qb_step_(got_bias, hist, got_bounds, k, 0.25, binning="log_margin", backend=backend)
+    assert torch.equal(got_bias.cpu().view(torch.int32), exp_bias.view(torch.int32))
+    assert torch.equal(got_bounds.cpu(), exp_bounds)
+    assert (got_bias == 0).any()  # the median itself sits at exactly 0
+
+
+@over_backends("qb_step")
 def test_qb_step_ema_is_float64(backend):
     """ema = 0.1 is not an fp32 value: the mix must use the float64 ema, like the oracle."""
     hist = torch.tensor([[0, 3, 1], [2, 2, 0], [0, 0, 4], [4, 0, 0]], dtype=torch.int32)

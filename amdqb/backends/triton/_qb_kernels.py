@@ -87,18 +87,30 @@ def _lower_median(
     GUARD: tl.constexpr,
 ):
     """The ``(E - 1) // 2``-th smallest candidate (``amdqb.ref.qb.lower_median``), fp32: a radix
-    select on the order keys, one bit a pass (32 passes over E), exact and deterministic."""
+    select on the order keys, one bit a pass (32 passes), exact and deterministic. With E <= EB
+    (E <= 4096) the keys are computed once and every pass counts them in registers; beyond, each
+    pass recomputes them a chunk at a time."""
     rank = (E - 1) // 2
     found = tl.zeros([], dtype=tl.int64)
-    for bit in range(31, -1, -1):
-        trial = found | (tl.full([], 1, tl.int64) << bit)
-        below = tl.zeros([], dtype=tl.int64)
-        for c0 in range(0, E, EB):
-            idx = c0 + tl.arange(0, EB)
-            m = idx < E
-            v = _candidate(bhat_ptr, bias_ptr, committed_ptr, idx, m, ema, keep, MIX, GUARD)
-            below += tl.sum((m & (_order_key(v) < trial)).to(tl.int64), 0)
-        found = tl.where(below <= rank, trial, found)
+    if E <= EB:
+        idx = tl.arange(0, EB)
+        m = idx < E
+        v = _candidate(bhat_ptr, bias_ptr, committed_ptr, idx, m, ema, keep, MIX, GUARD)
+        keys = tl.where(m, _order_key(v), 1 << 33)  # padding above every key: never counted
+        for bit in range(31, -1, -1):
+            trial = found | (tl.full([], 1, tl.int64) << bit)
+            below = tl.sum((keys < trial).to(tl.int64), 0)
+            found = tl.where(below <= rank, trial, found)
+    else:
+        for bit in range(31, -1, -1):
+            trial = found | (tl.full([], 1, tl.int64) << bit)
+            below = tl.zeros([], dtype=tl.int64)
+            for c0 in range(0, E, EB):
+                idx = c0 + tl.arange(0, EB)
+                m = idx < E
+                v = _candidate(bhat_ptr, bias_ptr, committed_ptr, idx, m, ema, keep, MIX, GUARD)
+                below += tl.sum((m & (_order_key(v) < trial)).to(tl.int64), 0)
+            found = tl.where(below <= rank, trial, found)
     key = (found - 2147483648).to(tl.int32)
     return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 

@@ -212,6 +212,14 @@ AMDQB_DEVICE void for_chunks(F f) {
     for_chunks<I + 1>(f);
   }
 }
+// The parameter type of those bodies: generic on AMD; elsewhere the one chunk's (NVRTC takes a
+// generic lambda in device code for a host function, and NVIDIA rows are one chunk).
+#if defined(AMDQB_AMDGCN)
+#define AMDQB_CHUNK auto
+#else
+#define AMDQB_CHUNK ChunkIndex<0>
+static_assert(NCHUNK == 1, "rows of several chunks are AMD's");
+#endif
 
 // Slot j0 + i of the row in raw[i] (slots past VPL: padding), loads issued before any use.
 AMDQB_DEVICE bool valid_chunk_slot(int j, int lane) { return j < VPL && valid_slot(j, lane); }
@@ -320,7 +328,7 @@ AMDQB_DEVICE void softmax_scores(float (&s)[VPL], int lane, int softmax_pre, Row
     // Logical lane l's entries l, l + 32, ... are lane l's, then lane 32 + l's (the upper half
     // holds the later ids): the upper lane continues the lower lane's running sum, handed over
     // through LDS; the upper half's butterfly gives the row's sum.
-    for_chunks([&](auto ch) {
+    for_chunks([&](AMDQB_CHUNK ch) {
       constexpr int c = decltype(ch)::value;
       chunk_pin(s, c);
 #pragma unroll
@@ -344,7 +352,7 @@ AMDQB_DEVICE void softmax_scores(float (&s)[VPL], int lane, int softmax_pre, Row
     RowWarp::sync();  // xfer is free again
     sum = warp_sum_f32(sum);
     sum = bits_float((u32)RowWarp::bcast((int)float_bits(sum), 32));
-    for_chunks([&](auto ch) {
+    for_chunks([&](AMDQB_CHUNK ch) {
       constexpr int c = decltype(ch)::value;
       chunk_pin(s, c);
 #pragma unroll
@@ -355,7 +363,7 @@ AMDQB_DEVICE void softmax_scores(float (&s)[VPL], int lane, int softmax_pre, Row
 #else
     (void)xfer;
     float sum = 0.0f;
-    for_chunks([&](auto ch) {
+    for_chunks([&](AMDQB_CHUNK ch) {
       constexpr int c = decltype(ch)::value;
       chunk_pin(s, c);
 #pragma unroll
@@ -364,7 +372,7 @@ AMDQB_DEVICE void softmax_scores(float (&s)[VPL], int lane, int softmax_pre, Row
       chunk_pin(sum);
     });
     sum = warp_sum_f32(sum);
-    for_chunks([&](auto ch) {
+    for_chunks([&](AMDQB_CHUNK ch) {
       constexpr int c = decltype(ch)::value;
       chunk_pin(s, c);
 #pragma unroll
@@ -398,7 +406,7 @@ AMDQB_DEVICE void row_scores(const in_t* row, int lane, float (&s)[VPL], int sof
     load_row(row, lane, raw);
     scores_from_raw(raw, lane, s, softmax_pre, st, xfer);
   } else {
-    for_chunks([&](auto ch) {
+    for_chunks([&](AMDQB_CHUNK ch) {
       constexpr int c = decltype(ch)::value;
       in_t raw[CHUNK];
       float sc[CHUNK];
@@ -419,7 +427,7 @@ AMDQB_DEVICE void row_scores(const in_t* row, int lane, float (&s)[VPL], int sof
 // (activate_tie_free; bias(j, lane) read for the valid slots only), else 0.
 template <typename Bias, typename Out>
 AMDQB_DEVICE void row_elementwise(const in_t* row, int lane, Bias bias, Out out) {
-  for_chunks([&](auto ch) {
+  for_chunks([&](AMDQB_CHUNK ch) {
     constexpr int c = decltype(ch)::value;
     in_t raw[CHUNK];
     float sc[CHUNK], v[CHUNK];
@@ -724,7 +732,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
         } else if (qb_mode == kQbFused) {
           const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
           // QB is sigmoid-only: the bin needs the logit alone
-          for_chunks([&](auto ch) {
+          for_chunks([&](AMDQB_CHUNK ch) {
             constexpr int c = decltype(ch)::value;
             in_t raw[CHUNK];
             load_chunk(row, chunk_lane(lane), c * CHUNK, raw);

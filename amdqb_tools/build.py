@@ -85,7 +85,9 @@ def titled_variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
         (e, "float32", "sigmoid", {"approximate": True}),
         (129, "float16", "sqrtsoftplus", {}),
         (17, "float32", "softmax", {}),
-        (2048, "bfloat16", "sigmoid", {}),
+        # the op's largest E: rows of many slots per lane, loaded in chunks (router.hip CHUNK)
+        (4096, "bfloat16", "sigmoid", {}),
+        (4096, "float32", "sigmoid", {"tie_free": True}),
     ]
     short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     # the serving top-k at the peers' shapes: Mixtral, Qwen3-MoE, DeepSeek-V3 (grouped, bias),
@@ -136,7 +138,7 @@ def module_variants(arch: str = "gfx942") -> list[_spec.ModuleSpec]:
     constants), plus the shapes the compile tests cover: the layout module; the router at E=896 in
     fp32 / bf16 / fp16 with sigmoid, with sqrtsoftplus and softmax, with the tie-free selection and
     with the approximate activation; small odd E (129 fp16 sqrtsoftplus, 17 fp32 softmax) and
-    E=2048 bf16 sigmoid; the serving top-k at the peers' shapes; the router backward. The one
+    E=4096 (the op's largest) bf16 sigmoid and fp32 tie-free sigmoid; the serving top-k at the peers' shapes; the router backward. The one
     place that lists them (:func:`titled_variants`)."""
     return [spec for _, spec in titled_variants(arch)]
 

@@ -22,6 +22,7 @@ import torch
 
 import amdqb
 from amdqb import dispatch, ref
+from amdqb._arch import amd_wave_size
 from amdqb.backends import hip as hip_backend
 from amdqb.backends import torch as torch_backend
 from amdqb.backends.calls import RouterCall
@@ -30,7 +31,9 @@ from amdqb.backends.hip import router as hip_router
 from amdqb.ref.router import qb_cutoff_and_routes, qb_histogram_counts
 
 from conftest import DEVICE, GCN, HAS_GPU, device_config, expect_declined, over_backends, set_config
+from hip_emu.backend import emulated_hip_backend
 from hip_emu.checks import make_logits, routed_mask
+from hip_emu.runtime import compiler as emu_compiler
 from router_cases import (
     E_MAIN,
     FORMATS,
@@ -490,6 +493,97 @@ def test_router_and_qb_with_the_approximate_activation(backend, warp_router):
             for m in ("two_kernel", "fused_atomic")
         ]
         assert torch.equal(hists[0], hists[1])
+
+
+# (score function, use_pre_softmax, selection, QB histogram mode)
+_CHUNKED_ROW_CASES = (
+    ("sigmoid", False, "te", "fused_atomic"),
+    ("softmax", True, "te", None),
+    ("sigmoid", False, "tie_free", None),
+)
+
+
+@pytest.mark.emulator
+@pytest.mark.skipif(emu_compiler() is None, reason="the hip emulator needs g++ (C++20)")
+@pytest.mark.parametrize("score,pre,selection,qb", _CHUNKED_ROW_CASES)
+@pytest.mark.parametrize("arch", GCN)
+def test_amd_rows_of_several_chunks_are_bitwise_the_32_lane_rows(
+    monkeypatch, arch, score, pre, selection, qb
+):
+    """On AMD a lane holding more than 32 experts loads and activates them 32 slots at a time
+    (router.hip CHUNK; 16 at a time for 17 to 32 on wave64 rows): E=1100 on wave32 rows (35
+    slots per lane: a chunk of 32 and a partial one), E=1500 on wave64 rows (24: 16 and 8).
+    amdqb_router (routes, probs, the fused QB histogram) and
+    amdqb_router_scores on the AMDGCN model give the bits of the emulator's 32-lane rows, which
+    load every slot at once, and the oracle's routes on those scores."""
+    wave = amd_wave_size(arch)
+    e, t, k = (1500 if wave == 64 else 1100), 3, 8
+    logits = make_logits(t, e, "normal", e) * 3
+    bias = torch.linspace(-0.2, 0.2, e) if score == "sigmoid" else None
+    num_bins = 37
+
+    def run(rt):
+        set_config(
+            monkeypatch,
+            {"hip.router.decode_max_tokens": 0, "hip.router.decode_max_tokens_fused": 0},
+            torch.device("cpu"),
+        )
+        rt.launches.clear()
+        kw = dict(score_function=score, use_pre_softmax=pre, selection=selection)
+        if qb is not None:
+            kw.update(
+                qb_histogram=torch.zeros(e, num_bins, dtype=torch.int32),
+                qb_bin_bounds=torch.tensor([-1.5, 1.5]),
+                qb_histogram_mode=qb,
+            )
+        ids = torch.empty(t, k, dtype=torch.int32)
+        probs, _ = amdqb.fused_topk_with_score_function(
+            logits, k, expert_bias=bias, topk_indices=ids, backend="hip", **kw
+        )
+        call = RouterCall(e, 1, score, use_pre_softmax=pre, selection=selection, write_scores=True)
+        scores = torch.empty(t, e)
+        dispatch._backend_module("hip").OPS["router_fwd"](
+            call,
+            logits,
+            None,
+            torch.empty_like(logits),
+            torch.empty(t, e, dtype=torch.bool),
+            None,
+            None,
+            scores,
+            None,
+        )
+        names = {n for n, *_ in rt.launches}
+        assert {"amdqb_router", "amdqb_router_scores"} <= names, names
+        return probs, ids, kw.get("qb_histogram"), scores
+
+    with emulated_hip_backend(32) as rt:
+        want = run(rt)
+    with emulated_hip_backend(wave, arch) as rt:
+        assert hip_router.row_lanes(rt, torch.device("cpu")) == min(wave, 64)
+        got = run(rt)
+    for name, a, b in zip(("probs", "ids", "hist", "scores"), got, want):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(
+                a.view(torch.int32) if a.is_floating_point() else a,
+                b.view(torch.int32) if b.is_floating_point() else b,
+            ), name
+    probs, ids, hist, scores = got
+    torch.testing.assert_close(scores, ref.router.activation(logits, score), atol=1e-6, rtol=1e-5)
+    if selection == "te":
+        _, idx_ref, _ = ref.fused_topk_with_score_function(
+            logits,
+            k,
+            use_pre_softmax=pre,
+            score_function=score,
+            expert_bias=bias,
+            scores=scores if score != "softmax" else None,
+        )
+        assert torch.equal(ids.long(), idx_ref)
+    if hist is not None:
+        _, alpha, _ = qb_cutoff_and_routes(scores, bias, k)
+        assert torch.equal(hist, qb_histogram_counts(scores, alpha, torch.tensor([-1.5, 1.5]), 37))
 
 
 # ----------------------------------------------------------------------------------------------

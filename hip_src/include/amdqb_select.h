@@ -134,15 +134,108 @@ AMDQB_DEVICE constexpr int id_bits(int ids) {
   return b;
 }
 
+#if defined(AMDQB_AMDGCN)
+// AMD: a lane's set of slots as bits (bit j % 32 of word j / 32 for slot j), one VGPR per 32
+// slots where a compare per slot would hold a lane mask each (an SGPR pair on wave64).
+template <int V>
+struct SlotBits {
+  static constexpr int kWords = (V + 31) / 32;
+  u32 w[kWords];
+};
+template <int V>
+AMDQB_DEVICE bool slot_in(const SlotBits<V>& s, int j) {
+  return (s.w[j >> 5] >> (j & 31)) & 1u;
+}
+template <int V>
+AMDQB_DEVICE int slot_count(const SlotBits<V>& s) {
+  int c = 0;
+#pragma unroll
+  for (int q = 0; q < SlotBits<V>::kWords; ++q) c += popc32(s.w[q]);
+  return c;
+}
+
+// The slots j < lim of V (lim in [0, V]).
+template <int V>
+AMDQB_DEVICE SlotBits<V> slots_below(int lim) {
+  SlotBits<V> m;
+#pragma unroll
+  for (int q = 0; q < SlotBits<V>::kWords; ++q) {
+    const int r = lim - 32 * q;
+    m.w[q] = r >= 32 ? ~0u : r <= 0 ? 0u : (1u << r) - 1u;
+  }
+  return m;
+}
+
+// Slots whose key satisfies pred(key), taken at this point (an empty asm on each word keeps the
+// compiler from recomputing them from the compares later, each compare's lane mask held).
+template <int V, typename Pred>
+AMDQB_DEVICE SlotBits<V> slots_where(const i32 (&key)[V], Pred pred) {
+  SlotBits<V> m;
+#pragma unroll
+  for (int q = 0; q < SlotBits<V>::kWords; ++q) m.w[q] = 0u;
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    if (pred(key[j])) m.w[j >> 5] |= 1u << (j & 31);
+#if defined(AMDQB_HIP)
+#pragma unroll
+  for (int q = 0; q < SlotBits<V>::kWords; ++q) asm volatile("" : "+v"(m.w[q]));
+#endif
+  return m;
+}
+
+// Exact Top-n candidates of lane p (n <= E): the slots of the experts at or ahead of the n-th in
+// the selection order. A bitwise binary search on the offset-binary key finds the n-th largest
+// key; the ties at it are taken in id order, the need-th tie's id the largest x with fewer than
+// `need` ties below it (a bitwise search on the id as well). The lane's ids are row_id(0, p) +
+// 32 j, increasing in j, so the ties below an id are the tie bits of a prefix of slots: counts
+// and row sums only, no per-slot mask held through the searches.
+template <int W, int V>
+AMDQB_DEVICE SlotBits<V> exact_candidates(const i32 (&key)[V], int n, int p) {
+  typedef Warp<W> Row;
+  u32 thr = 0;
+#pragma unroll 1  // the rare path: rolled, so it holds few registers besides the keys
+  for (int b = 31; b >= 0; --b) {
+    const u32 cand = thr | (1u << b);
+    const i32 kc = (i32)(cand ^ 0x80000000u);  // key >= kc <=> offset-binary key >= cand
+    int c = 0;
+#pragma unroll
+    for (int j = 0; j < V; ++j) c += key[j] >= kc ? 1 : 0;
+    if (Row::sum_i32(c) >= n) thr = cand;
+  }
+  const i32 kstar = (i32)(thr ^ 0x80000000u);
+  const SlotBits<V> gt = slots_where(key, [&](i32 k) { return k > kstar; });
+  const SlotBits<V> tie = slots_where(key, [&](i32 k) { return k == kstar; });
+  const int need = n - Row::sum_i32(slot_count(gt));  // >= 1 ties to take, smallest ids first
+  const int base = row_id<W, V>(0, p);
+  // slots of the lane whose id is below x: ceil((x - base) / 32), within [0, V]
+  const auto below = [&](i32 x) {
+    const int d = x - base;
+    return slots_below<V>(d <= 0 ? 0 : (d + 31) >> 5 < V ? (d + 31) >> 5 : V);
+  };
+  i32 found = 0;
+#pragma unroll 1
+  for (int b = id_bits(W * V) - 1; b >= 0; --b) {
+    const i32 cand = found | (1 << b);
+    const SlotBits<V> m = below(cand);
+    int c = 0;
+#pragma unroll
+    for (int q = 0; q < SlotBits<V>::kWords; ++q) c += popc32(tie.w[q] & m.w[q]);
+    if (Row::sum_i32(c) < need) found = cand;
+  }
+  const SlotBits<V> upto = below(found + 1);
+  SlotBits<V> sel;
+#pragma unroll
+  for (int q = 0; q < SlotBits<V>::kWords; ++q) sel.w[q] = gt.w[q] | (tie.w[q] & upto.w[q]);
+  return sel;
+}
+#else
 // Exact n-th element of the token (n <= E): bitwise binary search on the offset-binary key for
 // the n-th largest key, then the (n - #greater)-th expert with that key in id order.
 template <int W, int V>
 AMDQB_DEVICE void exact_nth(const i32 (&key)[V], int n, int p, i32& out_key, i32& out_id) {
+  static_assert(W == 32, "64-lane rows are AMD's");
   typedef Warp<W> Row;
   u32 thr = 0;
-#if defined(AMDQB_AMDGCN)
-#pragma unroll 1  // the rare path: rolled, so it holds few registers besides the keys
-#endif
   for (int b = 31; b >= 0; --b) {
     const u32 cand = thr | (1u << b);
     int c = 0;
@@ -155,21 +248,6 @@ AMDQB_DEVICE void exact_nth(const i32 (&key)[V], int n, int p, i32& out_key, i32
 #pragma unroll
   for (int j = 0; j < V; ++j) g += key[j] > kstar ? 1 : 0;
   const int need = n - Row::sum_i32(g);  // >= 1 ties to take, smallest ids first
-#if defined(AMDQB_AMDGCN)
-  // AMD: a bitwise search on the id as well -- the largest x with fewer than `need` ties below it
-  // is the need-th tie's id. Counts and row sums only: a ballot per slot would hold V wave masks
-  // (SGPR pairs on wave64) at once.
-  i32 found = 0;
-#pragma unroll 1
-  for (int b = id_bits(W * V) - 1; b >= 0; --b) {
-    const i32 cand = found | (1 << b);
-    int c = 0;
-#pragma unroll
-    for (int j = 0; j < V; ++j) c += key[j] == kstar && row_id<W, V>(j, p) < cand ? 1 : 0;
-    if (Row::sum_i32(c) < need) found = cand;
-  }
-#else
-  static_assert(W == 32, "64-lane rows are AMD's");
   int running = 0;
   i32 found = -1;
 #pragma unroll
@@ -183,10 +261,10 @@ AMDQB_DEVICE void exact_nth(const i32 (&key)[V], int n, int p, i32& out_key, i32
     }
     running += pc;
   }
-#endif
   out_key = kstar;
   out_id = found;
 }
+#endif
 
 // How many of the lane's experts satisfy pred(key, id).
 template <int W, int V, typename Pred>
@@ -220,6 +298,22 @@ AMDQB_DEVICE void append_candidates(const i32 (&key)[V], int p, int pos, const W
   }
 }
 
+#if defined(AMDQB_AMDGCN)
+// Appends the lane's slots in sel to b.ckey/cid from slot pos on.
+template <int W, int V>
+AMDQB_DEVICE void append_slots(const i32 (&key)[V], int p, int pos, const WarpBuffers& b,
+                               const SlotBits<V>& sel) {
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    if (slot_in(sel, j)) {
+      b.ckey[pos] = key[j];
+      b.cid[pos] = row_id<W, V>(j, p);
+      ++pos;
+    }
+  }
+}
+#endif
+
 // Top-n of the token into b.skey/sid[0..n) in selection order (n <= CAP, n <= the experts held),
 // lane p of a W-lane row. Candidates: every expert whose key is at least the key of (bk, bid), an
 // entry at or behind the n-th in the selection order -- a superset of the Top-n (one compare per
@@ -230,13 +324,10 @@ template <int CAP, int W = 32, int V>
 AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int p, const WarpBuffers& b) {
   static_assert(CAP % 32 == 0 && CAP >= W, "the candidate buffer holds whole rows of entries");
   typedef Warp<W> Row;
-  i32 bk = 0, bid = 0;
-  // (bk, bid) by reference: the exact path below moves them to the exact n-th
-  const auto by_order = [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); };
+  i32 bk = 0;
   const auto first = [&](i32 k, i32) { return k >= bk; };
 #if defined(AMDQB_AMDGCN)
-  // AMD: one exact path for n > 32 and the overflow (one copy of the search inlined: the SGPRs
-  // live around it fit without spills)
+  // AMD: one exact path for n > 32 and the overflow, its candidates as slot bits (SlotBits)
   int c = 0, incl = 0, total = CAP + 1;
   if (n <= 32) {
     i32 lk = key[0], lid = row_id<W, V>(0, p);
@@ -262,23 +353,26 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int p, const WarpBuffer
       }
       warp_merge_desc(lk, lid, p & 31);
     }
-    bk = Row::bcast(lk, n - 1);    // n: the same in every lane of the wave (W = 64: lane n - 1
-    bid = Row::bcast(lid, n - 1);  // of the lower half, whose list the upper half shares)
+    bk = Row::bcast(lk, n - 1);  // n: the same in every lane of the wave (W = 64: lane n - 1
+                                 // of the lower half, whose list the upper half shares)
     c = count_candidates<W>(key, p, first);
     incl = (int)Row::inclusive_sum_u32((u32)c);
     total = Row::bcast(incl, W - 1);
     if (total > CAP) AMDQB_TRACE_OVERFLOW();  // row-uniform; rare for real router logits
   }
   if (total > CAP) {
-    exact_nth<W>(key, n, p, bk, bid);
-    c = count_candidates<W>(key, p, by_order);
+    const SlotBits<V> sel = exact_candidates<W>(key, n, p);
+    c = slot_count(sel);
     incl = (int)Row::inclusive_sum_u32((u32)c);
     total = Row::bcast(incl, W - 1);  // == n
-    append_candidates<W>(key, p, incl - c, b, by_order);
+    append_slots<W>(key, p, incl - c, b, sel);
   } else {
     append_candidates<W>(key, p, incl - c, b, first);
   }
 #else
+  i32 bid = 0;
+  // (bk, bid) by reference: the exact path below moves them to the exact n-th
+  const auto by_order = [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); };
   if (n <= 32) {
     i32 lk = key[0], lid = row_id<W, V>(0, p);
 #pragma unroll

@@ -158,6 +158,79 @@ AMDQB_DEVICE void load_row(const in_t* row, int lane, in_t (&raw)[VPL]) {
   for (int j = 0; j < VPL; ++j) keep_loaded(raw[j]);
 }
 
+// Slots loaded and activated together by amdqb_router / amdqb_router_scores: all of a lane's (the
+// batch above), except on AMD rows of many slots -- more than 32: 32 at a time; 17 to 32 on a
+// wave64 row: 16 -- so that only one chunk's logits and scores are live beside the row's keys
+// (all at once, E=4096 on wave32 (128 slots) left 64 B of scratch and 15 VGPR spills on gfx1100;
+// E=2048 on wave64 (32 slots) took 143 VGPRs, 3 waves, on gfx942, in chunks of 16 108, 4 waves).
+// E=896 is one chunk on every target.
+#if defined(AMDQB_AMDGCN)
+constexpr int CHUNK = VPL > 32 ? 32 : RW == 64 && VPL > 16 ? 16 : VPL;
+#else
+constexpr int CHUNK = VPL;
+#endif
+constexpr int NCHUNK = (VPL + CHUNK - 1) / CHUNK;
+
+// The end of a chunk, its results r computed: on AMD (rows of several chunks) an empty asm on each
+// and a point the backend's scheduler moves nothing across, so that neither the next chunk's loads
+// are hoisted above this chunk's arithmetic nor this arithmetic sunk below them (the tie-free
+// sigmoid, a chunk without branches, otherwise held every chunk's logits at once: 84 B of scratch
+// at E=4096 on gfx1100).
+template <int C>
+AMDQB_DEVICE void chunk_done(float (&r)[C]) {
+#if defined(AMDQB_HIP)
+  if constexpr (NCHUNK > 1) {
+#pragma unroll
+    for (int i = 0; i < C; ++i) asm volatile("" : "+v"(r[i]));
+    __builtin_amdgcn_sched_barrier(0);
+  }
+#else
+  (void)r;
+#endif
+}
+AMDQB_DEVICE void chunk_done() {
+#if defined(AMDQB_HIP)
+  if constexpr (NCHUNK > 1) __builtin_amdgcn_sched_barrier(0);
+#endif
+}
+
+// The lane index as chunk c's loads read it: on AMD, rows of several chunks, taken anew (opaque_lane)
+// so that the chunk's global and LDS loads are not hoisted or merged into an earlier chunk.
+AMDQB_DEVICE int chunk_lane(int lane) { return NCHUNK > 1 ? opaque_lane(lane) : lane; }
+
+// f(ChunkIndex<c>()) for c = 0 .. NCHUNK - 1 in order: the chunk index a constant in the body
+// (a loop over the chunks of heavy activations is not always unrolled, and a slot index that is
+// not a constant puts the row's arrays in scratch: 528 B at E=4096 sqrtsoftplus with clang-19).
+template <int I>
+struct ChunkIndex {
+  static constexpr int value = I;
+};
+template <int I = 0, typename F>
+AMDQB_DEVICE void for_chunks(F f) {
+  if constexpr (I < NCHUNK) {
+    f(ChunkIndex<I>());
+    for_chunks<I + 1>(f);
+  }
+}
+// The parameter type of those bodies: generic on AMD; elsewhere the one chunk's (NVRTC takes a
+// generic lambda in device code for a host function, and NVIDIA rows are one chunk).
+#if defined(AMDQB_AMDGCN)
+#define AMDQB_CHUNK auto
+#else
+#define AMDQB_CHUNK ChunkIndex<0>
+static_assert(NCHUNK == 1, "rows of several chunks are AMD's");
+#endif
+
+// Slot j0 + i of the row in raw[i] (slots past VPL: padding), loads issued before any use.
+AMDQB_DEVICE bool valid_chunk_slot(int j, int lane) { return j < VPL && valid_slot(j, lane); }
+AMDQB_DEVICE void load_chunk(const in_t* row, int lane, int j0, in_t (&raw)[CHUNK]) {
+#pragma unroll
+  for (int i = 0; i < CHUNK; ++i)
+    raw[i] = valid_chunk_slot(j0 + i, lane) ? row[slot_id(j0 + i, lane)] : in_t(0);
+#pragma unroll
+  for (int i = 0; i < CHUNK; ++i) keep_loaded(raw[i]);
+}
+
 // Row statistics of the pre-softmax (max and sum of exp over the E logits); unused otherwise.
 struct RowStats {
   float m = 0.0f;
@@ -212,12 +285,38 @@ AMDQB_DEVICE void activate_tie_free(const in_t (&raw)[V], Valid valid, Bias bias
   }
 }
 
-// Scores of one token from its loaded logits: s[j] of expert slot_id(j, lane) (0 on padding).
-// softmax: softmax over the E experts when softmax_pre (its statistics go to st), else the raw
-// logits. xfer: 32 floats of LDS for the row (64-lane rows: the lower half's running sums).
-AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[VPL],
-                                  int softmax_pre, RowStats& st, float* xfer) {
-  activate(raw, [&](int j) { return valid_slot(j, lane); }, s);
+// Slots c * CHUNK .. of s taken as computed at this point, and the scheduling barrier of
+// chunk_done (AMD rows of several chunks; nothing otherwise): a loop over s chunk by chunk
+// with this at each chunk's start and end keeps one chunk's arithmetic in flight.
+AMDQB_DEVICE void chunk_pin(float (&s)[VPL], int c) {
+#if defined(AMDQB_HIP)
+  if constexpr (NCHUNK > 1) {
+#pragma unroll
+    for (int i = 0; i < CHUNK; ++i)
+      if (c * CHUNK + i < VPL) asm volatile("" : "+v"(s[c * CHUNK + i]));
+    __builtin_amdgcn_sched_barrier(0);
+  }
+#else
+  (void)s;
+  (void)c;
+#endif
+}
+AMDQB_DEVICE void chunk_pin(float& x) {
+#if defined(AMDQB_HIP)
+  if constexpr (NCHUNK > 1) {
+    asm volatile("" : "+v"(x));
+    __builtin_amdgcn_sched_barrier(0);
+  }
+#else
+  (void)x;
+#endif
+}
+
+// The softmax over E of the activated logits s when softmax_pre (its statistics go to st);
+// nothing otherwise. xfer: 32 floats of LDS for the row (64-lane rows: the lower half's running
+// sums). The loops over the slots run CHUNK slots at a time (chunk_pin).
+AMDQB_DEVICE void softmax_scores(float (&s)[VPL], int lane, int softmax_pre, RowStats& st,
+                                 float* xfer) {
 #if AMDQB_SCORE == AMDQB_SCORE_SOFTMAX
   if (softmax_pre) {
     float m = neg_inf();
@@ -229,8 +328,13 @@ AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[V
     // Logical lane l's entries l, l + 32, ... are lane l's, then lane 32 + l's (the upper half
     // holds the later ids): the upper lane continues the lower lane's running sum, handed over
     // through LDS; the upper half's butterfly gives the row's sum.
+    for_chunks([&](AMDQB_CHUNK ch) {
+      constexpr int c = decltype(ch)::value;
+      chunk_pin(s, c);
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) s[j] = expf(s[j] - m);
+      for (int j = c * CHUNK; j < (c + 1) * CHUNK && j < VPL; ++j) s[j] = expf(s[j] - m);
+      chunk_pin(s, c);
+    });
     float sum = 0.0f;
     if (lane < 32) {
 #pragma unroll
@@ -248,17 +352,34 @@ AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[V
     RowWarp::sync();  // xfer is free again
     sum = warp_sum_f32(sum);
     sum = bits_float((u32)RowWarp::bcast((int)float_bits(sum), 32));
+    for_chunks([&](AMDQB_CHUNK ch) {
+      constexpr int c = decltype(ch)::value;
+      chunk_pin(s, c);
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) s[j] = valid_slot(j, lane) ? s[j] / sum : 0.0f;
+      for (int j = c * CHUNK; j < (c + 1) * CHUNK && j < VPL; ++j)
+        s[j] = valid_slot(j, lane) ? s[j] / sum : 0.0f;
+      chunk_pin(s, c);
+    });
 #else
     (void)xfer;
     float sum = 0.0f;
+    for_chunks([&](AMDQB_CHUNK ch) {
+      constexpr int c = decltype(ch)::value;
+      chunk_pin(s, c);
 #pragma unroll
-    for (int j = 0; j < VPL; ++j)
-      if (valid_slot(j, lane)) sum += expf(s[j] - m);
+      for (int j = c * CHUNK; j < (c + 1) * CHUNK && j < VPL; ++j)
+        if (valid_slot(j, lane)) sum += expf(s[j] - m);
+      chunk_pin(sum);
+    });
     sum = warp_sum_f32(sum);
+    for_chunks([&](AMDQB_CHUNK ch) {
+      constexpr int c = decltype(ch)::value;
+      chunk_pin(s, c);
 #pragma unroll
-    for (int j = 0; j < VPL; ++j) s[j] = valid_slot(j, lane) ? expf(s[j] - m) / sum : 0.0f;
+      for (int j = c * CHUNK; j < (c + 1) * CHUNK && j < VPL; ++j)
+        s[j] = valid_slot(j, lane) ? expf(s[j] - m) / sum : 0.0f;
+      chunk_pin(s, c);
+    });
 #endif
     st.m = m;
     st.sum = sum;
@@ -268,6 +389,66 @@ AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[V
   (void)st;
   (void)xfer;
 #endif
+}
+
+// Scores of one token from its loaded logits: s[j] of expert slot_id(j, lane) (0 on padding).
+AMDQB_DEVICE void scores_from_raw(const in_t (&raw)[VPL], int lane, float (&s)[VPL],
+                                  int softmax_pre, RowStats& st, float* xfer) {
+  activate(raw, [&](int j) { return valid_slot(j, lane); }, s);
+  softmax_scores(s, lane, softmax_pre, st, xfer);
+}
+
+// scores_from_raw over the row's logits, loaded CHUNK slots at a time.
+AMDQB_DEVICE void row_scores(const in_t* row, int lane, float (&s)[VPL], int softmax_pre,
+                             RowStats& st, float* xfer) {
+  if constexpr (NCHUNK == 1) {
+    in_t raw[VPL];
+    load_row(row, lane, raw);
+    scores_from_raw(raw, lane, s, softmax_pre, st, xfer);
+  } else {
+    for_chunks([&](AMDQB_CHUNK ch) {
+      constexpr int c = decltype(ch)::value;
+      in_t raw[CHUNK];
+      float sc[CHUNK];
+      const int cl = chunk_lane(lane);
+      load_chunk(row, cl, c * CHUNK, raw);
+      activate(raw, [&](int i) { return valid_chunk_slot(c * CHUNK + i, cl); }, sc);
+      chunk_done(sc);
+#pragma unroll
+      for (int i = 0; i < CHUNK; ++i)
+        if (c * CHUNK + i < VPL) s[c * CHUNK + i] = sc[i];
+    });
+    softmax_scores(s, lane, softmax_pre, st, xfer);
+  }
+}
+
+// The element-wise activations of the row's logits, CHUNK slots at a time: out(j, s, v) for every
+// slot j, s bit for bit act_elementwise and v the tie-free selection value with AMDQB_TIE_FREE
+// (activate_tie_free; bias(j, lane) read for the valid slots only), else 0.
+template <typename Bias, typename Out>
+AMDQB_DEVICE void row_elementwise(const in_t* row, int lane, Bias bias, Out out) {
+  for_chunks([&](AMDQB_CHUNK ch) {
+    constexpr int c = decltype(ch)::value;
+    in_t raw[CHUNK];
+    float sc[CHUNK], v[CHUNK];
+    const int cl = chunk_lane(lane);
+    load_chunk(row, cl, c * CHUNK, raw);
+    const auto valid = [&](int i) { return valid_chunk_slot(c * CHUNK + i, cl); };
+#if AMDQB_TIE_FREE
+    activate_tie_free(
+        raw, valid, [&](int i) { return valid(i) ? bias(c * CHUNK + i, cl) : 0.0f; }, sc, v);
+    chunk_done(v);
+#else
+    (void)bias;
+    activate(raw, valid, sc);
+#pragma unroll
+    for (int i = 0; i < CHUNK; ++i) v[i] = 0.0f;
+#endif
+    chunk_done(sc);
+#pragma unroll
+    for (int i = 0; i < CHUNK; ++i)
+      if (c * CHUNK + i < VPL) out(c * CHUNK + i, sc[i], v[i]);
+  });
 }
 
 // The score of one expert from its logit: bit for bit the value scores_from_raw gives it.
@@ -463,18 +644,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     i32 key[VPL];
     RowStats st;
     {
-      in_t raw[VPL];
-      float s[VPL];
-      load_row(row, lane, raw);
 #if AMDQB_TIE_FREE
-      float v[VPL];
-      activate_tie_free(
-          raw, [&](int j) { return valid_slot(j, lane); },
-          [&](int j) { return valid_slot(j, lane) ? sh_bias[slot_id(j, lane)] : 0.0f; }, s, v);
-#pragma unroll
-      for (int j = 0; j < VPL; ++j) key[j] = valid_slot(j, lane) ? order_key(v[j]) : kInt32Min;
+      row_elementwise(
+          row, lane, [&](int j, int cl) { return sh_bias[slot_id(j, cl)]; },
+          [&](int j, float, float v) { key[j] = valid_slot(j, lane) ? order_key(v) : kInt32Min; });
 #else
-      scores_from_raw(raw, lane, s, softmax_pre, st, b.ss);
+      float s[VPL];
+      row_scores(row, lane, s, softmax_pre, st, b.ss);
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
         if (valid_slot(j, lane)) {
@@ -555,9 +731,17 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
                           hist, bins_out);
         } else if (qb_mode == kQbFused) {
           const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
-          in_t raw[VPL];  // QB is sigmoid-only: the bin needs the logit alone
-          load_row(row, lane, raw);
-          add_fused_bins(raw, base, valid, l32, cut, qb_lower, qb_scale, num_bins, hist);
+          // QB is sigmoid-only: the bin needs the logit alone
+          for_chunks([&](AMDQB_CHUNK ch) {
+            constexpr int c = decltype(ch)::value;
+            in_t raw[CHUNK];
+            load_chunk(row, chunk_lane(lane), c * CHUNK, raw);
+            add_fused_bins(
+                raw, [&](int i) { return base(c * CHUNK + i); },
+                [&](int i) { return valid_chunk_slot(c * CHUNK + i, lane); }, l32, cut, qb_lower,
+                qb_scale, num_bins, hist);
+            chunk_done();
+          });
         }
       }
     }
@@ -980,21 +1164,23 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(ROUTER_BLOCK)
   float* const xfer = sh_xfer + row_in_block() * 32;
   for (i64 t = (i64)blockIdx.x * ROWS + row_in_block(); t < num_tokens;
        t += (i64)gridDim.x * ROWS) {
-    in_t raw[VPL];
-    float s[VPL];
-    load_row(logits + t * E, lane, raw);
-#if AMDQB_TIE_FREE
-    float v[VPL];  // unused: the sigmoid does not depend on the bias
+    const in_t* row = logits + t * E;
+#if AMDQB_TIE_FREE || AMDQB_SCORE != AMDQB_SCORE_SOFTMAX
+    // element-wise scores (the sigmoid does not depend on the bias): each chunk stored as computed
     (void)softmax_pre;
     (void)xfer;
-    activate_tie_free(
-        raw, [&](int j) { return valid_slot(j, lane); }, [](int) { return 0.0f; }, s, v);
+    row_elementwise(
+        row, lane, [](int, int) { return 0.0f; },
+        [&](int j, float s, float) {
+          if (valid_slot(j, lane)) out[t * E + slot_id(j, lane)] = s;
+        });
 #else
+    float s[VPL];
     RowStats st;
-    scores_from_raw(raw, lane, s, softmax_pre, st, xfer);
-#endif
+    row_scores(row, lane, s, softmax_pre, st, xfer);
 #pragma unroll
     for (int j = 0; j < VPL; ++j)
       if (valid_slot(j, lane)) out[t * E + slot_id(j, lane)] = s[j];
+#endif
   }
 }

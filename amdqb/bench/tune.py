@@ -160,6 +160,16 @@ def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)
     }
 
 
+def _topk_shape(e, score_function, groups, g, dev):
+    """(bias or None, biased_topk keywords) of a serving shape: a bias with sigmoid scores,
+    ``groups`` = (num_groups, group_topk) or None."""
+    bias = (torch.randn(e, generator=g) * 0.1).to(dev) if score_function == "sigmoid" else None
+    kw = dict(score_function=score_function)
+    if groups:
+        kw.update(num_groups=groups[0], group_topk=groups[1])
+    return bias, kw
+
+
 def topk_blocks(dev, cfg, blocks=(64, 128, 256, 512), tokens=(1, 256, 4096, 16384)):
     """amdqb_topk's threads per block at the serving shapes (E=8 / 128 softmax, E=256 grouped
     sigmoid with a bias, E=384 sigmoid with a bias)."""
@@ -173,10 +183,7 @@ def topk_blocks(dev, cfg, blocks=(64, 128, 256, 512), tokens=(1, 256, 4096, 1638
         (384, 8, torch.float32, "sigmoid", None),
     ]
     for e, k, dtype, sf, groups in shapes:
-        bias = (torch.randn(e, generator=g) * 0.1).to(dev) if sf == "sigmoid" else None
-        kw = dict(score_function=sf)
-        if groups:
-            kw.update(num_groups=groups[0], group_topk=groups[1])
+        bias, kw = _topk_shape(e, sf, groups, g, dev)
         for t in tokens:
             x = torch.randn(t, e, generator=g).to(dev, dtype)
             want = amdqb.biased_topk(x, k, bias, backend="torch", **kw)
@@ -257,10 +264,7 @@ def topk_rounds(dev, cfg, tokens=(1, 256, 1024, 4096, 8192, 16384)):
         (256, 8, torch.float32, "sigmoid", (8, 4)),
     ]
     for e, k, dtype, sf, groups in shapes:
-        bias = (torch.randn(e, generator=g) * 0.1).to(dev) if sf == "sigmoid" else None
-        kw = dict(score_function=sf)
-        if groups:
-            kw.update(num_groups=groups[0], group_topk=groups[1])
+        bias, kw = _topk_shape(e, sf, groups, g, dev)
         for t in tokens:
             x = torch.randn(t, e, generator=g).to(dev, dtype)
             want = amdqb.biased_topk(x, k, bias, backend="torch", **kw)

@@ -314,6 +314,39 @@ AMDQB_DEVICE void append_slots(const i32 (&key)[V], int p, int pos, const WarpBu
 }
 #endif
 
+// The lanes' maxima (each lane's earliest, smallest-id one), sorted descending over the row's
+// first 32 lanes (W = 64: the top 32 of both halves' maxima, which the upper half shares): lane
+// r holds the r-th, so lane n - 1's is at or behind the n-th expert of the row for n <= 32.
+template <int W, int V>
+AMDQB_DEVICE void sorted_lane_maxima(const i32 (&key)[V], int p, const WarpBuffers& b, i32& lk,
+                                     i32& lid) {
+  typedef Warp<W> Row;
+  lk = key[0];
+  lid = row_id<W, V>(0, p);
+#pragma unroll
+  for (int j = 1; j < V; ++j)
+    if (key[j] > lk) {  // strict: the lane's earliest (smallest id) maximum
+      lk = key[j];
+      lid = row_id<W, V>(j, p);
+    }
+  warp_sort_desc(lk, lid, p & 31);  // each 32 lanes
+  if constexpr (W == 64) {
+    // The top 32 of the 64 maxima in both halves: lane p takes the better of its own and lane
+    // 63 - p's (both halves sorted descending, one read reversed: a bitonic sequence), then the
+    // merge sorts it. Through the candidate buffer, free until the caller's compaction.
+    b.ckey[p] = lk;
+    b.cid[p] = lid;
+    Row::sync();
+    const i32 ok = b.ckey[63 - p], oid = b.cid[63 - p];
+    Row::sync();
+    if (ahead(ok, oid, lk, lid)) {
+      lk = ok;
+      lid = oid;
+    }
+    warp_merge_desc(lk, lid, p & 31);
+  }
+}
+
 // Top-n of the token into b.skey/sid[0..n) in selection order (n <= CAP, n <= the experts held),
 // lane p of a W-lane row. Candidates: every expert whose key is at least the key of (bk, bid), an
 // entry at or behind the n-th in the selection order -- a superset of the Top-n (one compare per
@@ -330,29 +363,8 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int p, const WarpBuffer
   // AMD: one exact path for n > 32 and the overflow, its candidates as slot bits (SlotBits)
   int c = 0, incl = 0, total = CAP + 1;
   if (n <= 32) {
-    i32 lk = key[0], lid = row_id<W, V>(0, p);
-#pragma unroll
-    for (int j = 1; j < V; ++j)
-      if (key[j] > lk) {  // strict: the lane's earliest (smallest id) maximum
-        lk = key[j];
-        lid = row_id<W, V>(j, p);
-      }
-    warp_sort_desc(lk, lid, p & 31);  // each 32 lanes
-    if constexpr (W == 64) {
-      // The top 32 of the 64 maxima in both halves: lane p takes the better of its own and lane
-      // 63 - p's (both halves sorted descending, one read reversed: a bitonic sequence), then the
-      // merge sorts it. Through the candidate buffer, free until the compaction below.
-      b.ckey[p] = lk;
-      b.cid[p] = lid;
-      Row::sync();
-      const i32 ok = b.ckey[63 - p], oid = b.cid[63 - p];
-      Row::sync();
-      if (ahead(ok, oid, lk, lid)) {
-        lk = ok;
-        lid = oid;
-      }
-      warp_merge_desc(lk, lid, p & 31);
-    }
+    i32 lk, lid;
+    sorted_lane_maxima<W>(key, p, b, lk, lid);
     bk = Row::bcast(lk, n - 1);  // n: the same in every lane of the wave (W = 64: lane n - 1
                                  // of the lower half, whose list the upper half shares)
     c = count_candidates<W>(key, p, first);
@@ -374,29 +386,8 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int p, const WarpBuffer
   // (bk, bid) by reference: the exact path below moves them to the exact n-th
   const auto by_order = [&](i32 k, i32 id) { return at_or_ahead(k, id, bk, bid); };
   if (n <= 32) {
-    i32 lk = key[0], lid = row_id<W, V>(0, p);
-#pragma unroll
-    for (int j = 1; j < V; ++j)
-      if (key[j] > lk) {  // strict: the lane's earliest (smallest id) maximum
-        lk = key[j];
-        lid = row_id<W, V>(j, p);
-      }
-    warp_sort_desc(lk, lid, p & 31);  // each 32 lanes
-    if constexpr (W == 64) {
-      // The top 32 of the 64 maxima in both halves: lane p takes the better of its own and lane
-      // 63 - p's (both halves sorted descending, one read reversed: a bitonic sequence), then the
-      // merge sorts it. Through the candidate buffer, free until the compaction below.
-      b.ckey[p] = lk;
-      b.cid[p] = lid;
-      Row::sync();
-      const i32 ok = b.ckey[63 - p], oid = b.cid[63 - p];
-      Row::sync();
-      if (ahead(ok, oid, lk, lid)) {
-        lk = ok;
-        lid = oid;
-      }
-      warp_merge_desc(lk, lid, p & 31);
-    }
+    i32 lk, lid;
+    sorted_lane_maxima<W>(key, p, b, lk, lid);
     bk = Row::bcast(lk, n - 1);    // n: the same in every lane of the wave (W = 64: lane n - 1
     bid = Row::bcast(lid, n - 1);  // of the lower half, whose list the upper half shares)
   } else {

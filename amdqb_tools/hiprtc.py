@@ -202,7 +202,9 @@ def build(
                     p.unlink()
             info = {"log": log, "seconds": seconds, "key": key, "format": OFFLINE_FORMAT}
             (tmp / "build.json").write_text(json.dumps(info, indent=1))
-            if dest.exists():
+            # Only an explicit rebuild removes a finished build: another test worker may be
+            # reading the same object right now.
+            if rebuild and dest.exists():
                 shutil.rmtree(dest, ignore_errors=True)
             try:
                 os.replace(tmp, dest)

@@ -1047,8 +1047,15 @@ def test_compiled(case, backend):
         _call(op, eager, backend)
     # the same check failed: the eager message, sizes aside (dynamic shapes print as symbols)
     want, got = _sizes_masked(str(eager_info.value)), _sizes_masked(_chain(info.value))
-    assert want in got, (want, got)
+    # Dynamo before torch 2.13 drops the arguments of an exception whose message formats a
+    # symbolic size, reporting only its class: then the class is what can be compared.
+    dropped = f"raised exception ExceptionVariable({type(eager_info.value)})"
+    assert want in got or (dropped in got and _torch_before(2, 13)), (want, got)
     _assert_unchanged(before)
+
+
+def _torch_before(major: int, minor: int) -> bool:
+    return tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2]) < (major, minor)
 
 
 def _sizes_masked(text: str) -> str:

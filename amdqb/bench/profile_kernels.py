@@ -6,7 +6,10 @@
 Everything is compiled and warmed up before ``cudaProfilerStart`` so that only the timed kernels of
 the docs/targets.md shapes are profiled: the QB router (E=896, k=16, T=16384; B=1000 in both
 histogram modes, log_margin with B=64, and no QB) per backend, biased_topk at a decode size, route
-rows (atomic / lds, M=8192 uniform) and moe_align_block_size (M=8192). ``AMDQB_PROFILE_K=a,b``: only the cases whose name contains a or b.
+rows (atomic / lds, M=8192 uniform) and moe_align_block_size (M=8192); the serving entry points
+at the peers' shapes (``amdqb.compat.vllm``: softmax top-k E=8 k=2 fp32 and E=128 k=8 bf16, align
+E=256 k=8 block 64 over M tokens). ``AMDQB_PROFILE_K=a,b``: only the cases whose name contains a
+or b.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 import amdqb
 from amdqb import dispatch
+from amdqb.compat import vllm
 
 
 def _cases(dev):
@@ -94,6 +98,34 @@ def _cases(dev):
                 be,
                 "align_block_size",
                 lambda be=be: amdqb.moe_align_block_size(ids, 64, e, backend=be),
+            )
+        )
+    return cases + _serving_cases(dev)
+
+
+def _serving_cases(dev):
+    """The compat entry points at the decode and prefill shapes of amdqb.bench.compat (hip)."""
+    g = torch.Generator(device=dev).manual_seed(1)
+    cases = []
+    for e, k, dtype in ((8, 2, torch.float32), (128, 8, torch.bfloat16)):
+        for t in (1, 1024, 4096):
+            x = torch.randn(t, e, device=dev, generator=g).to(dtype)
+            cases.append(
+                (
+                    f"serving fused_topk E={e} k={k} T={t}",
+                    "hip",
+                    "biased_topk",
+                    lambda x=x, k=k: vllm.fused_topk(x, x, k, True),
+                )
+            )
+    for m in (8, 512, 2048, 8192):
+        ids = torch.rand(m, 256, device=dev, generator=g).argsort(dim=1)[:, :8].to(torch.int32)
+        cases.append(
+            (
+                f"serving align E=256 k=8 block 64 M={m}",
+                "hip",
+                "align_block_size",
+                lambda ids=ids: vllm.moe_align_block_size(ids, 64, 256),
             )
         )
     return cases

@@ -118,7 +118,7 @@ def _serving_cases(dev):
                     lambda x=x, k=k: vllm.fused_topk(x, x, k, True),
                 )
             )
-    for m in (8, 512, 2048, 8192):
+    for m in (8, 64, 512, 2048, 8192):
         ids = torch.rand(m, 256, device=dev, generator=g).argsort(dim=1)[:, :8].to(torch.int32)
         cases.append(
             (

@@ -7,9 +7,9 @@ Everything is compiled and warmed up before ``cudaProfilerStart`` so that only t
 the docs/targets.md shapes are profiled: the QB router (E=896, k=16, T=16384; B=1000 in both
 histogram modes, log_margin with B=64, and no QB) per backend, biased_topk at a decode size, route
 rows (atomic / lds, M=8192 uniform) and moe_align_block_size (M=8192); the serving entry points
-at the peers' shapes (``amdqb.compat.vllm``: softmax top-k E=8 k=2 fp32 and E=128 k=8 bf16, align
-E=256 k=8 block 64 over M tokens). ``AMDQB_PROFILE_K=a,b``: only the cases whose name contains a
-or b.
+at the peers' shapes through ``amdqb.compat.vllm`` (softmax top-k E=8 k=2 fp32 and E=128 k=8
+bf16, DeepSeek-V3's and Kimi-K2's gates at T=1, align E=256 k=8 block 64 over M tokens).
+``AMDQB_PROFILE_K=a,b``: only the cases whose name contains a or b.
 """
 
 from __future__ import annotations
@@ -118,6 +118,19 @@ def _serving_cases(dev):
                     lambda x=x, k=k: vllm.fused_topk(x, x, k, True),
                 )
             )
+    for e, groups in ((256, (8, 4)), (384, (1, 1))):
+        x = torch.randn(1, e, device=dev, generator=g)
+        b = 0.1 * torch.randn(e, device=dev, generator=g)
+        cases.append(
+            (
+                f"serving grouped_topk E={e} groups={groups[0]} T=1",
+                "hip",
+                "biased_topk",
+                lambda x=x, b=b, gr=groups: vllm.grouped_topk(
+                    x, x, 8, True, gr[0], gr[1], "sigmoid", 2.5, b
+                ),
+            )
+        )
     for m in (8, 64, 512, 2048, 8192):
         ids = torch.rand(m, 256, device=dev, generator=g).argsort(dim=1)[:, :8].to(torch.int32)
         cases.append(

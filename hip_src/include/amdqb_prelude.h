@@ -196,6 +196,18 @@ AMDQB_DEVICE int lowest_bit(u32 x) {
 #endif
 }
 
+// Four copies of v at p, 16-byte aligned, in one 16-byte store.
+AMDQB_DEVICE void store_i32x4(int* p, int v) {
+#if defined(AMDQB_CUDA)
+  *reinterpret_cast<int4*>(p) = make_int4(v, v, v, v);
+#elif defined(AMDQB_HIP)
+  typedef int i32x4 __attribute__((ext_vector_type(4)));
+  *reinterpret_cast<i32x4*>(p) = i32x4{v, v, v, v};
+#else
+  for (int i = 0; i < 4; ++i) p[i] = v;
+#endif
+}
+
 // Pins a loaded value at this point of the program: every load feeding the values passed here is
 // issued before any code that follows. NVIDIA only, where ptxas never moves a load across the
 // CALL of an IEEE division's slow path (see load_row in router.hip); the AMD compiler batches loads

@@ -547,7 +547,9 @@ struct AlignParams {
   i32 owner_shift;
   i32 tail_value;
   i32 flags;
-  i32 rank_warps;  // warps that rank (the first ones); the others help count and fill
+  i32 rank_warps;   // warps that rank (the first ones); the others help count and fill
+  i32 warp_run;     // routes per ranking warp: whole chunks of 32, rank_warps of them cover a tile
+  i32 tile_blocks;  // entries of expert_ids each block writes, ceil(num_blocks / tiles)
 };
 
 namespace {
@@ -567,6 +569,18 @@ AMDQB_DEVICE int bucket_of(const AlignParams& p, i64 i) {
   return v >= 0 && v < p.num_experts ? (int)v : -1;
 }
 
+// dst[0, len) = value, by thread `thread` of `threads`: 16-byte stores after a scalar head up to
+// 16-byte alignment (a 4-byte store per slot was a fourth of a one-block align of 512 routes on
+// sm_90, most of its slots being padding).
+AMDQB_DEVICE void fill_i32(int* dst, i64 len, int value, i64 thread, i64 threads) {
+  const i64 misaligned = (i64)((16 - (reinterpret_cast<u64>(dst) & 15)) & 15) >> 2;
+  const i64 head = misaligned < len ? misaligned : len;
+  for (i64 i = thread; i < head; i += threads) dst[i] = value;
+  const i64 vecs = (len - head) >> 2;
+  for (i64 i = thread; i < vecs; i += threads) store_i32x4(dst + head + 4 * i, value);
+  for (i64 i = head + 4 * vecs + thread; i < len; i += threads) dst[i] = value;
+}
+
 }  // namespace
 
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
@@ -576,9 +590,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
   allow_dependent_launch();  // the rank pass is launched as this pass's dependent
   for (int e = tid; e < p.num_experts; e += nt) hist[e] = 0;
   // the sentinel over sorted_ids; the rank pass, which waits for this grid, writes the routes
-  const i64 stride = (i64)gridDim.x * nt;
-  for (i64 s = (i64)blockIdx.x * nt + tid; s < p.sorted_len; s += stride)
-    p.sorted_ids[s] = (int)p.n;
+  fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, (i64)blockIdx.x * nt + tid, (i64)gridDim.x * nt);
   block_sync();
   const i64 t0 = (i64)blockIdx.x * p.tile;
   const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
@@ -619,8 +631,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   int* next = lds + E;  // [warps][E]: per-warp counts, then each warp's running slot (relative)
   const i64 t0 = (i64)blockIdx.x * p.tile;
   const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
-  const i64 span = t1 > t0 ? t1 - t0 : 0;
-  const i64 run = ((span + warps - 1) / warps + 31) / 32 * 32;  // whole chunks per warp
+  const i64 run = p.warp_run;
   const i64 r0 = t0 + (i64)w * run;
   const i64 r1 = w >= warps ? r0 : r0 + run < t1 ? r0 + run : t1;  // no run past the ranking warps
   int* mine = next + (w < warps ? w : 0) * E;
@@ -628,8 +639,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   // 1. Zeroed per-warp rows; one block: the sentinel over sorted_ids, written before the barriers
   // that order it before the route slots (several: amdqb_align_hist wrote it).
   for (int i = tid; i < warps * E; i += nt) next[i] = 0;
-  if (p.tiles == 1)
-    for (i64 s = tid; s < p.sorted_len; s += nt) p.sorted_ids[s] = (int)p.n;
+  if (p.tiles == 1) fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, tid, nt);
   block_sync();
 
   // 2. Per-warp counts of the warp's run; its buckets stay in registers for the walk (the first
@@ -651,35 +661,68 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   block_sync();
 
   // 3. Each warp's first slot in each bucket relative to the bucket's padded start (earlier tiles
-  // + earlier warps of the tile), and the bucket's padded size.
+  // + earlier warps of the tile), and the bucket's padded size. 2^share_bits adjacent lanes share
+  // a bucket and split its tile-counts column; the column and the warps' counts are read in
+  // independent batches (one read per add waited out an L2 or LDS round trip each: the serial
+  // form was a sixth of the rank pass of 4096 routes on sm_90).
+  {
+    int share_bits = 0;
+    while (share_bits < 5 && (E << (share_bits + 1)) <= nt) ++share_bits;
+    const int share = 1 << share_bits;
+    const int lanes = (E * share + 31) / 32 * 32;
 #pragma unroll 1
-  for (int e = tid; e < E; e += nt) {
-    {
+    for (int x = tid; x < lanes; x += nt) {  // uniform across each warp
+      const int e = x >> share_bits;
+      const int q = x & (share - 1);
       int before = 0, total = 0;
-      if (p.tiles > 1) {
-        // the column in batches of COLS independent loads (one at a time, each add would wait
-        // for its own L2 round trip)
+      if (p.tiles > 1 && e < E) {
         constexpr int COLS = 8;
-        for (int t0c = 0; t0c < p.tiles; t0c += COLS) {
+#pragma unroll 1
+        for (int tc = q; tc < p.tiles; tc += COLS * share) {
           int c[COLS];
 #pragma unroll
-          for (int q = 0; q < COLS; ++q)
-            c[q] = t0c + q < p.tiles ? p.tile_counts[(i64)(t0c + q) * E + e] : 0;
+          for (int u = 0; u < COLS; ++u) {
+            const int t = tc + u * share;
+            c[u] = t < p.tiles ? p.tile_counts[(i64)t * E + e] : 0;
+          }
 #pragma unroll
-          for (int q = 0; q < COLS; ++q) {
-            before += t0c + q < (int)blockIdx.x ? c[q] : 0;
-            total += c[q];
+          for (int u = 0; u < COLS; ++u) {
+            before += tc + u * share < (int)blockIdx.x ? c[u] : 0;
+            total += c[u];
           }
         }
       }
-      int r = before;
-#pragma unroll 1
-      for (int v = 0; v < warps; ++v) {
-        const int c = next[v * E + e];
-        next[v * E + e] = r;
-        r += c;
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1) {  // constant masks (AMD: DPP / swizzle, no bpermute)
+        if (m < share) {                  // uniform
+          before += shfl_xor_i32(before, m);
+          total += shfl_xor_i32(total, m);
+        }
       }
-      start[e] = (int)padded_count(p.tiles > 1 ? total : r, p.block_size);
+      if (e < E && q == 0) {
+        int r = before;
+        // warps is a power of two: whole batches of ROWS, or fewer warps one at a time
+        constexpr int ROWS = 8;
+        int v = 0;
+#pragma unroll 1
+        for (; v + ROWS <= warps; v += ROWS) {
+          int c[ROWS];
+#pragma unroll
+          for (int u = 0; u < ROWS; ++u) c[u] = next[(v + u) * E + e];
+#pragma unroll
+          for (int u = 0; u < ROWS; ++u) {
+            next[(v + u) * E + e] = r;
+            r += c[u];
+          }
+        }
+#pragma unroll 1
+        for (; v < warps; ++v) {
+          const int c = next[v * E + e];
+          next[v * E + e] = r;
+          r += c;
+        }
+        start[e] = (int)padded_count(p.tiles > 1 ? total : r, p.block_size);
+      }
     }
   }
   block_sync();
@@ -691,9 +734,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
 
   // 4. This block's slice of expert_ids, the padded total.
   {
-    const int jper = (p.num_blocks + p.tiles - 1) / p.tiles;
-    const int j0 = (int)blockIdx.x * jper;
-    const int j1 = j0 + jper < p.num_blocks ? j0 + jper : p.num_blocks;
+    const int j0 = (int)blockIdx.x * p.tile_blocks;
+    const int j1 = j0 + p.tile_blocks < p.num_blocks ? j0 + p.tile_blocks : p.num_blocks;
     for (int j = j0 + tid; j < j1; j += nt) {
       const i64 row = (i64)j * p.block_size;
       int value;

@@ -185,6 +185,8 @@ class AlignParams(ctypes.Structure):
         ("tail_value", ctypes.c_int32),
         ("flags", ctypes.c_int32),
         ("rank_warps", ctypes.c_int32),
+        ("warp_run", ctypes.c_int32),
+        ("tile_blocks", ctypes.c_int32),
     ]
 
 
@@ -206,7 +208,8 @@ def align_rank_warps(num_experts: int) -> int:
 def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
     """(tiles, routes per tile, threads, ranking warps) of an align call. Up to
     ``hip.align.single_block_routes`` routes one block does everything (one launch), with as many
-    ranking warps as give each two or more chunks of 32 routes; beyond, tiles of at least
+    ranking warps as give each two or more chunks of 32 routes and every warp the LDS allows;
+    beyond, tiles of at least
     ``hip.align.min_tile_routes`` routes, at most ``hip.align.max_tiles`` of them and at most
     ``hip.align.colsum_budget`` column entries (tiles * E) for every rank block to sum."""
     lds_warps = align_rank_warps(num_experts)
@@ -214,7 +217,8 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
         warps = 1
         while warps < lds_warps and 64 * warps < n:
             warps *= 2
-        return 1, max(n, 1), max(256, 32 * warps), warps
+        # every warp the LDS allows: the idle ones share the sentinel fill and the scans
+        return 1, max(n, 1), max(256, 32 * lds_warps), warps
     tiles = min(
         cfg["hip.align.max_tiles"],
         max(1, cfg["hip.align.colsum_budget"] // num_experts),
@@ -269,6 +273,8 @@ def align_block_size(
         call.tail_value,
         flags,
         warps,
+        cdiv(cdiv(per, warps), 32) * 32,
+        cdiv(expert_ids_out.numel(), tiles),
     )
     smem = 4 * (1 + warps) * num_experts
     if tiles > 1:

@@ -30,7 +30,7 @@ from ._spec import arg_i32, arg_i64
 
 # Capability limits (declared in LIMITS below: the dispatcher passes this backend over beyond them).
 MAX_DET_EXPERTS = 12288  # deterministic route kernels keep E ints in LDS
-MAX_ALIGN_EXPERTS = 4096  # the align kernel keeps (1 + warps) * E ints in LDS
+MAX_ALIGN_EXPERTS = 4096  # the align kernel keeps E + warps * (E | 1) ints in LDS
 
 
 def _id_suffix(topk_ids) -> str:
@@ -198,18 +198,23 @@ _BASES_PER_THREAD = (
 
 def align_rank_warps(num_experts: int) -> int:
     """Warps that rank in amdqb_align: the most (<= 32, a power of two) whose per-warp slot rows
-    fit the LDS of a launch without an opt-in, (1 + warps) * E ints."""
+    fit the LDS of a launch without an opt-in (align_lds_bytes)."""
     warps = 32
-    while warps > 1 and 4 * (1 + warps) * num_experts + 128 > _STATIC_LDS_LIMIT:
+    while warps > 1 and align_lds_bytes(num_experts, warps) + 128 > _STATIC_LDS_LIMIT:
         warps //= 2
     return warps
+
+
+def align_lds_bytes(num_experts: int, warps: int) -> int:
+    """amdqb_align's dynamic LDS: the buckets' starts and one row per ranking warp, rows of an
+    odd stride (E | 1: a bucket's rows in distinct banks)."""
+    return 4 * (num_experts + warps * (num_experts | 1))
 
 
 def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
     """(tiles, routes per tile, threads, ranking warps) of an align call. Up to
     ``hip.align.single_block_routes`` routes one block does everything (one launch), with as many
-    ranking warps as give each two or more chunks of 32 routes and every warp the LDS allows;
-    beyond, tiles of at least
+    ranking warps as give each two or more chunks of 32 routes; beyond, tiles of at least
     ``hip.align.min_tile_routes`` routes, at most ``hip.align.max_tiles`` of them and at most
     ``hip.align.colsum_budget`` column entries (tiles * E) for every rank block to sum."""
     lds_warps = align_rank_warps(num_experts)
@@ -217,8 +222,7 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
         warps = 1
         while warps < lds_warps and 64 * warps < n:
             warps *= 2
-        # every warp the LDS allows: the idle ones share the sentinel fill and the scans
-        return 1, max(n, 1), max(256, 32 * lds_warps), warps
+        return 1, max(n, 1), max(256, 32 * warps), warps
     tiles = min(
         cfg["hip.align.max_tiles"],
         max(1, cfg["hip.align.colsum_budget"] // num_experts),
@@ -276,7 +280,7 @@ def align_block_size(
         cdiv(cdiv(per, warps), 32) * 32,
         cdiv(expert_ids_out.numel(), tiles),
     )
-    smem = 4 * (1 + warps) * num_experts
+    smem = align_lds_bytes(num_experts, warps)
     if tiles > 1:
         k = rt.kernel(device, spec, "amdqb_align_hist")
         rt.launch(k, tiles, 1024, 4 * num_experts, [params])

@@ -70,7 +70,8 @@ def test_biased_topk(backend, score, bias, grouped, renormalize):
 @pytest.mark.parametrize("score,bias", [("softmax", False), ("sigmoid", True)])
 @pytest.mark.parametrize("e,k", [(8, 2), (40, 12), (64, 6), (64, 3), (64, 1)])
 def test_biased_topk_rows_of_few_lanes(monkeypatch, backend, score, bias, e, k):
-    """hip's rows of few lanes (from hip.topk.wide_min_tokens tokens on; E=8: a thread per row,
+    """hip's rows of few lanes (from hip.topk.wide_min_tokens tokens on at E >=
+    hip.topk.wide_min_experts; E=8: a thread per row,
     E=40: k=12 routes over 8 lanes; E=64, k <= 4: each lane's best k of its 8 by the partial
     selection) give the oracle's ids and the same bits as its decode rows
     (the softmax sum and the weights' sum keep their order)."""
@@ -78,7 +79,7 @@ def test_biased_topk_rows_of_few_lanes(monkeypatch, backend, score, bias, e, k):
     eb = torch.linspace(0.2, -0.2, e, device=DEVICE) if bias else None
     kw = dict(score_function=score, renormalize=True, scaling_factor=2.5)
     decode = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
-    set_config(monkeypatch, {"hip.topk.wide_min_tokens": 1})
+    set_config(monkeypatch, {"hip.topk.wide_min_tokens": 1, "hip.topk.wide_min_experts": 1})
     if backend == "hip":
         wide = topk_plan(e, k, score, None, None, device_config(), tokens=9)
         assert wide.lanes < topk_plan(e, k, score, None, None, device_config()).lanes

@@ -232,22 +232,35 @@ def topk_lanes(dev, cfg, tokens=(1, 64, 256, 1024, 4096, 16384), slots=(1, 2, 4,
             for s, us in measured.items():
                 report.add(E=e, k=k, T=t, slots=s, us=us)
             times[(e, t)] = measured
+    return report, lane_choice(times, tokens)
+
+
+def lane_choice(times: dict, tokens) -> dict:
+    """The decode and wide experts per lane, the token count between them and the experts a row
+    needs for the wide form, minimising the time summed over ``times`` ((E, T) -> {slots: us})."""
+    slots = sorted(next(iter(times.values())))
     best = None
-    for wide_min in (*tokens, 1 << 30):
-        for decode in slots:
-            for wide in slots:
-                total = sum(row[decode if t < wide_min else wide] for (_, t), row in times.items())
-                if best is None or total < best[0]:
-                    best = (total, decode, wide, wide_min)
-    total, decode, wide, wide_min = best
+    for min_experts in sorted({1, *(e for e, _ in times)}):
+        for wide_min in (*tokens, 1 << 30):
+            for decode in slots:
+                for wide in slots:
+                    total = sum(
+                        row[decode if t < wide_min or e < min_experts else wide]
+                        for (e, t), row in times.items()
+                    )
+                    if best is None or total < best[0] - 1e-9:
+                        best = (total, decode, wide, wide_min, min_experts)
+    total, decode, wide, wide_min, min_experts = best
     why = (
-        f"{decode} / {wide} experts per lane below / from T={wide_min}: {total:.1f} us summed "
-        f"over E=8 and E=128 softmax, T = {tokens[0]} .. {tokens[-1]}"
+        f"{decode} / {wide} experts per lane below / from T={wide_min} at E >= {min_experts}: "
+        f"{total:.1f} us summed over E = {' / '.join(str(e) for e in sorted({e for e, _ in times}))} "
+        f"softmax, T = {tokens[0]} .. {tokens[-1]}"
     )
-    return report, {
+    return {
         "hip.topk.decode_lane_slots": (decode, why),
         "hip.topk.lane_slots": (wide, why),
         "hip.topk.wide_min_tokens": (wide_min, why),
+        "hip.topk.wide_min_experts": (min_experts, why),
     }
 
 

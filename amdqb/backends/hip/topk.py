@@ -74,7 +74,11 @@ def plan(
     """The row plan of amdqb_topk for this configuration, or None (declined). ``group_best``: the
     best entries a group's score sums (vLLM / SGLang: 2 with a bias, 1 without; TE: k /
     group_topk); ``tokens`` (None: unknown) picks the wide rows and the rounds."""
-    wide = tokens is not None and tokens >= int(cfg["hip.topk.wide_min_tokens"])
+    wide = (
+        tokens is not None
+        and tokens >= int(cfg["hip.topk.wide_min_tokens"])
+        and num_experts >= int(cfg["hip.topk.wide_min_experts"])
+    )
     rounds = tokens is not None and tokens >= int(cfg["hip.topk.rounds_min_tokens"])
     return _row_plan(
         num_experts,

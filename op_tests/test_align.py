@@ -69,19 +69,15 @@ def test_align_beyond_4096_experts(backend, e):
 
 @over_backends("align_block_size", emulator=True, waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("form", ["one block", "tiles", "self-counting tiles"])
-def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, form):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, tiled):
     """moe_align_block_size: sorted ids, expert ids and the padded total equal the oracle's bitwise
-    (ascending flat order inside each expert), in one block (one launch), over tiles that split
-    experts' routes (the histogram pass, then the rank pass as its dependent) or over tiles whose
-    blocks count every route themselves (one launch; the two-pass form where the LDS lacks the
-    extra rows, E=2048 and 4096), with partial last tiles, dropped ids, empty experts, 1..32
-    ranking warps (E up to 4096) and pad_sorted_ids."""
+    (ascending flat order inside each expert), in one block (one launch) or over tiles that split
+    experts' routes (the histogram pass, then the rank pass as its dependent), with partial last
+    tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and pad_sorted_ids."""
     rt = emu_rt
-    tiled = form != "one block"
     if tiled:  # tiles of 64 routes from 65 routes on
         values = {"hip.align.single_block_routes": 64, "hip.align.min_tile_routes": 64}
-        values["hip.align.self_count_routes"] = 1 << 20 if form == "self-counting tiles" else 0
     else:  # every case in one block
         values = {"hip.align.single_block_routes": 1 << 20}
     set_config(monkeypatch, values, torch.device("cpu"))
@@ -105,16 +101,11 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
         for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
             assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist}, bs={bs})"
         names = [n for n, *_ in rt.launches]
-        cfg = device_config(torch.device("cpu"))
-        tiles, _, _, warps = hip_layout.align_plan(ids.numel(), e, cfg)
-        self_count = hip_layout.align_self_counts(ids.numel(), e, tiles, warps, cfg)
-        assert self_count == (form == "self-counting tiles" and tiles > 1 and e <= 896), (e, m)
-        if tiled and ids.numel() > 64 and not self_count:
+        if tiled and ids.numel() > 64:
             assert names == ["amdqb_align_hist", "amdqb_align"], (e, m, k)
             assert rt.dependent_launches == ["amdqb_align"]
+            tiles = hip_layout.align_plan(ids.numel(), e, device_config(torch.device("cpu")))[0]
             assert 1 < tiles == rt.launches[0][1][0] == rt.launches[1][1][0], (e, m, k)
-        elif self_count:
-            assert names == ["amdqb_align"] and 1 < tiles == rt.launches[0][1][0], (e, m, k)
         else:
             assert names == ["amdqb_align"], (e, m, k)
     assert hip_layout.align_rank_warps(896) == 8 and hip_layout.align_rank_warps(2048) == 4

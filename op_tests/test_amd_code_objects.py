@@ -179,7 +179,7 @@ def test_no_external_calls_no_dynamic_stack(objects, tc, arch):
             assert k.code, (spec.label(), name, "no disassembly")
 
 
-ALIGN_SGPR_SPILLS = 16
+ALIGN_SGPR_SPILLS = 4
 
 
 @pytest.mark.parametrize("tc, arch", target_params())
@@ -199,9 +199,8 @@ def test_no_scratch_where_promised(objects, tc, arch):
             assert k.scratch == 0, (spec.label(), arch, name, k.meta)
             if spec.kernel_file == "router_bwd.hip":
                 continue
-            # amdqb_align on wave64 holds its kernel arguments, the scans' shapes, the self-counting
-            # ranges and the walk's bounds in ~106 SGPRs: some live in VGPR lanes (v_writelane,
-            # no scratch)
+            # amdqb_align on wave64 holds its kernel arguments, the scans' shapes and the walk's
+            # bounds in ~106 SGPRs: a few of them live in VGPR lanes (v_writelane, no scratch)
             sgpr_limit = ALIGN_SGPR_SPILLS if name == "amdqb_align" else 0
             assert k.spills[0] == 0 and k.spills[1] <= sgpr_limit, (
                 spec.label(),

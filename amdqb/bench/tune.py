@@ -115,27 +115,22 @@ def route_gate(dev, cfg, experts=(256, 896, 2048), ms=(8, 32, 128, 512, 2048)):
 
 
 def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)):
-    """amdqb_align in one block against the tiled forms (histogram + rank passes, or one launch
-    whose blocks count every route) at E=256, k=8, block 64 (DeepSeek-V3), over tile sizes and
-    tile counts: the single-block crossover, the tile shape and the self-counting crossover."""
+    """amdqb_align in one block against the tiled form (histogram + rank passes) at E=256, k=8,
+    block 64 (DeepSeek-V3), over tile sizes and tile counts: the single-block crossover and the
+    tile shape."""
     e, k, bs = 256, 8, 64
     report = Report("tune_align", environment(dev), shape=dict(E=e, k=k, block=bs))
     g = torch.Generator().manual_seed(0)
     tiled = {
         f"tiles{mt}x{mr}": {
             "hip.align.single_block_routes": 0,
-            "hip.align.self_count_routes": 0,
             "hip.align.max_tiles": mt,
             "hip.align.min_tile_routes": mr,
         }
         for mt in (32, 64, 128)
         for mr in (1024, 2048, 4096)
     }
-    counting = {
-        f"self64x{mr}": {**tiled[f"tiles64x{mr}"], "hip.align.self_count_routes": 1 << 30}
-        for mr in (1024, 2048, 4096)
-    }
-    variants = {"single": {"hip.align.single_block_routes": 1 << 30}, **tiled, **counting}
+    variants = {"single": {"hip.align.single_block_routes": 1 << 30}, **tiled}
     best_at, totals = {}, {}
     for m in tokens:
         ids = make_ids(m, k, e, "uniform", g).to(dev)
@@ -143,31 +138,23 @@ def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)
         impls = {
             name: _with(values, lambda: amdqb.moe_align_block_size(ids, bs, e, backend="hip"))
             for name, values in variants.items()
-            if name in tiled or m * k <= 65536  # one block or every route per block: small inputs
+            if name != "single" or m * k <= 65536  # one block for everything: small inputs
         }
         for name, fn in impls.items():
             assert _same([x.cpu() for x in fn()], want), f"align {name} M={m} differs"
         times = time_alternating(impls, dev, cfg)
         for name, us in times.items():
             report.add(M=m, routes=m * k, variant=name, us=us)
-            if name in tiled and m * k >= 65536:
+            if name != "single" and m * k >= 65536:
                 totals[name] = totals.get(name, 0.0) + us
-        best_at[m * k] = times
+        best_at[m * k] = min(times, key=times.get)
     shape = min(totals, key=totals.get)
-    winner = {r: min(t, key=t.get) for r, t in best_at.items()}
-    single = max([n for n, b in winner.items() if b == "single"], default=0)
+    single = max([n for n, b in best_at.items() if b == "single"], default=0)
     values = tiled[shape]
-    # the self-counting form of the chosen tile shape, where it beats that shape's two passes
-    own = "self" + shape[len("tiles") :]
-    counted = max(
-        [r for r, t in best_at.items() if r > single and own in t and t[own] < t[shape]], default=0
-    )
     why_tiles = f"{shape}: {totals[shape]:.1f} us summed over M >= 8192 (E=256, k=8, block 64)"
     why_single = f"one block wins up to {single} routes (E=256, k=8, block 64)"
-    why_count = f"{own} ahead of {shape} up to {counted} routes (E=256, k=8, block 64)"
     return report, {
         "hip.align.single_block_routes": (single, why_single),
-        "hip.align.self_count_routes": (counted, why_count),
         "hip.align.max_tiles": (values["hip.align.max_tiles"], why_tiles),
         "hip.align.min_tile_routes": (values["hip.align.min_tile_routes"], why_tiles),
     }

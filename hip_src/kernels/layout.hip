@@ -550,8 +550,6 @@ struct AlignParams {
   i32 rank_warps;   // warps that rank (the first ones); the others help count and fill
   i32 warp_run;     // routes per ranking warp: whole chunks of 32, rank_warps of them cover a tile
   i32 tile_blocks;  // entries of expert_ids each block writes, ceil(num_blocks / tiles)
-  i32 self_count;   // tiles > 1 in one launch: each block counts every route itself
-  i64 fill_span;    // self_count: slots of sorted_ids each block checks for the sentinel
 };
 
 namespace {
@@ -583,24 +581,6 @@ AMDQB_DEVICE void fill_i32(int* dst, i64 len, int value, i64 thread, i64 threads
   for (i64 i = head + 4 * vecs + thread; i < len; i += threads) dst[i] = value;
 }
 
-// row[b] += 1 for the bucket b of every route in [lo, hi), by thread `tid` of `nt`: 8 ids per
-// thread loaded before any is counted (a load per LDS atomic would leave each thread one L2 round
-// trip at a time).
-AMDQB_DEVICE void count_routes(const AlignParams& p, i64 lo, i64 hi, int* row, int tid, int nt) {
-  constexpr int BATCH = 8;
-  for (i64 k0 = lo + tid; k0 < hi; k0 += (i64)BATCH * nt) {
-    int b[BATCH];
-#pragma unroll
-    for (int u = 0; u < BATCH; ++u) {
-      const i64 i = k0 + (i64)u * nt;
-      b[u] = i < hi ? bucket_of(p, i) : -1;
-    }
-#pragma unroll
-    for (int u = 0; u < BATCH; ++u)
-      if (b[u] >= 0) atomic_add_shared(&row[b[u]], 1);
-  }
-}
-
 }  // namespace
 
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
@@ -614,7 +594,20 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
   block_sync();
   const i64 t0 = (i64)blockIdx.x * p.tile;
   const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
-  count_routes(p, t0, t1, hist, tid, nt);
+  // 8 ids per thread loaded before any is counted (a load per LDS atomic would leave each thread
+  // one L2 round trip at a time)
+  constexpr int BATCH = 8;
+  for (i64 k0 = t0 + tid; k0 < t1; k0 += (i64)BATCH * nt) {
+    int b[BATCH];
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const i64 i = k0 + (i64)u * nt;
+      b[u] = i < t1 ? bucket_of(p, i) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u)
+      if (b[u] >= 0) atomic_add_shared(&hist[b[u]], 1);
+  }
   block_sync();
   int* out = p.tile_counts + (i64)blockIdx.x * p.num_experts;
   for (int e = tid; e < p.num_experts; e += nt) out[e] = hist[e];
@@ -648,10 +641,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
 
   // 1. Zeroed per-warp rows; one block: the sentinel over sorted_ids, written before the barriers
   // that order it before the route slots (several: amdqb_align_hist wrote it).
-  // self_count: two more rows, the counts of the routes before and after the tile
-  int* before_row = next + warps * S;
-  int* after_row = before_row + S;
-  for (int i = tid; i < (warps + (p.self_count ? 2 : 0)) * S; i += nt) next[i] = 0;
+  for (int i = tid; i < warps * S; i += nt) next[i] = 0;
   if (p.tiles == 1) fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, tid, nt);
   block_sync();
 
@@ -670,12 +660,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
     const int b = bucket_of(p, i);
     if (b >= 0) atomic_add_shared(&mine[b], 1);
   }
-  if (p.self_count) {  // every route outside the tile, where two passes would wait on a grid
-    count_routes(p, 0, t0, before_row, tid, nt);
-    count_routes(p, t1, p.n, after_row, tid, nt);
-  } else if (p.tiles > 1) {
-    wait_for_prior_grid();  // tile_counts (and the sentinel fill): amdqb_align_hist
-  }
+  if (p.tiles > 1) wait_for_prior_grid();  // tile_counts (and the sentinel fill): amdqb_align_hist
   block_sync();
 
   // 3. Each warp's first slot in each bucket relative to the bucket's padded start (earlier tiles
@@ -697,12 +682,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
       const int q = x & (share - 1);
       const bool valid = e < E;
       int before = 0, total = 0;
-      if (p.self_count) {
-        if (valid && q == 0) {  // summed over the group below: one lane holds them
-          before = before_row[e];
-          total = before + after_row[e];
-        }
-      } else if (p.tiles > 1 && valid) {
+      if (p.tiles > 1 && valid) {
 #pragma unroll 1
         for (int tc = q; tc < p.tiles; tc += BATCH * share) {
           int c[BATCH];
@@ -754,11 +734,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
           r += c[u];
         }
       }
-      if (p.self_count) total += group;
-      if (valid && q == 0) {
-        start[e] = (int)padded_count(p.tiles > 1 ? total : group, p.block_size);
-        if (p.self_count) after_row[e] = total;  // the bucket's routes, for the sentinel below
-      }
+      if (valid && q == 0) start[e] = (int)padded_count(p.tiles > 1 ? total : group, p.block_size);
     }
   }
   block_sync();
@@ -795,28 +771,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
       p.expert_ids[j] = value;
     }
     if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;
-  }
-
-  // 4b. self_count: the sentinel in this block's span of slots that hold no route (each bucket's
-  // padding, the tail), disjoint from every block's route slots.
-  if (p.self_count) {
-    const i64 f0 = (i64)blockIdx.x * p.fill_span;
-    const i64 f1 = f0 + p.fill_span < p.sorted_len ? f0 + p.fill_span : p.sorted_len;
-    for (i64 s = f0 + tid; s < f1; s += nt) {
-      bool pad = s >= total;
-      if (!pad) {
-        int a = 0, b = E - 1;  // the owner of slot s, as for expert_ids
-        while (a < b) {
-          const int mid = (a + b + 1) >> 1;
-          if (start[mid] <= s)
-            a = mid;
-          else
-            b = mid - 1;
-        }
-        pad = s - start[a] >= after_row[a];
-      }
-      if (pad) p.sorted_ids[s] = (int)p.n;
-    }
   }
 
   // 5. Ranks in flat order, 32 routes at a time: the lowest peer advances the bucket's slot. The

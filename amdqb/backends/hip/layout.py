@@ -187,8 +187,6 @@ class AlignParams(ctypes.Structure):
         ("rank_warps", ctypes.c_int32),
         ("warp_run", ctypes.c_int32),
         ("tile_blocks", ctypes.c_int32),
-        ("self_count", ctypes.c_int32),
-        ("fill_span", ctypes.c_int64),
     ]
 
 
@@ -207,21 +205,10 @@ def align_rank_warps(num_experts: int) -> int:
     return warps
 
 
-def align_lds_bytes(num_experts: int, warps: int, self_count: bool = False) -> int:
-    """amdqb_align's dynamic LDS: the buckets' starts and one row per ranking warp (two more when
-    each block counts every route), rows of an odd stride (E | 1: a bucket's rows in distinct
-    banks)."""
-    return 4 * (num_experts + (warps + 2 * self_count) * (num_experts | 1))
-
-
-def align_self_counts(n: int, num_experts: int, tiles: int, warps: int, cfg) -> bool:
-    """Whether a tiled align runs in one launch, every block counting all routes itself (up to
-    ``hip.align.self_count_routes`` routes, where the LDS holds the two extra rows)."""
-    return (
-        tiles > 1
-        and n <= cfg["hip.align.self_count_routes"]
-        and align_lds_bytes(num_experts, warps, True) + 128 <= _STATIC_LDS_LIMIT
-    )
+def align_lds_bytes(num_experts: int, warps: int) -> int:
+    """amdqb_align's dynamic LDS: the buckets' starts and one row per ranking warp, rows of an
+    odd stride (E | 1: a bucket's rows in distinct banks)."""
+    return 4 * (num_experts + warps * (num_experts | 1))
 
 
 def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
@@ -251,8 +238,7 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
 def align_block_size(
     rt, call: AlignCall, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
-    """amdqb_align (one launch up to hip.align.single_block_routes routes, or over tiles whose
-    blocks count every route themselves up to hip.align.self_count_routes), else
+    """amdqb_align (one launch up to hip.align.single_block_routes routes), else
     amdqb_align_hist + amdqb_align (its dependent)."""
     n = topk_ids.numel()
     num_experts = call.num_experts
@@ -264,9 +250,8 @@ def align_block_size(
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
     tiles, per, threads, warps = align_plan(n, num_experts, cfg)
-    self_count = align_self_counts(n, num_experts, tiles, warps, cfg)
     tile_counts = None
-    if tiles > 1 and not self_count:
+    if tiles > 1:
         tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
     flags = (1 if topk_ids.dtype == torch.int64 else 0) | (
         2 if expert_map is not None and expert_map.dtype == torch.int64 else 0
@@ -294,11 +279,9 @@ def align_block_size(
         warps,
         cdiv(cdiv(per, warps), 32) * 32,
         cdiv(expert_ids_out.numel(), tiles),
-        int(self_count),
-        cdiv(sorted_ids_out.numel(), tiles),
     )
-    smem = align_lds_bytes(num_experts, warps, self_count)
-    if tiles > 1 and not self_count:
+    smem = align_lds_bytes(num_experts, warps)
+    if tiles > 1:
         k = rt.kernel(device, spec, "amdqb_align_hist")
         rt.launch(k, tiles, 1024, 4 * num_experts, [params])
         launch = rt.launch_dependent if cfg["hip.route.det_dependent_launch"] else rt.launch

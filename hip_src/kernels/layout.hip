@@ -516,7 +516,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
 // the padding slots and the tail (sentinel) and its slice of expert_ids, and ranks its tile's
 // routes: warp w owns a contiguous run of chunks of 32 routes, counts them per bucket, and walks
 // them in flat order claiming slots (warp_claim_slot). Route slots, padding slots and the tail are
-// disjoint, so no write is ordered after another. Dynamic shared memory: E + warps * (E | 1) ints.
+// disjoint, so no write is ordered after another. Dynamic shared memory: (1 + warps) * E ints.
 //
 // ceil(count / block_size) * block_size in u32 (the op checked that the padded total fits int32),
 // a mask for the usual power-of-two block sizes: the rank pass computes it for every expert, and
@@ -627,21 +627,18 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   const int warps = p.rank_warps;  // the first ones rank; the others help count and fill
   const int E = p.num_experts;
   const int bits = bucket_bits(E);
-  int* start = lds;  // [E]: padded start of each bucket
-  // [warps][S]: per-warp counts, then each warp's running slot (relative); rows of an odd stride S,
-  // so that lanes reading one bucket's rows hit distinct LDS banks
-  const int S = E | 1;
-  int* next = lds + E;
+  int* start = lds;     // [E]: padded start of each bucket
+  int* next = lds + E;  // [warps][E]: per-warp counts, then each warp's running slot (relative)
   const i64 t0 = (i64)blockIdx.x * p.tile;
   const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
   const i64 run = p.warp_run;
   const i64 r0 = t0 + (i64)w * run;
   const i64 r1 = w >= warps ? r0 : r0 + run < t1 ? r0 + run : t1;  // no run past the ranking warps
-  int* mine = next + (w < warps ? w : 0) * S;
+  int* mine = next + (w < warps ? w : 0) * E;
 
   // 1. Zeroed per-warp rows; one block: the sentinel over sorted_ids, written before the barriers
   // that order it before the route slots (several: amdqb_align_hist wrote it).
-  for (int i = tid; i < warps * S; i += nt) next[i] = 0;
+  for (int i = tid; i < warps * E; i += nt) next[i] = 0;
   if (p.tiles == 1) fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, tid, nt);
   block_sync();
 
@@ -664,77 +661,35 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   block_sync();
 
   // 3. Each warp's first slot in each bucket relative to the bucket's padded start (earlier tiles
-  // + earlier warps of the tile), and the bucket's padded size. A group of 2^share_bits adjacent
-  // lanes per bucket splits its tile-counts column (independent batched loads) and its warps' rows
-  // (a contiguous run per lane, scanned across the group), so that every lane of a warp works: a
-  // column read serially cost one L2 round trip per tile (64 tiles: ~1.3 us of the rank pass of
-  // 65536 routes on sm_90), and one lane per bucket left 3 of 4 lanes idle at E=256.
-  {
-    int share_bits = 0;
-    while (share_bits < 5 && (E << (share_bits + 1)) <= nt) ++share_bits;
-    const int share = 1 << share_bits;
-    const int lanes = (E * share + 31) / 32 * 32;
-    const int chunk = (warps + share - 1) >> share_bits;  // rows per lane
-    constexpr int BATCH = 8;
+  // + earlier warps of the tile), and the bucket's padded size.
 #pragma unroll 1
-    for (int x = tid; x < lanes; x += nt) {  // uniform across each warp
-      const int e = x >> share_bits;
-      const int q = x & (share - 1);
-      const bool valid = e < E;
+  for (int e = tid; e < E; e += nt) {
+    {
       int before = 0, total = 0;
-      if (p.tiles > 1 && valid) {
-#pragma unroll 1
-        for (int tc = q; tc < p.tiles; tc += BATCH * share) {
-          int c[BATCH];
+      if (p.tiles > 1) {
+        // the column in batches of COLS independent loads (one at a time, each add would wait
+        // for its own L2 round trip)
+        constexpr int COLS = 8;
+        for (int t0c = 0; t0c < p.tiles; t0c += COLS) {
+          int c[COLS];
 #pragma unroll
-          for (int u = 0; u < BATCH; ++u) {
-            const int t = tc + u * share;
-            c[u] = t < p.tiles ? p.tile_counts[(i64)t * E + e] : 0;
-          }
+          for (int q = 0; q < COLS; ++q)
+            c[q] = t0c + q < p.tiles ? p.tile_counts[(i64)(t0c + q) * E + e] : 0;
 #pragma unroll
-          for (int u = 0; u < BATCH; ++u) {
-            before += tc + u * share < (int)blockIdx.x ? c[u] : 0;
-            total += c[u];
+          for (int q = 0; q < COLS; ++q) {
+            before += t0c + q < (int)blockIdx.x ? c[q] : 0;
+            total += c[q];
           }
         }
       }
-      const int v0 = valid && q * chunk < warps ? q * chunk : warps;
-      const int v1 = v0 + chunk < warps ? v0 + chunk : warps;
-      int sum = 0;
+      int r = before;
 #pragma unroll 1
-      for (int v = v0; v < v1; v += BATCH) {
-        int c[BATCH];
-#pragma unroll
-        for (int u = 0; u < BATCH; ++u) c[u] = v + u < v1 ? next[(v + u) * S + e] : 0;
-#pragma unroll
-        for (int u = 0; u < BATCH; ++u) sum += c[u];
+      for (int v = 0; v < warps; ++v) {
+        const int c = next[v * E + e];
+        next[v * E + e] = r;
+        r += c;
       }
-      // across the group (constant masks: AMD DPP / swizzle): before and total summed, the rows'
-      // sums scanned (pre: inclusive over the lanes q' <= q)
-      int pre = sum, group = sum;
-#pragma unroll
-      for (int m = 1; m < 32; m <<= 1) {
-        const bool in_group = m < share;  // uniform
-        const int b = shfl_xor_i32(before, m), t = shfl_xor_i32(total, m);
-        const int other = shfl_xor_i32(group, m);
-        before += in_group ? b : 0;
-        total += in_group ? t : 0;
-        pre += in_group && (q & m) ? other : 0;
-        group += in_group ? other : 0;
-      }
-      int r = before + pre - sum;
-#pragma unroll 1
-      for (int v = v0; v < v1; v += BATCH) {
-        int c[BATCH];
-#pragma unroll
-        for (int u = 0; u < BATCH; ++u) c[u] = v + u < v1 ? next[(v + u) * S + e] : 0;
-#pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-          if (v + u < v1) next[(v + u) * S + e] = r;
-          r += c[u];
-        }
-      }
-      if (valid && q == 0) start[e] = (int)padded_count(p.tiles > 1 ? total : group, p.block_size);
+      start[e] = (int)padded_count(p.tiles > 1 ? total : r, p.block_size);
     }
   }
   block_sync();

@@ -30,7 +30,7 @@ from ._spec import arg_i32, arg_i64
 
 # Capability limits (declared in LIMITS below: the dispatcher passes this backend over beyond them).
 MAX_DET_EXPERTS = 12288  # deterministic route kernels keep E ints in LDS
-MAX_ALIGN_EXPERTS = 4096  # the align kernel keeps E + warps * (E | 1) ints in LDS
+MAX_ALIGN_EXPERTS = 4096  # the align kernel keeps (1 + warps) * E ints in LDS
 
 
 def _id_suffix(topk_ids) -> str:
@@ -206,9 +206,8 @@ def align_rank_warps(num_experts: int) -> int:
 
 
 def align_lds_bytes(num_experts: int, warps: int) -> int:
-    """amdqb_align's dynamic LDS: the buckets' starts and one row per ranking warp, rows of an
-    odd stride (E | 1: a bucket's rows in distinct banks)."""
-    return 4 * (num_experts + warps * (num_experts | 1))
+    """amdqb_align's dynamic LDS: the buckets' starts and one row per ranking warp."""
+    return 4 * (1 + warps) * num_experts
 
 
 def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:

@@ -187,20 +187,13 @@ AMDQB_DEVICE void route_lds(const IdT* ids, i64 n, int num_experts, int capacity
 }
 
 // Deterministic 1/3: per-tile histograms (tile = 32 * AMDQB_DET_ITEMS routes) into
-// tile_counts[tile * E + e], every entry written. fill (nullable): the grid also writes fill_val
-// over fill[0, fill_len) (the align sentinel, at no extra launch). Dynamic shared memory:
-// num_experts ints.
+// tile_counts[tile * E + e], every entry written. Dynamic shared memory: num_experts ints.
 template <typename IdT>
-AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* tile_counts, int* fill,
-                                i64 fill_len, int fill_val) {
+AMDQB_DEVICE void det_tile_hist(const IdT* ids, i64 n, int num_experts, int* tile_counts) {
   AMDQB_DYN_SHARED(hist);
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   allow_dependent_launch();  // the scan (pass 2) is launched as this pass's dependent
-  if (fill != nullptr) {
-    const i64 stride = (i64)gridDim.x * nt;
-    for (i64 i = (i64)blockIdx.x * nt + tid; i < fill_len; i += stride) fill[i] = fill_val;
-  }
   const i64 tile = 32LL * AMDQB_DET_ITEMS;
   const i64 base = (i64)blockIdx.x * tile;
   for (int e = tid; e < num_experts; e += nt) hist[e] = 0;
@@ -283,9 +276,8 @@ AMDQB_DEVICE void compact_row(int* row, int e, const int* offsets, const int* co
     route_lds<IdT>(ids, n, num_experts, capacity, counters, counts, rows);                         \
   }                                                                                                \
   AMDQB_KERNEL void amdqb_route_det_hist_##SUFFIX(const IdT* ids, i64 n, int num_experts,          \
-                                                  int* tile_counts, int* fill, i64 fill_len,       \
-                                                  int fill_val) {                                  \
-    det_tile_hist<IdT>(ids, n, num_experts, tile_counts, fill, fill_len, fill_val);                \
+                                                  int* tile_counts) {                              \
+    det_tile_hist<IdT>(ids, n, num_experts, tile_counts);                                          \
   }                                                                                                \
   AMDQB_KERNEL void amdqb_route_det_rank_##SUFFIX(const IdT* ids, i64 n, int num_experts,          \
                                                   int capacity, const int* tile_base, int* rows) { \

@@ -48,11 +48,10 @@ def _det_launch(rt, cfg, tiles=None, device=None):
     return rt.launch_dependent
 
 
-def _tile_slot_bases(rt, cfg, topk_ids, num_experts, start, totals, fill=None):
+def _tile_slot_bases(rt, cfg, topk_ids, num_experts, start, totals):
     """Passes 1-2 of the deterministic kernels: per-tile histograms, then each tile's first slot
     per expert (exclusive scan over the tiles from ``start``, or 0; ``totals`` gets the ends).
-    ``fill=(buffer, value)``: pass 1 also writes ``value`` over ``buffer``. Returns
-    ``(tiles, tile_slots int32 [tiles * E])``."""
+    Returns ``(tiles, tile_slots int32 [tiles * E])``."""
     n = topk_ids.numel()
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
@@ -60,18 +59,13 @@ def _tile_slot_bases(rt, cfg, topk_ids, num_experts, start, totals, fill=None):
     e_arg = arg_i32(num_experts)
     tiles = cdiv(n, _spec.det_tile(cfg))
     tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
-    fill_args = (
-        [ptr(None), arg_i64(0), arg_i32(0)]
-        if fill is None
-        else [ptr(fill[0]), arg_i64(fill[0].numel()), arg_i32(fill[1])]
-    )
     k = rt.kernel(device, spec, f"amdqb_route_det_hist_{suffix}")
     rt.launch(
         k,
         tiles,
         256,
         4 * num_experts,
-        [ptr(topk_ids), arg_i64(n), e_arg, ptr(tile_counts), *fill_args],
+        [ptr(topk_ids), arg_i64(n), e_arg, ptr(tile_counts)],
     )
     k = rt.kernel(device, spec, "amdqb_route_det_scan")
     _det_launch(rt, cfg)(

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from amdqb._arch import amd_wave_size
+from amdqb_tools.code_objects import inspect_tools
 from amdqb_tools.toolchain import AMD_ARCHS
 
 from conftest import require
@@ -48,6 +49,10 @@ def codegen_rows():
         import triton.backends.amd  # noqa: F401
     except ImportError as exc:
         require(False, f"needs Triton's AMD backend ({exc})")
+    require(
+        inspect_tools() is not None,
+        "reads the code objects with llvm-readelf / llvm-objdump (apt-get install llvm-22)",
+    )
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the launchers pass enable_fp_fusion themselves

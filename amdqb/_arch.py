@@ -7,6 +7,8 @@ importing amdqb (which needs torch).
 * Wave size: CDNA (gfx9xx: gfx90a, gfx942, gfx950) is wave64 only (it ignores
   ``-mno-wavefrontsize64``); gfx10xx, gfx11xx and gfx12xx run wave32, their default and what the
   runtime compiles for (gfx1250 has no wave64).
+* LDS a workgroup may use: 160 KiB on gfx950 (which raised it) and gfx1250 (320 KiB per WGP, of
+  which a workgroup in CU mode may use half); 64 KiB on gfx90a / gfx942 and the RDNA parts.
 * Config family (``amdqb/configs/<family>.json``): gfx942, gfx950 and gfx1250 have their own;
   other CDNA parts read ``cdna``, RDNA parts ``rdna`` (neither file exists: the defaults).
 """
@@ -17,6 +19,8 @@ import re
 
 _GFX = re.compile(r"gfx(\d+)[0-9a-f]{2}")
 OWN_CONFIG = ("gfx942", "gfx950", "gfx1250")
+_LDS_BYTES = {"gfx950": 160 * 1024, "gfx1250": 160 * 1024}
+_DEFAULT_LDS_BYTES = 64 * 1024
 
 
 def base_arch(arch: str) -> str:
@@ -41,6 +45,11 @@ def amd_wave_size(arch: str) -> int:
     if major in (10, 11, 12):
         return 32
     raise ValueError(f"arch {arch!r}: no wave size known for gfx{major}")
+
+
+def amd_lds_bytes(arch: str) -> int:
+    """LDS bytes one workgroup may use on ``arch`` (feature suffixes allowed)."""
+    return _LDS_BYTES.get(base_arch(arch), _DEFAULT_LDS_BYTES)
 
 
 def amd_arch_family(arch: str) -> str:

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from . import configs
-from ._arch import amd_arch_family, amd_wave_size  # the one rule (setup.py and tools share it)
+from ._arch import (  # the one rule (setup.py and tools share it)
+    amd_arch_family,
+    amd_lds_bytes,
+    amd_wave_size,
+)
 
 
 @dataclass(frozen=True)
@@ -34,12 +38,6 @@ class DeviceInfo:
         return dict(self.__dict__)
 
 
-# LDS per workgroup by AMD architecture (bytes). gfx950 raised LDS to 160 KiB; gfx1250 has 320 KiB
-# per WGP of which a workgroup may use 160 KiB in CU mode; RDNA parts and gfx90a/942 have 64 KiB.
-_AMD_LDS = {"gfx950": 160 * 1024, "gfx1250": 160 * 1024}
-_AMD_DEFAULT_LDS = 64 * 1024
-
-
 @functools.cache
 def _device_info_cached(device_str: str) -> DeviceInfo:
     dev = torch.device(device_str)
@@ -51,7 +49,7 @@ def _device_info_cached(device_str: str) -> DeviceInfo:
     if torch.version.hip is not None:
         arch = str(getattr(props, "gcnArchName", "gfx000")).split(":")[0]
         wave = int(getattr(props, "warp_size", 0) or amd_wave_size(arch))
-        lds = _AMD_LDS.get(arch, _AMD_DEFAULT_LDS)
+        lds = amd_lds_bytes(arch)
         return DeviceInfo(
             f"cuda:{index}",
             "amd",

@@ -31,7 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from amdqb._arch import amd_arch_family, amd_wave_size
+from amdqb._arch import amd_arch_family, amd_lds_bytes, amd_wave_size
 from amdqb.backends.hip import _spec
 
 from . import isa
@@ -90,9 +90,15 @@ class _Kernels:
 def _device_info(arch: str):
     from amdqb import devices
 
-    lds = {"gfx950": 160 * 1024, "gfx1250": 160 * 1024}.get(arch, 64 * 1024)
     return devices.DeviceInfo(
-        "cpu", "amd", f"codegen {arch}", arch, amd_wave_size(arch), lds, 304, amd_arch_family(arch)
+        "cpu",
+        "amd",
+        f"codegen {arch}",
+        arch,
+        amd_wave_size(arch),
+        amd_lds_bytes(arch),
+        304,
+        amd_arch_family(arch),
     )
 
 

@@ -201,6 +201,10 @@ def test_amd_arch_helpers():
     assert dispatch.amd_wave_size("gfx1250") == 32
     assert dispatch.amd_arch_family("gfx90a") == "cdna"
     assert dispatch.amd_arch_family("gfx1201") == "rdna"
+    from amdqb._arch import amd_lds_bytes
+
+    assert amd_lds_bytes("gfx950:sramecc+") == amd_lds_bytes("gfx1250") == 160 * 1024
+    assert amd_lds_bytes("gfx942") == amd_lds_bytes("gfx1100") == 64 * 1024
 
 
 def test_route_gate_matches_aiter_formula():

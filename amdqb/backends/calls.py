@@ -239,6 +239,11 @@ ALIGN_TENSORS = (
 # Requests: what the dispatcher's capability checks read of the ops whose backends take plain
 # arguments (their entry points are listed in ``amdqb.backends``).
 # ------------------------------------------------------------------------------------------------
+# route_rows impl="lds" (every backend's): the experts' int32 LDS histogram, padded to a power of
+# two, within 16 KiB. Beyond it the op's capacity gate picks "atomic" and impl="lds" is rejected.
+LDS_ROUTE_MAX_EXPERTS = 4096
+
+
 @dataclass(frozen=True)
 class RouteRowsRequest:
     num_experts: int = 256

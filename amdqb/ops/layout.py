@@ -36,7 +36,7 @@ import torch
 
 from .. import configs, dispatch
 from .._library import call_op, impl, kernel_op
-from ..backends.calls import ALIGN_MAP_MODES, ALIGN_TENSORS, AlignCall
+from ..backends.calls import ALIGN_MAP_MODES, ALIGN_TENSORS, LDS_ROUTE_MAX_EXPERTS, AlignCall
 from ..dispatch import DeviceInfo
 from ..ref.layout import align_buffer_sizes
 from ._checks import (
@@ -54,7 +54,6 @@ from ._checks import (
 )
 
 ROUTE_IMPLS = ("atomic", "lds")
-LDS_MAX_EXPERTS = 4096
 MAX_ALIGN_PADDING = 1 << 26  # E * (block_size - 1) padding rows of one align buffer (256 MiB)
 
 
@@ -69,8 +68,8 @@ def lds_route_threshold(num_experts: int, cfg) -> int:
 
 def route_impl(info: DeviceInfo, num_routes: int, num_experts: int) -> tuple[str, str]:
     """(impl, reason) chosen by the capacity gate for this device and problem size."""
-    if num_experts > LDS_MAX_EXPERTS:
-        return "atomic", f"E={num_experts} > {LDS_MAX_EXPERTS}: beyond the LDS histogram"
+    if num_experts > LDS_ROUTE_MAX_EXPERTS:
+        return "atomic", f"E={num_experts} > {LDS_ROUTE_MAX_EXPERTS}: beyond the LDS histogram"
     cfg = configs.load(info.arch_family)
     threshold = lds_route_threshold(num_experts, cfg)
     source = f"route.lds_gate_scale of {cfg.arch}: {cfg.entry('route.lds_gate_scale').provenance}"
@@ -84,7 +83,7 @@ def _lds_min_routes(device: str, num_experts: int) -> int:
     """Fewest routes the capacity gate sends to ``lds`` on ``device`` (-1: never). A constant for
     torch.compile (the device query behind it cannot be traced); the route count is compared with
     it in the traced code, so a dynamic token count stays symbolic (one guard on the gate)."""
-    if num_experts > LDS_MAX_EXPERTS:
+    if num_experts > LDS_ROUTE_MAX_EXPERTS:
         return -1
     return lds_route_threshold(num_experts, configs.load(dispatch.device_info(device).arch_family))
 
@@ -187,8 +186,10 @@ def moe_route_rows(
     check_backend(backend)
     check_no_overlap({"counters": counters}, {"topk_ids": topk_ids})
     chosen = impl or _gate(device, topk_ids.numel(), num_experts)
-    if chosen == "lds" and num_experts > LDS_MAX_EXPERTS:
-        raise ValueError(f"impl='lds' supports num_experts <= {LDS_MAX_EXPERTS}, got {num_experts}")
+    if chosen == "lds" and num_experts > LDS_ROUTE_MAX_EXPERTS:
+        raise ValueError(
+            f"impl='lds' supports num_experts <= {LDS_ROUTE_MAX_EXPERTS}, got {num_experts}"
+        )
     chosen_backend = dispatch.kernel_backend(
         "route_rows",
         device,

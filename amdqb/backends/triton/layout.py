@@ -32,11 +32,9 @@ import triton
 
 from ...devices import arch_config
 from .. import _serving
-from ..calls import AlignCall, RouteRowsRequest
+from ..calls import LDS_ROUTE_MAX_EXPERTS, AlignCall, RouteRowsRequest
 from . import _layout_kernels as K
 from ._common import on_device, pow2
-
-LDS_MAX_EXPERTS = 4096  # E_PAD <= 4096: the int32 LDS histogram stays <= 16 KiB
 
 
 def _e_pad(num_experts: int) -> int:
@@ -75,7 +73,7 @@ def _scan(hist, counters, counts, nb, num_experts, stride, cap, capacity, mode):
 def _route_deterministic(ids, num_experts, capacity, counters, rows, counts, n, cfg):
     cap = 0 if capacity is None else capacity
     warps = cfg["triton.route.warps"]
-    if num_experts > LDS_MAX_EXPERTS:
+    if num_experts > LDS_ROUTE_MAX_EXPERTS:
         sub = min(cfg["triton.route.sort_routes"], max(16, pow2(n)))
         nb = triton.cdiv(n, sub)
         hist = torch.zeros(nb + 1, num_experts, dtype=torch.int32, device=ids.device)
@@ -147,7 +145,7 @@ def route_rows(
                 BLOCK=block, CAPACITY=capacity is not None, num_warps=4,
             )  # fmt: skip
             compact = capacity is None
-            wide = num_experts > LDS_MAX_EXPERTS
+            wide = num_experts > LDS_ROUTE_MAX_EXPERTS
             off = (
                 torch.empty(num_experts, dtype=torch.int32, device=ids.device)
                 if compact and wide
@@ -214,7 +212,7 @@ def _align_block_size(
         return
     ids = topk_ids.reshape(-1)
     cfg = arch_config(ids.device)
-    if num_experts > LDS_MAX_EXPERTS:
+    if num_experts > LDS_ROUTE_MAX_EXPERTS:
         with on_device(ids):
             _align_wide(
                 ids,
@@ -256,9 +254,9 @@ OPS = {"route_rows": route_rows, "align_block_size": align_block_size}
 
 def route_rows_limits(info, request: RouteRowsRequest) -> str | None:
     """A capability check of the dispatcher's: a reason passes this backend over."""
-    if request.impl == "lds" and request.num_experts > LDS_MAX_EXPERTS:
+    if request.impl == "lds" and request.num_experts > LDS_ROUTE_MAX_EXPERTS:
         return (
-            f"impl='lds' supports E <= {LDS_MAX_EXPERTS} (LDS histogram), got "
+            f"impl='lds' supports E <= {LDS_ROUTE_MAX_EXPERTS} (LDS histogram), got "
             f"{request.num_experts}"
         )
     return None

@@ -130,50 +130,31 @@ def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)
         for mt in (32, 64, 128)
         for mr in (1024, 2048, 4096)
     }
-    single_threads = {
-        f"single{t}": {
-            "hip.align.single_block_routes": 1 << 30,
-            "hip.align.single_block_threads": t,
-        }
-        for t in (256, 512, 1024)
-    }
-    variants = {**single_threads, **tiled}
-    best_at, totals, single_totals = {}, {}, {}
+    variants = {"single": {"hip.align.single_block_routes": 1 << 30}, **tiled}
+    best_at, totals = {}, {}
     for m in tokens:
         ids = make_ids(m, k, e, "uniform", g).to(dev)
         want = ref.moe_align_block_size(ids.cpu(), bs, e)
         impls = {
             name: _with(values, lambda: amdqb.moe_align_block_size(ids, bs, e, backend="hip"))
             for name, values in variants.items()
-            if name not in single_threads
-            or m * k <= 65536  # one block for everything: small inputs
+            if name != "single" or m * k <= 65536  # one block for everything: small inputs
         }
         for name, fn in impls.items():
             assert _same([x.cpu() for x in fn()], want), f"align {name} M={m} differs"
         times = time_alternating(impls, dev, cfg)
         for name, us in times.items():
             report.add(M=m, routes=m * k, variant=name, us=us)
-            if name in tiled and m * k >= 65536:
+            if name != "single" and m * k >= 65536:
                 totals[name] = totals.get(name, 0.0) + us
-            if name in single_threads and m * k <= 4096:
-                single_totals[name] = single_totals.get(name, 0.0) + us
         best_at[m * k] = min(times, key=times.get)
     shape = min(totals, key=totals.get)
-    single = max([n for n, b in best_at.items() if b in single_threads], default=0)
-    threads = min(single_totals, key=single_totals.get)
+    single = max([n for n, b in best_at.items() if b == "single"], default=0)
     values = tiled[shape]
     why_tiles = f"{shape}: {totals[shape]:.1f} us summed over M >= 8192 (E=256, k=8, block 64)"
     why_single = f"one block wins up to {single} routes (E=256, k=8, block 64)"
-    why_threads = (
-        f"{threads}: {single_totals[threads]:.1f} us summed over M <= 512 in one block "
-        "(E=256, k=8, block 64)"
-    )
     return report, {
         "hip.align.single_block_routes": (single, why_single),
-        "hip.align.single_block_threads": (
-            single_threads[threads]["hip.align.single_block_threads"],
-            why_threads,
-        ),
         "hip.align.max_tiles": (values["hip.align.max_tiles"], why_tiles),
         "hip.align.min_tile_routes": (values["hip.align.min_tile_routes"], why_tiles),
     }

@@ -508,8 +508,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
 // the padding slots and the tail (sentinel) and its slice of expert_ids, and ranks its tile's
 // routes: warp w owns a contiguous run of chunks of 32 routes, counts them per bucket, and walks
 // them in flat order claiming slots (warp_claim_slot). Route slots, padding slots and the tail are
-// disjoint, so no write is ordered after another. Dynamic shared memory: (1 + warps) * E ints,
-// and 2 * col_parts * E more with col_parts > 1.
+// disjoint, so no write is ordered after another. Dynamic shared memory: (1 + warps) * E ints.
 //
 // ceil(count / block_size) * block_size in u32 (the op checked that the padded total fits int32),
 // a mask for the usual power-of-two block sizes: the rank pass computes it for every expert, and
@@ -543,7 +542,6 @@ struct AlignParams {
   i32 rank_warps;   // warps that rank (the first ones); the others help count and fill
   i32 warp_run;     // routes per ranking warp: whole chunks of 32, rank_warps of them cover a tile
   i32 tile_blocks;  // entries of expert_ids each block writes, ceil(num_blocks / tiles)
-  i32 col_parts;    // tiles > 1: threads per expert summing the tile columns (1: one thread)
 };
 
 namespace {
@@ -647,78 +645,44 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
 #pragma unroll
   for (int c = 0; c < CACHED; ++c)
     if (cached[c] >= 0) atomic_add_shared(&mine[cached[c]], 1);
-  // past them in batches of CACHED loads (one at a time, each would wait out its L2 round trip)
-#pragma unroll 1
-  for (i64 i0 = r0 + (i64)CACHED * 32 + lane; i0 < r1; i0 += (i64)CACHED * 32) {
-    int b[CACHED];
-#pragma unroll
-    for (int c = 0; c < CACHED; ++c) {
-      const i64 i = i0 + (i64)c * 32;
-      b[c] = i < r1 ? bucket_of(p, i) : -1;
-    }
-#pragma unroll
-    for (int c = 0; c < CACHED; ++c)
-      if (b[c] >= 0) atomic_add_shared(&mine[b[c]], 1);
+  for (i64 i = r0 + (i64)CACHED * 32 + lane; i < r1; i += 32) {
+    const int b = bucket_of(p, i);
+    if (b >= 0) atomic_add_shared(&mine[b], 1);
   }
   if (p.tiles > 1) wait_for_prior_grid();  // tile_counts (and the sentinel fill): amdqb_align_hist
   block_sync();
 
   // 3. Each warp's first slot in each bucket relative to the bucket's padded start (earlier tiles
-  // + earlier warps of the tile), and the bucket's padded size. The tile columns (tiles > 1) are
-  // summed by col_parts threads per expert, each over every col_parts-th tile in batches of COLS
-  // independent loads (one thread per column at 64 tiles waited out 8 L2 round trips).
-  constexpr int COLS = 16;
-  const int parts = p.tiles > 1 ? p.col_parts : 1;
-  int* col = next + warps * E;  // parts > 1: [2][parts][E] partial sums (before, total)
-  auto column = [&](int e, int q, int stride, int& before, int& total) {
-#pragma unroll 1
-    for (int t0c = q; t0c < p.tiles; t0c += COLS * stride) {
-      int c[COLS];
-#pragma unroll
-      for (int j = 0; j < COLS; ++j) {
-        const int t = t0c + j * stride;
-        c[j] = t < p.tiles ? p.tile_counts[(i64)t * E + e] : 0;
-      }
-#pragma unroll
-      for (int j = 0; j < COLS; ++j) {
-        before += t0c + j * stride < (int)blockIdx.x ? c[j] : 0;
-        total += c[j];
-      }
-    }
-  };
-  if (parts > 1) {  // uniform across the block
-    if (tid < parts * E) {
-      int before = 0, total = 0;
-      column(tid % E, tid / E, parts, before, total);
-      col[tid] = before;
-      col[parts * E + tid] = total;
-    }
-    block_sync();
-  }
-  constexpr int MAX_WARPS = 32;  // align_rank_warps
+  // + earlier warps of the tile), and the bucket's padded size.
 #pragma unroll 1
   for (int e = tid; e < E; e += nt) {
-    int before = 0, total = 0;
-    if (parts > 1) {
-      for (int q = 0; q < parts; ++q) {
-        before += col[q * E + e];
-        total += col[(parts + q) * E + e];
+    {
+      int before = 0, total = 0;
+      if (p.tiles > 1) {
+        // the column in batches of COLS independent loads (one at a time, each add would wait
+        // for its own L2 round trip)
+        constexpr int COLS = 8;
+        for (int t0c = 0; t0c < p.tiles; t0c += COLS) {
+          int c[COLS];
+#pragma unroll
+          for (int q = 0; q < COLS; ++q)
+            c[q] = t0c + q < p.tiles ? p.tile_counts[(i64)(t0c + q) * E + e] : 0;
+#pragma unroll
+          for (int q = 0; q < COLS; ++q) {
+            before += t0c + q < (int)blockIdx.x ? c[q] : 0;
+            total += c[q];
+          }
+        }
       }
-    } else if (p.tiles > 1) {
-      column(e, 0, 1, before, total);
+      int r = before;
+#pragma unroll 1
+      for (int v = 0; v < warps; ++v) {
+        const int c = next[v * E + e];
+        next[v * E + e] = r;
+        r += c;
+      }
+      start[e] = (int)padded_count(p.tiles > 1 ? total : r, p.block_size);
     }
-    // the warps' counts all read before the first write (interleaved, each read waited for the
-    // write before it: the compiler cannot tell the rows apart)
-    int c[MAX_WARPS];
-#pragma unroll
-    for (int v = 0; v < MAX_WARPS; ++v) c[v] = v < warps ? next[v * E + e] : 0;
-    int r = before;
-#pragma unroll
-    for (int v = 0; v < MAX_WARPS; ++v) {
-      if (v < warps) next[v * E + e] = r;
-      r += c[v];
-    }
-    start[e] = (int)padded_count(p.tiles > 1 ? total : r, p.block_size);
   }
   block_sync();
   const int last = start[E - 1];  // the last bucket's padded size

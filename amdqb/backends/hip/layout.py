@@ -181,7 +181,6 @@ class AlignParams(ctypes.Structure):
         ("rank_warps", ctypes.c_int32),
         ("warp_run", ctypes.c_int32),
         ("tile_blocks", ctypes.c_int32),
-        ("col_parts", ctypes.c_int32),
     ]
 
 
@@ -200,23 +199,13 @@ def align_rank_warps(num_experts: int) -> int:
     return warps
 
 
-def align_lds_bytes(num_experts: int, warps: int, col_parts: int = 1) -> int:
-    """amdqb_align's dynamic LDS: the buckets' starts, one row per ranking warp, and with
-    ``col_parts`` > 1 two rows of partial tile-column sums per part."""
-    return 4 * (1 + warps + (2 * col_parts if col_parts > 1 else 0)) * num_experts
+def align_lds_bytes(num_experts: int, warps: int) -> int:
+    """amdqb_align's dynamic LDS: the buckets' starts and one row per ranking warp."""
+    return 4 * (1 + warps) * num_experts
 
 
-def align_col_parts(num_experts: int, threads: int, warps: int) -> int:
-    """Threads per expert that sum the tile columns of a multi-tile align: as many as the block
-    has threads for, while their partial sums fit the LDS of a launch without an opt-in."""
-    parts = threads // num_experts
-    while parts > 1 and align_lds_bytes(num_experts, warps, parts) + 128 > _STATIC_LDS_LIMIT:
-        parts -= 1
-    return max(parts, 1)
-
-
-def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int, int]:
-    """(tiles, routes per tile, threads, ranking warps, column parts) of an align call. Up to
+def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
+    """(tiles, routes per tile, threads, ranking warps) of an align call. Up to
     ``hip.align.single_block_routes`` routes one block does everything (one launch), with as many
     ranking warps as give each two or more chunks of 32 routes; beyond, tiles of at least
     ``hip.align.min_tile_routes`` routes, at most ``hip.align.max_tiles`` of them and at most
@@ -226,7 +215,7 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int, int]:
         warps = 1
         while warps < lds_warps and 64 * warps < n:
             warps *= 2
-        return 1, max(n, 1), max(cfg["hip.align.single_block_threads"], 32 * warps), warps, 1
+        return 1, max(n, 1), max(256, 32 * warps), warps
     tiles = min(
         cfg["hip.align.max_tiles"],
         max(1, cfg["hip.align.colsum_budget"] // num_experts),
@@ -236,9 +225,7 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int, int]:
     threads = 32 * lds_warps
     while threads * _BASES_PER_THREAD < num_experts:  # each thread holds its experts' tile bases
         threads *= 2
-    tiles = cdiv(n, per)
-    parts = align_col_parts(num_experts, threads, lds_warps) if tiles > 1 else 1
-    return tiles, per, threads, lds_warps, parts
+    return cdiv(n, per), per, threads, lds_warps
 
 
 def align_block_size(
@@ -255,7 +242,7 @@ def align_block_size(
     cfg = config(topk_ids)
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
-    tiles, per, threads, warps, parts = align_plan(n, num_experts, cfg)
+    tiles, per, threads, warps = align_plan(n, num_experts, cfg)
     tile_counts = None
     if tiles > 1:
         tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
@@ -285,9 +272,8 @@ def align_block_size(
         warps,
         cdiv(cdiv(per, warps), 32) * 32,
         cdiv(expert_ids_out.numel(), tiles),
-        parts,
     )
-    smem = align_lds_bytes(num_experts, warps, parts)
+    smem = align_lds_bytes(num_experts, warps)
     if tiles > 1:
         k = rt.kernel(device, spec, "amdqb_align_hist")
         rt.launch(k, tiles, 1024, 4 * num_experts, [params])

@@ -224,6 +224,7 @@ def hip_flags(arch: str, wave_size: int, spec: ModuleSpec) -> list[str]:
         "-ffp-contract=off",
         f"-DAMDQB_WAVE_SIZE={int(wave_size)}",
         *spec.define_flags(),
+        *(["-gline-tables-only"] if line_info_requested() else []),
     ]
 
 
@@ -235,6 +236,7 @@ def nvrtc_flags(arch: str, spec: ModuleSpec) -> list[str]:
         "--fmad=false",
         "-DAMDQB_WAVE_SIZE=32",
         *spec.define_flags(),
+        *(["-lineinfo"] if line_info_requested() else []),
     ]
 
 
@@ -275,6 +277,12 @@ def cache_dir() -> Path:
     """``AMDQB_CACHE_DIR`` or ``~/.cache/amdqb``."""
     env = os.environ.get("AMDQB_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "amdqb"
+
+
+def line_info_requested() -> bool:
+    """``AMDQB_LINEINFO=1``: source-line tables in the code objects (for a profiler's source view;
+    the flag is part of the cache key)."""
+    return os.environ.get("AMDQB_LINEINFO", "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def rebuild_requested() -> bool:

@@ -28,7 +28,7 @@ logits) counts in bin 0 -- so every histogram row still gains exactly T counts i
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -173,17 +173,41 @@ def _routed_mask(map_out: torch.Tensor, map_kind: str, num_experts: int) -> torc
     return mask.scatter_(1, map_out.long(), True)
 
 
+class _Backends(NamedTuple):
+    """The kernel backends (dispatch tokens) of a router call's forward and backward."""
+
+    forward: str
+    backward: str
+
+
+class _QbInputs(NamedTuple):
+    """The router's tensors that are not differentiated: the bias and the bin bounds are read,
+    the histogram accumulated."""
+
+    bias: Optional[torch.Tensor]
+    histogram: Optional[torch.Tensor]
+    bounds: Optional[torch.Tensor]
+
+
 class _RouterFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits2d, call, backends, user_indices, inputs):
-        bias, hist, bounds = inputs  # not differentiated: bias and bounds read, hist accumulated
+    def forward(ctx, logits2d, call, backends: _Backends, user_indices, inputs: _QbInputs):
         probs, map_out = _alloc_outputs(logits2d, call, user_indices)
         _router_fwd(
-            call, logits2d, bias, probs, map_out, hist, bounds, None, None, backend=backends[0]
+            call,
+            logits2d,
+            inputs.bias,
+            probs,
+            map_out,
+            inputs.histogram,
+            inputs.bounds,
+            None,
+            None,
+            backend=backends.forward,
         )
         ctx.save_for_backward(logits2d, map_out)
         ctx.call = call
-        ctx.bwd_backend = backends[1]
+        ctx.bwd_backend = backends.backward
         if user_indices is not None:
             ctx.mark_dirty(user_indices)
             map_out = user_indices
@@ -427,9 +451,9 @@ def fused_topk_with_score_function(
         probs, map_out = _RouterFunction.apply(
             logits2d,
             call,
-            (chosen_backend, bwd_backend),
+            _Backends(chosen_backend, bwd_backend),
             topk_indices,
-            (expert_bias, qb_histogram, qb_bin_bounds),
+            _QbInputs(expert_bias, qb_histogram, qb_bin_bounds),
         )
     else:
         probs, map_out = _alloc_outputs(logits2d, call, topk_indices)

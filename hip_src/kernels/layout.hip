@@ -642,11 +642,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   AMDQB_DYN_SHARED(lds);
   AMDQB_SHARED(u32, warp_sums, 32);
-  // chunks of 32 buckets a lane keeps from the count to the walk, all loaded before the count: a
-  // walk that loads its next chunk one step ahead waits an L2 round trip per chunk (the one-block
-  // form on sm_90 took ~1 us per chunk per warp that way at 16 chunks). The walk loop stays
-  // rolled (no unrolled per-chunk copies; an unrolled build was 254 KiB of SASS on sm_90).
-  constexpr int CACHED = AMDQB_ALIGN_CHUNKS;
+  // chunks of 32 buckets a lane keeps from the count to the walk. The kernel runs as one block
+  // for small M, where its straight-line code is fetched cold: loops stay rolled (no unrolled
+  // per-expert or per-chunk copies of the walk; an unrolled build was 254 KiB of SASS on sm_90).
+  constexpr int CACHED = 4;
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int lane = lane_id();

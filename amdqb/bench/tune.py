@@ -12,8 +12,7 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
   atomic kernel, masked layout, uniform and all-one-expert ids, M in {512, 2517, 8192};
 * ``gate``   -- atomic vs lds at small M for E in {256, 896, 2048}: the crossover behind
   ``route.lds_gate_scale``;
-* ``align``  -- the one-launch and single-block crossovers and the tile shape (E=256, k=8,
-  block 64);
+* ``align``  -- amdqb_align's single-block crossover and tile shape (E=256, k=8, block 64);
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
 * ``topk_lanes`` -- amdqb_topk's experts per lane (decode and wide) and the switch between them;
 * ``topk_rounds`` -- amdqb_topk's row Top-k by list merges or by rounds of a butterfly max, over T;

@@ -33,8 +33,8 @@ Semantics (vLLM's):
   indexing, which vLLM's kernels never read).
 
 Launches: on the hip backend every router is one kernel (``amdqb_topk``: ids, weights and
-``token_expert_indices`` together) and every align one kernel, two past
-``hip.align.spread_max_routes`` and ``hip.align.single_block_routes`` routes (docs/serving.md). ``indices_type`` int32 / int64 is
+``token_expert_indices`` together) and every align one kernel, two from
+``hip.align.single_block_routes`` routes on (docs/serving.md). ``indices_type`` int32 / int64 is
 written by the kernel; other integer types cost a conversion.
 
 Differences from vLLM (all documented in docs/serving.md):

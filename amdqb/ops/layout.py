@@ -302,8 +302,8 @@ def align_block_size_into(
     backend: Optional[str] = None,
 ) -> None:
     """:func:`moe_align_block_size` into the caller's int32 buffers (the preallocated form of the
-    compatibility modules), in one kernel launch (two past ``hip.align.spread_max_routes`` and
-    ``hip.align.single_block_routes`` routes): every entry of both buffers is written, the sentinel ``numel`` past the routes and
+    compatibility modules), in one kernel launch (two from ``hip.align.single_block_routes``
+    routes on): every entry of both buffers is written, the sentinel ``numel`` past the routes and
     ``tail_value`` past the used blocks. The compat conventions (``id_shift``, ``expert_map`` with
     ``map_mode`` "filter" or "output", ``owner_shift``, ``tail_value``) are those of
     :class:`amdqb.backends.calls.AlignCall`; ``raw_storage``: a non-contiguous ``topk_ids`` is
@@ -394,7 +394,7 @@ def moe_align_block_size(
     -1 for remote experts) when given, as vLLM's ``ignore_invalid_experts=False`` path does
     (``amdqb.compat.vllm`` has the filtering path and vLLM's -1 tail); an int64 ``expert_map``
     entry outside the int32 range maps to -1 (:func:`int32_expert_map`). One kernel launch (two
-    past ``hip.align.spread_max_routes`` and ``hip.align.single_block_routes`` routes).
+    from ``hip.align.single_block_routes`` routes on).
     """
     ids, block_size, num_experts = _check_align(topk_ids, block_size, num_experts, backend)
     pad_sorted_ids = check_bool("pad_sorted_ids", pad_sorted_ids)

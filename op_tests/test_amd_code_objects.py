@@ -415,7 +415,6 @@ HOT_BPERMUTE = {
     "amdqb_route_det_rank_i32": 0,
     "amdqb_route_det_rank_i64": 0,
     "amdqb_align": 0,
-    "amdqb_align_spread": 0,
 }
 
 

@@ -115,15 +115,14 @@ def route_gate(dev, cfg, experts=(256, 896, 2048), ms=(8, 32, 128, 512, 2048)):
 
 
 def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)):
-    """The one-launch align over blocks of staged rows (amdqb_align_spread), amdqb_align in one
-    block and the tiled form (histogram + rank passes) at E=256, k=8, block 64 (DeepSeek-V3), over
-    tile sizes and tile counts: the one-launch and single-block crossovers and the tile shape."""
+    """amdqb_align in one block against the tiled form (histogram + rank passes) at E=256, k=8,
+    block 64 (DeepSeek-V3), over tile sizes and tile counts: the single-block crossover and the
+    tile shape."""
     e, k, bs = 256, 8, 64
     report = Report("tune_align", environment(dev), shape=dict(E=e, k=k, block=bs))
     g = torch.Generator().manual_seed(0)
     tiled = {
         f"tiles{mt}x{mr}": {
-            "hip.align.spread_max_routes": 0,
             "hip.align.single_block_routes": 0,
             "hip.align.max_tiles": mt,
             "hip.align.min_tile_routes": mr,
@@ -131,45 +130,30 @@ def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)
         for mt in (32, 64, 128)
         for mr in (1024, 2048, 4096)
     }
-    variants = {
-        "spread": {"hip.align.spread_max_routes": 1 << 30},
-        "single": {"hip.align.spread_max_routes": 0, "hip.align.single_block_routes": 1 << 30},
-        **tiled,
-    }
-    best_at, single_at, totals = {}, {}, {}
+    variants = {"single": {"hip.align.single_block_routes": 1 << 30}, **tiled}
+    best_at, totals = {}, {}
     for m in tokens:
         ids = make_ids(m, k, e, "uniform", g).to(dev)
         want = ref.moe_align_block_size(ids.cpu(), bs, e)
         impls = {
             name: _with(values, lambda: amdqb.moe_align_block_size(ids, bs, e, backend="hip"))
             for name, values in variants.items()
-            # one block for everything, or every block ranking everything: small inputs
-            if name not in ("single", "spread") or m * k <= 65536
+            if name != "single" or m * k <= 65536  # one block for everything: small inputs
         }
         for name, fn in impls.items():
             assert _same([x.cpu() for x in fn()], want), f"align {name} M={m} differs"
         times = time_alternating(impls, dev, cfg)
         for name, us in times.items():
             report.add(M=m, routes=m * k, variant=name, us=us)
-            if name not in ("single", "spread") and m * k >= 65536:
+            if name != "single" and m * k >= 65536:
                 totals[name] = totals.get(name, 0.0) + us
         best_at[m * k] = min(times, key=times.get)
-        # one block against the tiles alone: the fallback where the one-launch align declines
-        single_at[m * k] = min((n for n in times if n != "spread"), key=times.get)
     shape = min(totals, key=totals.get)
-    single = max([n for n, b in single_at.items() if b == "single"], default=0)
-    # the one-launch align up to the last size where it wins, from the smallest on
-    spread = 0
-    for n in sorted(best_at):
-        if best_at[n] != "spread":
-            break
-        spread = n
+    single = max([n for n, b in best_at.items() if b == "single"], default=0)
     values = tiled[shape]
     why_tiles = f"{shape}: {totals[shape]:.1f} us summed over M >= 8192 (E=256, k=8, block 64)"
     why_single = f"one block wins up to {single} routes (E=256, k=8, block 64)"
-    why_spread = f"the one-launch align wins up to {spread} routes (E=256, k=8, block 64)"
     return report, {
-        "hip.align.spread_max_routes": (spread, why_spread),
         "hip.align.single_block_routes": (single, why_single),
         "hip.align.max_tiles": (values["hip.align.max_tiles"], why_tiles),
         "hip.align.min_tile_routes": (values["hip.align.min_tile_routes"], why_tiles),

@@ -69,34 +69,18 @@ def test_align_beyond_4096_experts(backend, e):
 
 @over_backends("align_block_size", emulator=True, waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("path", ["spread", "single", "tiled"])
-def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, path):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, tiled):
     """moe_align_block_size: sorted ids, expert ids and the padded total equal the oracle's bitwise
-    (ascending flat order inside each expert) on each of the three paths: the one-launch align
-    over blocks of staged rows (here 64 rows a block, one chunk per ranking warp: many blocks and
-    warps), one block (one launch), or tiles that split experts' routes (the histogram pass, then
-    the rank pass as its dependent); with partial last tiles, dropped ids, empty experts, 1..32
-    ranking warps (E up to 4096) and pad_sorted_ids."""
+    (ascending flat order inside each expert), in one block (one launch) or over tiles that split
+    experts' routes (the histogram pass, then the rank pass as its dependent), with partial last
+    tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and pad_sorted_ids."""
     rt = emu_rt
-    tiled = path == "tiled"
-    if path == "spread":
-        values = {
-            "hip.align.spread_max_routes": 1 << 20,
-            "hip.align.spread_block_rows": 64,
-            "hip.align.spread_warp_chunks": 1,
-            "hip.align.single_block_routes": 1 << 20,
-        }
-    elif tiled:  # tiles of 64 routes from 65 routes on
-        values = {
-            "hip.align.spread_max_routes": 0,
-            "hip.align.single_block_routes": 64,
-            "hip.align.min_tile_routes": 64,
-        }
+    if tiled:  # tiles of 64 routes from 65 routes on
+        values = {"hip.align.single_block_routes": 64, "hip.align.min_tile_routes": 64}
     else:  # every case in one block
-        values = {"hip.align.spread_max_routes": 0, "hip.align.single_block_routes": 1 << 20}
+        values = {"hip.align.single_block_routes": 1 << 20}
     set_config(monkeypatch, values, torch.device("cpu"))
-    cfg = device_config(torch.device("cpu"))
-    spread_cases = 0
     cases = [
         (7, 900, 3, "dropped", 4, False),
         (896, 300, 16, "uniform", 64, False),  # 8 ranking warps, many empty blocks of rows
@@ -117,22 +101,13 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
         for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
             assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist}, bs={bs})"
         names = [n for n, *_ in rt.launches]
-        spread = hip_layout.align_spread_plan(ids.numel(), e, got[0].numel(), cfg)
-        if path == "spread" and spread is not None:
-            assert names == ["amdqb_align_spread"], (e, m, k)
-            assert rt.launches[0][1][0] == spread[0] == -(-got[0].numel() // 64), (e, m, k)
-            spread_cases += 1
-        elif path == "spread":  # more routes than its warps hold at this E (LDS rows): one block
-            assert names == ["amdqb_align"], (e, m, k)
-        elif tiled and ids.numel() > 64:
+        if tiled and ids.numel() > 64:
             assert names == ["amdqb_align_hist", "amdqb_align"], (e, m, k)
             assert rt.dependent_launches == ["amdqb_align"]
             tiles = hip_layout.align_plan(ids.numel(), e, device_config(torch.device("cpu")))[0]
             assert 1 < tiles == rt.launches[0][1][0] == rt.launches[1][1][0], (e, m, k)
         else:
             assert names == ["amdqb_align"], (e, m, k)
-    # one block where the warps that fit the LDS hold too few routes: E=896 and 2048 at 4800, 4096
-    assert path != "spread" or spread_cases == 5
     assert hip_layout.align_rank_warps(896) == 8 and hip_layout.align_rank_warps(2048) == 4
     assert hip_layout.align_rank_warps(4096) == 1 and hip_layout.align_rank_warps(256) == 32
 

@@ -273,10 +273,8 @@ def _record_launches():
 
     rt = RecordingRuntime()
     ids = torch.zeros(8, 4, dtype=torch.int32)
-    # past hip.align.spread_max_routes and single_block_routes: the two-phase align (hist + its
-    # dependent); 32 routes: the one-launch align
-    most = max(int(CFG["hip.align.single_block_routes"]), int(CFG["hip.align.spread_max_routes"]))
-    many = torch.zeros(most + 1, dtype=torch.int32)
+    # past hip.align.single_block_routes: the two-phase align (hist + its dependent)
+    many = torch.zeros(int(CFG["hip.align.single_block_routes"]) + 1, dtype=torch.int32)
     for dtype in (torch.int32, torch.int64):
         for det, impl, cap in ((False, "atomic", None), (False, "lds", 4), (True, "lds", None)):
             c = torch.zeros(16, dtype=torch.int32)

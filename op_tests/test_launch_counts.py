@@ -1,6 +1,6 @@
 """One kernel per routing call, nothing around it: every serving entry point (``biased_topk``, the
 vLLM and SGLang routers and aligns of ``amdqb.compat``) issues exactly one kernel on the hip
-backend -- two for an align that takes neither one-launch path (a histogram pass, then
+backend -- two for an align past ``hip.align.single_block_routes`` routes (a histogram pass, then
 the rank pass) -- and no PyTorch kernel besides (no arange, cast, cat, fill or copy).
 
 On the CPU the hip kernels run on the emulator: its launch record gives the hip kernels, and a
@@ -13,7 +13,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amdqb import biased_topk, dispatch
-from amdqb.backends.hip import layout as hip_layout
 from amdqb.compat import sglang, vllm
 from amdqb.ref.layout import align_buffer_sizes
 
@@ -146,24 +145,16 @@ def test_routers_are_one_hip_kernel_and_nothing_else(backend, emu_rt, monkeypatc
 
 @pytest.mark.skipif(HAS_GPU, reason="the emulator's launch record (the GPU test profiles)")
 @over_backends("align_block_size", emulator=True)
-@pytest.mark.parametrize("path", ["spread", "single", "tiled"])
-def test_aligns_are_one_or_two_hip_kernels_and_nothing_else(backend, emu_rt, monkeypatch, path):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_aligns_are_one_or_two_hip_kernels_and_nothing_else(backend, emu_rt, monkeypatch, tiled):
     _unpoisoned(monkeypatch, "align_block_size")
-    values = {
-        "spread": {},
-        "single": {"hip.align.spread_max_routes": 0},
-        "tiled": {
-            "hip.align.spread_max_routes": 0,
-            "hip.align.single_block_routes": 64,
-            "hip.align.min_tile_routes": 64,
-        },
-    }[path]
-    set_config(monkeypatch, values, torch.device("cpu"))
-    want = {
-        "spread": ["amdqb_align_spread"],
-        "single": ["amdqb_align"],
-        "tiled": ["amdqb_align_hist", "amdqb_align"],
-    }[path]
+    if tiled:
+        set_config(
+            monkeypatch,
+            {"hip.align.single_block_routes": 64, "hip.align.min_tile_routes": 64},
+            torch.device("cpu"),
+        )
+    want = ["amdqb_align_hist", "amdqb_align"] if tiled else ["amdqb_align"]
     for name, fn in _aligns(20).items():
         fn()
         emu_rt.launches.clear()
@@ -196,14 +187,8 @@ def test_entry_points_launch_one_kernel_on_the_gpu(monkeypatch, tokens):
 def test_aligns_launch_one_or_two_kernels_on_the_gpu(monkeypatch, tokens):
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
     dispatch._select.cache_clear()
-    cfg = device_config()
-    rows = align_buffer_sizes(tokens * 8, 256, 16, False)[0]
-    if hip_layout.align_spread_plan(tokens * 8, 256, rows, cfg) is not None:
-        want = ["amdqb_align_spread"]
-    elif tokens * 8 <= cfg["hip.align.single_block_routes"]:
-        want = ["amdqb_align"]
-    else:
-        want = ["amdqb_align_hist", "amdqb_align"]
+    single = device_config()["hip.align.single_block_routes"]
+    want = ["amdqb_align"] if tokens * 8 <= single else ["amdqb_align_hist", "amdqb_align"]
     for name, fn in _aligns(tokens).items():
         kernels = _profiled_kernels(fn)
         assert kernels == want, (name, tokens, kernels)

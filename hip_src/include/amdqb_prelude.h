@@ -208,18 +208,6 @@ AMDQB_DEVICE void store_i32x4(int* p, int v) {
 #endif
 }
 
-// a, b, c, d at p, 16-byte aligned, in one 16-byte store.
-AMDQB_DEVICE void store_i32x4v(int* p, int a, int b, int c, int d) {
-#if defined(AMDQB_CUDA)
-  *reinterpret_cast<int4*>(p) = make_int4(a, b, c, d);
-#elif defined(AMDQB_HIP)
-  typedef int i32x4 __attribute__((ext_vector_type(4)));
-  *reinterpret_cast<i32x4*>(p) = i32x4{a, b, c, d};
-#else
-  p[0] = a, p[1] = b, p[2] = c, p[3] = d;
-#endif
-}
-
 // Pins a loaded value at this point of the program: every load feeding the values passed here is
 // issued before any code that follows. NVIDIA only, where ptxas never moves a load across the
 // CALL of an IEEE division's slow path (see load_row in router.hip); the AMD compiler batches loads

@@ -28,7 +28,7 @@ using namespace amdqb;
 //   AMDQB_ROUTE_BLOCK   threads per block of the lds kernel     AMDQB_ROUTE_ITEMS  routes per thread
 //   AMDQB_DET_ITEMS     32-route chunks per deterministic tile  AMDQB_SCAN_EXPERTS experts per scan
 #if !defined(AMDQB_ROUTE_BLOCK) || !defined(AMDQB_ROUTE_ITEMS) || !defined(AMDQB_DET_ITEMS) ||     \
-    !defined(AMDQB_SCAN_EXPERTS) || !defined(AMDQB_ALIGN_CHUNKS)
+    !defined(AMDQB_SCAN_EXPERTS)
 #error "layout.hip needs its -D constants (amdqb.backends.hip._spec.layout_module)"
 #endif
 #if 256 % AMDQB_SCAN_EXPERTS != 0
@@ -543,7 +543,6 @@ struct AlignParams {
   i32 rank_warps;   // warps that rank (the first ones); the others help count and fill
   i32 warp_run;     // routes per ranking warp: whole chunks of 32, rank_warps of them cover a tile
   i32 tile_blocks;  // entries of expert_ids each block writes, ceil(num_blocks / tiles)
-  i32 block_rows;   // amdqb_align_spread: rows of sorted_ids each block stages and writes
 };
 
 namespace {
@@ -573,38 +572,6 @@ AMDQB_DEVICE void fill_i32(int* dst, i64 len, int value, i64 thread, i64 threads
   const i64 vecs = (len - head) >> 2;
   for (i64 i = thread; i < vecs; i += threads) store_i32x4(dst + head + 4 * i, value);
   for (i64 i = head + 4 * vecs + thread; i < len; i += threads) dst[i] = value;
-}
-
-// expert_ids[j] for j in [j0, j0 + p.tile_blocks): the bucket owning row j * block_size of the
-// padded layout (start: the padded starts in LDS), or the tail value past the padded total; block 0
-// also writes the total.
-AMDQB_DEVICE void write_block_experts(const AlignParams& p, const int* start, i64 total, int j0,
-                                      int tid, int nt) {
-  const int E = p.num_experts;
-  const int j1 = j0 + p.tile_blocks < p.num_blocks ? j0 + p.tile_blocks : p.num_blocks;
-  for (int j = j0 + tid; j < j1; j += nt) {
-    const i64 row = (i64)j * p.block_size;
-    int value;
-    if (row < total) {
-      int a = 0, b = E - 1;  // start[0] == 0 <= row: the owner lies in [a, b]
-      while (a < b) {
-        const int mid = (a + b + 1) >> 1;
-        if (start[mid] <= row)
-          a = mid;
-        else
-          b = mid - 1;
-      }
-      value = p.map_mode == 2 ? (int)load_id(p.expert_map, a, p.flags & 2) : a - p.owner_shift;
-    } else {
-      value = p.tail_value;
-      if (p.map_mode == 2) {  // the map read at the tail value, PyTorch's negative indexing
-        const int at = value < 0 ? value + p.map_len : value;
-        if (at >= 0 && at < p.map_len) value = (int)load_id(p.expert_map, at, p.flags & 2);
-      }
-    }
-    p.expert_ids[j] = value;
-  }
-  if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;
 }
 
 }  // namespace
@@ -726,7 +693,33 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   const i64 total = (i64)start[E - 1] + last;
 
   // 4. This block's slice of expert_ids, the padded total.
-  write_block_experts(p, start, total, (int)blockIdx.x * p.tile_blocks, tid, nt);
+  {
+    const int j0 = (int)blockIdx.x * p.tile_blocks;
+    const int j1 = j0 + p.tile_blocks < p.num_blocks ? j0 + p.tile_blocks : p.num_blocks;
+    for (int j = j0 + tid; j < j1; j += nt) {
+      const i64 row = (i64)j * p.block_size;
+      int value;
+      if (row < total) {
+        int a = 0, b = E - 1;  // start[0] == 0 <= row: the owner lies in [a, b]
+        while (a < b) {
+          const int mid = (a + b + 1) >> 1;
+          if (start[mid] <= row)
+            a = mid;
+          else
+            b = mid - 1;
+        }
+        value = p.map_mode == 2 ? (int)load_id(p.expert_map, a, p.flags & 2) : a - p.owner_shift;
+      } else {
+        value = p.tail_value;
+        if (p.map_mode == 2) {  // the map read at the tail value, PyTorch's negative indexing
+          const int at = value < 0 ? value + p.map_len : value;
+          if (at >= 0 && at < p.map_len) value = (int)load_id(p.expert_map, at, p.flags & 2);
+        }
+      }
+      p.expert_ids[j] = value;
+    }
+    if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;
+  }
 
   // 5. Ranks in flat order, 32 routes at a time: the lowest peer advances the bucket's slot. The
   // cached buckets shift down one chunk per step (register moves, no indexing); past them the
@@ -748,114 +741,4 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
     }
     warp_sync();  // mine[] updates visible to the next chunk's leaders
   }
-}
-
-// amdqb_align_spread: the whole align in one launch of ceil(sorted_len / block_rows) blocks, for
-// up to 32 * AMDQB_ALIGN_CHUNKS routes per ranking warp. Every block ranks every route (few enough
-// to read from L2 in each block) and scans the padded counts; block g then owns rows
-// [g * block_rows, (g + 1) * block_rows) of sorted_ids and the g-th slice of expert_ids. Its rows
-// are staged in LDS -- the sentinel first, then the routes that land there -- and written with
-// 16-byte stores: no block waits for another, no row is written twice, and the stores spread over
-// the blocks' SMs (one block's scattered 4-byte stores and its sentinel fill were most of a
-// one-block align of 512 routes on sm_90).
-//
-// Ranking: warp w (< rank_warps) owns routes [w * warp_run, (w + 1) * warp_run), loads all their
-// buckets, then claims slots chunk by chunk in flat order (warp_claim_slot on its LDS row, which
-// ends as the warp's count per bucket). Each bucket's row of warp counts becomes the warps' bases;
-// a route's row is start[b] + base[w][b] + its slot. Dynamic shared memory: (1 + rank_warps) * E
-// + block_rows ints.
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_spread(AlignParams p) {
-  AMDQB_DYN_SHARED(lds);
-  AMDQB_SHARED(u32, warp_sums, 32);
-  constexpr int CH = AMDQB_ALIGN_CHUNKS;
-  const int tid = (int)threadIdx.x;
-  const int nt = (int)blockDim.x;
-  const int lane = lane_id();
-  const int w = warp_in_block();
-  const int warps = p.rank_warps;
-  const int E = p.num_experts;
-  const int bits = bucket_bits(E);
-  int* start = lds;                // [E]: padded start of each bucket
-  int* base = lds + E;             // [warps][E]: running slots, then each warp's base
-  int* staged = base + warps * E;  // [block_rows]: this block's rows of sorted_ids
-  const i64 row0 = (i64)blockIdx.x * p.block_rows;
-  const i64 row_end = row0 + p.block_rows < p.sorted_len ? row0 + p.block_rows : p.sorted_len;
-  const int rows = (int)(row_end - row0);
-  const i64 r0 = (i64)w * p.warp_run;
-  const i64 r1 = w >= warps ? r0 : r0 + p.warp_run < p.n ? r0 + p.warp_run : p.n;
-  int* mine = base + (w < warps ? w : 0) * E;
-
-  // 1. Zeroed warp rows, the sentinel in the staged rows; the buckets of the warp's routes.
-  for (int i = tid; i < warps * E; i += nt) base[i] = 0;
-  for (int i = tid; i < rows; i += nt) staged[i] = (int)p.n;
-  int bucket[CH];
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const i64 i = r0 + (i64)c * 32 + lane;
-    bucket[c] = i < r1 ? bucket_of(p, i) : -1;
-  }
-  block_sync();
-
-  // 2. Slots in flat order, one chunk of 32 routes at a time (warp-uniform guards: a warp stops
-  // at its last chunk).
-  int slot[CH];
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    slot[c] = 0;
-    if (r0 + (i64)c * 32 < r1) {
-      slot[c] = warp_claim_slot(mine, bucket[c], lane, bits);
-      warp_sync();  // mine[] updates visible to the next chunk's leaders
-    }
-  }
-  block_sync();
-
-  // 3. Each warp's base in each bucket (the counts of the warps before), the padded sizes, their
-  // exclusive scan.
-#pragma unroll 1
-  for (int e = tid; e < E; e += nt) {
-    int r = 0;
-    constexpr int BATCH = 8;  // independent LDS reads ahead of the dependent sums
-    for (int v0 = 0; v0 < warps; v0 += BATCH) {
-      int c[BATCH];
-#pragma unroll
-      for (int q = 0; q < BATCH; ++q) c[q] = v0 + q < warps ? base[(v0 + q) * E + e] : 0;
-#pragma unroll
-      for (int q = 0; q < BATCH; ++q) {
-        if (v0 + q < warps) base[(v0 + q) * E + e] = r;
-        r += c[q];
-      }
-    }
-    start[e] = (int)padded_count(r, p.block_size);
-  }
-  block_sync();
-  const int last = start[E - 1];  // the last bucket's padded size
-  block_sync();
-  block_exclusive_cumsum(E, [=](int e) { return (u32)start[e]; }, start, warp_sums);
-  block_sync();
-  const i64 total = (i64)start[E - 1] + last;
-
-  // 4. The routes that land in this block's rows, into the staged rows; this block's slice of
-  // expert_ids.
-#pragma unroll
-  for (int c = 0; c < CH; ++c) {
-    const int b = bucket[c];
-    if (b >= 0) {
-      const i64 at = (i64)start[b] + (u32)mine[b] + (u32)slot[c] - row0;
-      if (at >= 0 && at < rows) staged[at] = (int)(r0 + (i64)c * 32 + lane);
-    }
-  }
-  write_block_experts(p, start, total, (int)blockIdx.x * p.tile_blocks, tid, nt);
-  block_sync();
-
-  // 5. The staged rows out: a scalar head up to 16-byte alignment, 16-byte stores, a scalar tail.
-  int* dst = p.sorted_ids + row0;
-  const int mis = (int)(((16 - (reinterpret_cast<u64>(dst) & 15)) & 15) >> 2);
-  const int head = mis < rows ? mis : rows;
-  for (int i = tid; i < head; i += nt) dst[i] = staged[i];
-  const int vecs = (rows - head) >> 2;
-  for (int i = tid; i < vecs; i += nt) {
-    const int k = head + 4 * i;
-    store_i32x4v(dst + k, staged[k], staged[k + 1], staged[k + 2], staged[k + 3]);
-  }
-  for (int i = head + 4 * vecs + tid; i < rows; i += nt) dst[i] = staged[i];
 }

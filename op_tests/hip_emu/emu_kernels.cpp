@@ -36,7 +36,6 @@ AMDQB_EMU_REGISTER(amdqb_route_compact_i64)
 AMDQB_EMU_REGISTER(amdqb_route_det_scan)
 AMDQB_EMU_REGISTER(amdqb_route_finalize)
 AMDQB_EMU_REGISTER(amdqb_align_hist)
-AMDQB_EMU_REGISTER(amdqb_align_spread)
 AMDQB_EMU_REGISTER(amdqb_align)
 #elif defined(AMDQB_EMU_CONVERT)
 // The prelude's scalar helpers, called directly from Python.

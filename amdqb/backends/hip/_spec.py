@@ -77,11 +77,6 @@ class ModuleSpec:
 # Compile-time constants of each module, from the architecture's config (``amdqb/configs``): the
 # launchers read the same entries for their grid arithmetic, and a kernel file #errors when one
 # of its constants is missing, so no value is written twice.
-# Chunks of 32 routes each ranking warp of amdqb_align_spread holds in registers (two registers per
-# chunk per lane: the bucket and the slot).
-ALIGN_SPREAD_CHUNKS = 16
-
-
 @functools.lru_cache(maxsize=1024)  # launchers ask per call; specs are immutable
 def layout_module(cfg) -> ModuleSpec:
     """layout.hip: route rows and align."""
@@ -92,7 +87,6 @@ def layout_module(cfg) -> ModuleSpec:
             ("AMDQB_ROUTE_ITEMS", str(int(cfg["hip.route.lds_items"]))),
             ("AMDQB_DET_ITEMS", str(int(cfg["hip.route.det_items"]))),
             ("AMDQB_SCAN_EXPERTS", str(int(cfg["hip.route.scan_experts"]))),
-            ("AMDQB_ALIGN_CHUNKS", str(ALIGN_SPREAD_CHUNKS)),
         ),
     )
 

@@ -181,7 +181,6 @@ class AlignParams(ctypes.Structure):
         ("rank_warps", ctypes.c_int32),
         ("warp_run", ctypes.c_int32),
         ("tile_blocks", ctypes.c_int32),
-        ("block_rows", ctypes.c_int32),
     ]
 
 
@@ -203,41 +202,6 @@ def align_rank_warps(num_experts: int) -> int:
 def align_lds_bytes(num_experts: int, warps: int) -> int:
     """amdqb_align's dynamic LDS: the buckets' starts and one row per ranking warp."""
     return 4 * (1 + warps) * num_experts
-
-
-def align_spread_plan(n: int, num_experts: int, sorted_len: int, cfg):
-    """(blocks, threads, ranking warps, routes per warp, rows per block) of amdqb_align_spread, or
-    None where it does not take the call: more than ``hip.align.spread_max_routes`` routes, more
-    than its ranking warps hold (``_spec.ALIGN_SPREAD_CHUNKS`` chunks of 32 each), LDS rows that do
-    not fit, or more than ``hip.align.spread_max_blocks`` blocks of ``hip.align.spread_block_rows``
-    rows. The fewest warps (a power of two) that keep each at most
-    ``hip.align.spread_warp_chunks`` chunks rank: the warps' bases are summed serially."""
-    rows = int(cfg["hip.align.spread_block_rows"])
-    if n > cfg["hip.align.spread_max_routes"]:
-        return None
-    most = 32
-    while most > 1 and align_spread_lds_bytes(num_experts, most, rows) + 128 > _STATIC_LDS_LIMIT:
-        most //= 2
-    if align_spread_lds_bytes(num_experts, most, rows) + 128 > _STATIC_LDS_LIMIT:
-        return None
-    chunks = _spec.ALIGN_SPREAD_CHUNKS
-    if n > most * 32 * chunks:
-        return None
-    blocks = max(1, cdiv(sorted_len, rows))
-    if blocks > cfg["hip.align.spread_max_blocks"]:
-        return None
-    per_warp = 32 * min(chunks, int(cfg["hip.align.spread_warp_chunks"]))
-    warps = 1
-    while warps < most and warps * per_warp < n:
-        warps *= 2
-    run = cdiv(cdiv(max(n, 1), warps), 32) * 32
-    return blocks, max(256, 32 * warps), warps, run, rows
-
-
-def align_spread_lds_bytes(num_experts: int, warps: int, rows: int) -> int:
-    """amdqb_align_spread's dynamic LDS: the padded starts, a row per ranking warp, the staged
-    rows of sorted_ids."""
-    return 4 * ((1 + warps) * num_experts + rows)
 
 
 def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
@@ -267,8 +231,8 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
 def align_block_size(
     rt, call: AlignCall, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
-    """amdqb_align_spread (one launch, align_spread_plan), else amdqb_align (one block, up to
-    hip.align.single_block_routes routes), else amdqb_align_hist + amdqb_align (its dependent)."""
+    """amdqb_align (one launch up to hip.align.single_block_routes routes), else
+    amdqb_align_hist + amdqb_align (its dependent)."""
     n = topk_ids.numel()
     num_experts = call.num_experts
     if num_experts > MAX_ALIGN_EXPERTS:
@@ -278,13 +242,7 @@ def align_block_size(
     cfg = config(topk_ids)
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
-    spread = align_spread_plan(n, num_experts, sorted_ids_out.numel(), cfg)
-    if spread is not None:
-        tiles, threads, warps, run, rows = spread
-        per = n
-    else:
-        tiles, per, threads, warps = align_plan(n, num_experts, cfg)
-        run, rows = cdiv(cdiv(per, warps), 32) * 32, 0
+    tiles, per, threads, warps = align_plan(n, num_experts, cfg)
     tile_counts = None
     if tiles > 1:
         tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
@@ -312,14 +270,9 @@ def align_block_size(
         call.tail_value,
         flags,
         warps,
-        run,
+        cdiv(cdiv(per, warps), 32) * 32,
         cdiv(expert_ids_out.numel(), tiles),
-        rows,
     )
-    if spread is not None:
-        smem = align_spread_lds_bytes(num_experts, warps, rows)
-        rt.launch(rt.kernel(device, spec, "amdqb_align_spread"), tiles, threads, smem, [params])
-        return
     smem = align_lds_bytes(num_experts, warps)
     if tiles > 1:
         k = rt.kernel(device, spec, "amdqb_align_hist")

@@ -279,14 +279,19 @@ def cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "amdqb"
 
 
+def _env_flag(name: str) -> bool:
+    """An on/off environment switch: unset, empty, 0, false or no is off."""
+    return os.environ.get(name, "0").strip().lower() not in ("", "0", "false", "no")
+
+
 def line_info_requested() -> bool:
     """``AMDQB_LINEINFO=1``: source-line tables in the code objects (for a profiler's source view;
     the flag is part of the cache key)."""
-    return os.environ.get("AMDQB_LINEINFO", "0").strip().lower() not in ("", "0", "false", "no")
+    return _env_flag("AMDQB_LINEINFO")
 
 
 def rebuild_requested() -> bool:
-    return os.environ.get("AMDQB_REBUILD", "0").strip().lower() not in ("", "0", "false", "no")
+    return _env_flag("AMDQB_REBUILD")
 
 
 # ------------------------------------------------------------------------------------------------

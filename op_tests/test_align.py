@@ -76,8 +76,12 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
     experts' routes (the histogram pass, then the rank pass as its dependent), with partial last
     tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and pad_sorted_ids."""
     rt = emu_rt
-    if tiled:  # tiles of 64 routes from 65 routes on
-        values = {"hip.align.single_block_routes": 64, "hip.align.min_tile_routes": 64}
+    if tiled:  # tiles of 64 routes (or sqrt(n) rounded up to a power of two) from 65 routes on
+        values = {
+            "hip.align.single_block_routes": 64,
+            "hip.align.min_tile_routes": 64,
+            "hip.align.tile_scale": 1,
+        }
     else:  # every case in one block
         values = {"hip.align.single_block_routes": 1 << 20}
     set_config(monkeypatch, values, torch.device("cpu"))

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amdqb import biased_topk, dispatch
+from amdqb.backends.hip import layout as hip_layout
 from amdqb.compat import sglang, vllm
 from amdqb.ref.layout import align_buffer_sizes
 
@@ -187,8 +188,8 @@ def test_entry_points_launch_one_kernel_on_the_gpu(monkeypatch, tokens):
 def test_aligns_launch_one_or_two_kernels_on_the_gpu(monkeypatch, tokens):
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
     dispatch._select.cache_clear()
-    single = device_config()["hip.align.single_block_routes"]
-    want = ["amdqb_align"] if tokens * 8 <= single else ["amdqb_align_hist", "amdqb_align"]
+    tiles = hip_layout.align_plan(tokens * 8, 256, device_config())[0]
+    want = ["amdqb_align"] if tiles == 1 else ["amdqb_align_hist", "amdqb_align"]
     for name, fn in _aligns(tokens).items():
         kernels = _profiled_kernels(fn)
         assert kernels == want, (name, tokens, kernels)

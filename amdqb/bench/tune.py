@@ -12,7 +12,8 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
   atomic kernel, masked layout, uniform and all-one-expert ids, M in {512, 2517, 8192};
 * ``gate``   -- atomic vs lds at small M for E in {256, 896, 2048}: the crossover behind
   ``route.lds_gate_scale``;
-* ``align``  -- amdqb_align's single-block crossover and tile shape (E=256, k=8, block 64);
+* ``align``  -- amdqb_align's single-block crossover and tile shape (tile scale, smallest tile,
+  most tiles; E=256, k=8, block 64);
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
 * ``topk_lanes`` -- amdqb_topk's experts per lane (decode and wide) and the switch between them;
 * ``topk_rounds`` -- amdqb_topk's row Top-k by list merges or by rounds of a butterfly max, over T;
@@ -116,22 +117,25 @@ def route_gate(dev, cfg, experts=(256, 896, 2048), ms=(8, 32, 128, 512, 2048)):
 
 def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)):
     """amdqb_align in one block against the tiled form (histogram + rank passes) at E=256, k=8,
-    block 64 (DeepSeek-V3), over tile sizes and tile counts: the single-block crossover and the
-    tile shape."""
+    block 64 (DeepSeek-V3), over the tile scale, the smallest tile and the most tiles: the
+    single-block crossover and the tile shape with the least summed time ratio to the best
+    variant at each M from 256 tokens on (every size counts alike, not the largest most)."""
     e, k, bs = 256, 8, 64
     report = Report("tune_align", environment(dev), shape=dict(E=e, k=k, block=bs))
     g = torch.Generator().manual_seed(0)
     tiled = {
-        f"tiles{mt}x{mr}": {
+        f"scale{sc}_min{mr}_tiles{mt}": {
             "hip.align.single_block_routes": 0,
+            "hip.align.tile_scale": sc,
             "hip.align.max_tiles": mt,
             "hip.align.min_tile_routes": mr,
         }
-        for mt in (32, 64, 128)
-        for mr in (1024, 2048, 4096)
+        for sc in (4, 8, 16)
+        for mr in (256, 512)
+        for mt in (64, 128)
     }
     variants = {"single": {"hip.align.single_block_routes": 1 << 30}, **tiled}
-    best_at, totals = {}, {}
+    best_at, ratios = {}, {}
     for m in tokens:
         ids = make_ids(m, k, e, "uniform", g).to(dev)
         want = ref.moe_align_block_size(ids.cpu(), bs, e)
@@ -145,16 +149,25 @@ def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)
         times = time_alternating(impls, dev, cfg)
         for name, us in times.items():
             report.add(M=m, routes=m * k, variant=name, us=us)
-            if name != "single" and m * k >= 65536:
-                totals[name] = totals.get(name, 0.0) + us
-        best_at[m * k] = min(times, key=times.get)
-    shape = min(totals, key=totals.get)
-    single = max([n for n, b in best_at.items() if b == "single"], default=0)
+        if m >= 256:
+            fastest = min(us for name, us in times.items() if name != "single")
+            for name, us in times.items():
+                if name != "single":
+                    ratios[name] = ratios.get(name, 0.0) + us / fastest
+        # one block wins within 1% of the best (at the smallest sizes a tiled shape is one tile)
+        best_at[m * k] = "single" in times and times["single"] <= 1.01 * min(times.values())
+    shape = min(ratios, key=ratios.get)
+    single = max([n for n, wins in best_at.items() if wins], default=0)
     values = tiled[shape]
-    why_tiles = f"{shape}: {totals[shape]:.1f} us summed over M >= 8192 (E=256, k=8, block 64)"
-    why_single = f"one block wins up to {single} routes (E=256, k=8, block 64)"
+    counted = sum(1 for m in tokens if m >= 256)
+    why_tiles = (
+        f"{shape}: {ratios[shape] / counted:.3f}x the best variant on average over M >= 256 "
+        "(E=256, k=8, block 64)"
+    )
+    why_single = f"one block within 1% of the best up to {single} routes (E=256, k=8, block 64)"
     return report, {
         "hip.align.single_block_routes": (single, why_single),
+        "hip.align.tile_scale": (values["hip.align.tile_scale"], why_tiles),
         "hip.align.max_tiles": (values["hip.align.max_tiles"], why_tiles),
         "hip.align.min_tile_routes": (values["hip.align.min_tile_routes"], why_tiles),
     }

@@ -20,6 +20,7 @@ runs, and with a tile per CU some CUs got two (the serial ranking walk doubled).
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
@@ -206,26 +207,36 @@ def align_lds_bytes(num_experts: int, warps: int) -> int:
 
 def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
     """(tiles, routes per tile, threads, ranking warps) of an align call. Up to
-    ``hip.align.single_block_routes`` routes one block does everything (one launch), with as many
-    ranking warps as give each two or more chunks of 32 routes; beyond, tiles of at least
-    ``hip.align.min_tile_routes`` routes, at most ``hip.align.max_tiles`` of them and at most
-    ``hip.align.colsum_budget`` column entries (tiles * E) for every rank block to sum."""
+    ``hip.align.single_block_routes`` routes one block does everything (one launch); beyond,
+    tiles of ``hip.align.tile_scale * sqrt(n)`` routes rounded up to a power of two (at least
+    ``hip.align.min_tile_routes``; at most ``hip.align.max_tiles`` tiles and
+    ``hip.align.colsum_budget`` column entries tiles * E for every rank block to sum; one tile
+    is the one-block form): the column sums grow with the tiles, the serial walk with the routes
+    per tile. Either way as many ranking warps as give each two or more chunks of 32 routes."""
     lds_warps = align_rank_warps(num_experts)
-    if n <= cfg["hip.align.single_block_routes"]:
+
+    def warps_for(routes: int) -> int:
         warps = 1
-        while warps < lds_warps and 64 * warps < n:
+        while warps < lds_warps and 64 * warps < routes:
             warps *= 2
-        return 1, max(n, 1), max(256, 32 * warps), warps
-    tiles = min(
-        cfg["hip.align.max_tiles"],
-        max(1, cfg["hip.align.colsum_budget"] // num_experts),
-        cdiv(n, cfg["hip.align.min_tile_routes"]),
-    )
-    per = cdiv(n, max(1, tiles))
-    threads = 32 * lds_warps
-    while threads * _BASES_PER_THREAD < num_experts:  # each thread holds its experts' tile bases
-        threads *= 2
-    return cdiv(n, per), per, threads, lds_warps
+        return warps
+
+    if n > cfg["hip.align.single_block_routes"]:
+        tile = 1 << max(0, math.ceil(math.log2(cfg["hip.align.tile_scale"] * math.sqrt(n))))
+        tiles = min(
+            cfg["hip.align.max_tiles"],
+            max(1, cfg["hip.align.colsum_budget"] // num_experts),
+            cdiv(n, max(tile, cfg["hip.align.min_tile_routes"])),
+        )
+        if tiles > 1:
+            per = cdiv(n, tiles)
+            warps = warps_for(per)
+            threads = 32 * warps
+            while threads * _BASES_PER_THREAD < num_experts:  # each thread: its experts' bases
+                threads *= 2
+            return cdiv(n, per), per, threads, warps
+    warps = warps_for(n)  # one block: also the threads that fill sorted_ids
+    return 1, max(n, 1), max(256, 32 * warps), warps
 
 
 def align_block_size(

@@ -675,9 +675,24 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
           }
         }
       }
+      // the warps' counts in batches of ROWS independent loads (one at a time, each add waited
+      // for its LDS round trip); the warps are a power of two
+      constexpr int ROWS = 8;
       int r = before;
+      const int batched = warps & ~(ROWS - 1);
 #pragma unroll 1
-      for (int v = 0; v < warps; ++v) {
+      for (int v0 = 0; v0 < batched; v0 += ROWS) {
+        int c[ROWS];
+#pragma unroll
+        for (int q = 0; q < ROWS; ++q) c[q] = next[(v0 + q) * E + e];
+#pragma unroll
+        for (int q = 0; q < ROWS; ++q) {
+          next[(v0 + q) * E + e] = r;
+          r += c[q];
+        }
+      }
+#pragma unroll 1
+      for (int v = batched; v < warps; ++v) {
         const int c = next[v * E + e];
         next[v * E + e] = r;
         r += c;

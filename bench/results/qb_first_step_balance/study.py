@@ -55,8 +55,13 @@ def machine(device: torch.device) -> str:
 
 
 def head_commit() -> str | None:
-    """The checkout's commit (short hash), None outside a git checkout."""
+    """The checkout's commit (short hash; AMDQB_GIT_COMMIT for a copied tree whose .git is not
+    its own, as amdqb.bench.common), None outside a git checkout."""
+    import os
     import subprocess
+
+    if os.environ.get("AMDQB_GIT_COMMIT"):
+        return os.environ["AMDQB_GIT_COMMIT"]
 
     try:
         out = subprocess.run(

@@ -212,3 +212,32 @@ def test_performance_tables_are_the_results_data():
     doc = (root / "docs/performance.md").read_text()
     results = json.loads((root / "bench/results/h200.json").read_text())
     assert tables.with_tables(doc, tables.render(results, "sm_90")) == doc
+
+
+def test_ncu_mix_counts_what_ran():
+    """scripts/ncu_hotspots.py --mix: opcode shares of the executed warp instructions (predicates
+    and modifiers stripped) and the stretches of consecutive executed lines, a never-run line
+    ending one, on an ncu source-page CSV of two launches."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("ncu_hotspots", root / "scripts/ncu_hotspots.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    header = '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"'
+    body = [
+        '"0x0","IMAD.WIDE R2, R3, 0x4, R4","1","64"',
+        '"0x10","@!P0 IMAD R5, R6, R7, RZ","0","64"',
+        '"0x20","BRA 0x40","0","0"',
+        '"0x30","ISETP.GE.AND P0, PT, R1, R2, PT","3","128"',
+    ]
+    text = "\n".join(['"Kernel Name","k1"', header, *body, '"Kernel Name","k2"', header, body[0]])
+    blocks = list(tool._blocks(text))
+    assert [t for t, _ in blocks] == ["k1", "k2"] and len(blocks[0][1]) == 4
+    assert tool.opcode("@!P0 IMAD.WIDE.U32 R2, R3") == "IMAD"
+    lines = tool.mix(blocks[0][1], "Source", "Instructions Executed", 5)
+    assert lines[0].strip() == "IMAD 50.0%, ISETP 50.0%, BRA 0.0%"
+    # stretches: lines 0-1 (128 instructions) and line 3 (128), each half of the 256
+    assert "lines 0-1 (2, each run 64x)" in "\n".join(lines[1:])
+    assert "lines 3-3 (1, each run 128x)" in "\n".join(lines[1:])
+    assert all("50.0%" in ln for ln in lines[1:])

@@ -18,8 +18,10 @@
 #             `measured:` provenance into amdqb/configs/<arch>.json
 #   example   examples/serving_moe.py, small and Kimi configs
 #   nccl      the 2-process NCCL pooling tests (two GPUs)
-#   profile   the hot kernels at the seed shapes (amdqb/bench/profile_kernels.py) under ncu (NVIDIA)
-#             or rocprofv3 (ROCm, where installed)
+#   profile   the hot kernels at the seed shapes (amdqb/bench/profile_kernels.py) under ncu (NVIDIA:
+#             $OUT/profile.ncu-rep, ncu.txt, ncu_source.csv and ncu_mix.txt, the executed
+#             instruction mix of scripts/ncu_hotspots.py --mix; AMDQB_PROFILE_K= selects cases,
+#             AMDQB_LINEINFO=1 adds source lines) or rocprofv3 (ROCm, where installed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -140,8 +142,14 @@ run_profile() {  # -> $OUT/ncu.txt (NVIDIA), $OUT/rocprof/ (ROCm)
   timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off \
     --cache-control "${NCU_CACHE:-all}" --section SpeedOfLight --section LaunchStats \
     --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-    python -m amdqb.bench.profile_kernels > "$OUT/ncu.txt" 2>&1
+    --section SourceCounters -f -o "$OUT/profile" \
+    python -m amdqb.bench.profile_kernels > "$OUT/ncu_run.txt" 2>&1
   local rc=$?
+  # the sections as text, the per-SASS-line page as CSV, and what each kernel executed
+  ncu -i "$OUT/profile.ncu-rep" --page details > "$OUT/ncu.txt" 2>&1
+  ncu -i "$OUT/profile.ncu-rep" --page source --csv --print-source sass \
+    > "$OUT/ncu_source.csv" 2>&1
+  python scripts/ncu_hotspots.py "$OUT/ncu_source.csv" --mix --top 12 > "$OUT/ncu_mix.txt" 2>&1
   grep -E "^  [a-z_]+.*\(|Duration|Throughput|Achieved Occupancy|Registers Per" "$OUT/ncu.txt" \
     | head -n 80
   return "$rc"

@@ -55,7 +55,8 @@ def mix(rows, src: str, executed: str, top: int) -> list[str]:
     total = sum(counts) or 1.0
     classes: dict[str, float] = {}
     for r, c in zip(rows, counts):
-        classes[opcode(r[src].strip())] = classes.get(opcode(r[src].strip()), 0.0) + c
+        op = opcode(r[src].strip())
+        classes[op] = classes.get(op, 0.0) + c
     ranked = sorted(classes.items(), key=lambda kv: -kv[1])[:top]
     out = ["   " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in ranked)]
     stretches, start = [], None
@@ -85,8 +86,8 @@ def main() -> None:
         if not rows:
             continue
         cols = list(rows[0])
+        src = next((c for c in cols if c.strip() in ("Source", "# Source")), cols[1])
         if args.mix:
-            src = next((c for c in cols if c.strip() in ("Source", "# Source")), cols[1])
             executed = next((c for c in cols if c == "Instructions Executed"), None)
             if executed is None:
                 print(f"== {title}: no 'Instructions Executed' column ({cols[:8]})")
@@ -96,7 +97,6 @@ def main() -> None:
             print("\n".join(mix(rows, src, executed, args.top)))
             continue
         samp = next((c for c in cols if c and c.startswith("Warp Stall Sampling (All")), None)
-        src = next((c for c in cols if c.strip() in ("Source", "# Source")), cols[1])
         addr = next((c for c in cols if "Address" in c), cols[0])
         if samp is None:
             print(f"== {title}: no stall-sampling column ({cols[:8]})")

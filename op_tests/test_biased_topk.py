@@ -8,12 +8,15 @@ Ids must be exact, (value desc, id asc) with NaN last; weights agree to fp32 rou
 the Triton kernels run under ``TRITON_INTERPRET=1`` and the hip kernels on the emulator.
 """
 
+import ctypes
+
 import pytest
 import torch
 
 import amdqb
 from amdqb import dispatch, ref
 from amdqb.backends.calls import TopkCall
+from amdqb.backends.hip import _spec
 from amdqb.backends.hip.topk import plan as topk_plan
 
 from conftest import DEVICE, GCN, HAS_GPU, device_config, expect_declined, over_backends, set_config
@@ -109,6 +112,66 @@ def test_biased_topk_rounds_give_the_merged_list(monkeypatch, backend, score, bi
     bits = [w.view(torch.int32) for w in (rounds[0], merged[0])]  # NaN weights compare too
     assert torch.equal(rounds[1], merged[1]) and torch.equal(*bits)
     assert torch.equal(rounds[1], ref.biased_topk(z, k, eb, **kw)[1])
+
+
+def _boundary_ties(t, e, k, seed):
+    """Tie-free rows, each given one tie: every other row its k-th and (k+1)-th values equal
+    (which of them is routed is the id order's call), the others two equal values inside the
+    Top-k (their order is)."""
+    z = tie_free_logits(t, e, seed=seed)
+    for r in range(t):
+        order = z[r].argsort(descending=True)
+        a, b = (order[k - 1], order[k]) if r % 2 == 0 else (order[0], order[min(1, k - 1)])
+        z[r, b] = z[r, a]
+    return z
+
+
+@over_backends("biased_topk", only=("hip",), gcn=GCN[:1])
+@pytest.mark.parametrize("score,bias", [("softmax", False), ("sigmoid", True)])
+@pytest.mark.parametrize(
+    "e,k,groups", [(8, 2, None), (64, 6, None), (40, 12, None), (64, 8, (4, 2))]
+)
+@pytest.mark.parametrize("rows", ["decode", "wide"])
+def test_biased_topk_key_select_gives_the_entries_list(
+    monkeypatch, backend, emu_rt, score, bias, e, k, groups, rows
+):
+    """hip's row Top-k over the 32-bit keys (hip.topk.key_select) gives the ids and the bits of
+    the 64-bit entries' selection: tie-free rows by the keys, rows with a tie at or inside the
+    Top-k, NaN rows and too few kept experts by the entries, also where such a row shares its
+    logical warp with tie-free ones; in rows of several lanes (decode) and of few (wide: E=8 a
+    thread per row)."""
+    z = torch.cat(
+        [
+            tie_free_logits(9, e, seed=e + k),
+            _boundary_ties(6, e, k, seed=e * k),
+            adversarial_rows(e),
+            tie_free_logits(33, e, seed=e - k),
+        ]
+    )
+    eb = torch.linspace(0.2, -0.2, e, device=DEVICE) if bias else None
+    kw = dict(score_function=score, renormalize=True, scaling_factor=2.5)
+    if groups:
+        kw.update(num_groups=groups[0], group_topk=groups[1])
+    wide = {"hip.topk.wide_min_tokens": 1, "hip.topk.wide_min_experts": 1} if rows == "wide" else {}
+    set_config(monkeypatch, {"hip.topk.key_select": False, **wide})
+    entries = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
+    cfg = set_config(monkeypatch, {"hip.topk.key_select": True, **wide})
+    keys = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
+    bits = [w.view(torch.int32) for w in (keys[0], entries[0])]  # NaN weights compare too
+    assert torch.equal(keys[1], entries[1]) and torch.equal(*bits)
+    assert torch.equal(keys[1], ref.biased_topk(z, k, eb, **kw)[1])
+    if emu_rt is None:
+        return
+    # the emulator counts the logical warps that took the entries: some above, none for a batch
+    # of tie-free rows alone
+    plan = topk_plan(e, k, score, *(groups or (None, None)), cfg, 2 if bias else 1, tokens=33)
+    spec = _spec.topk_module(plan, "float32", "float32" if bias else None, score, cfg)
+    tied = emu_rt._library(spec).amdqb_emu_tied_keys
+    tied.restype = ctypes.c_longlong
+    assert tied() > 0
+    before = tied()
+    tail = amdqb.biased_topk(z[-33:], k, eb, backend=backend, **kw)
+    assert torch.equal(tail[1], keys[1][-33:]) and tied() == before
 
 
 @over_backends("biased_topk")

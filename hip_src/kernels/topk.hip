@@ -16,7 +16,8 @@
 //   AMDQB_DENSE (1: the TransformerEngine router's outputs over every expert -- probs in the
 //   logits dtype, a byte / bit / index map, the ranked scores), AMDQB_IN_DTYPE_MATH (1: SGLang's
 //   moe_fused_gate arithmetic -- the sigmoid, the bias, the biased scores and the group sums
-//   rounded to the fp16 / bf16 logits dtype), AMDQB_TOPK_BLOCK (threads per block, at most).
+//   rounded to the fp16 / bf16 logits dtype), AMDQB_TOPK_BLOCK (threads per block, at most),
+//   AMDQB_KEY_SELECT (1: the row's Top-k over the 32-bit selection keys first).
 //
 // Precision contract (amdqb.ref.router.biased_topk): logits and bias are converted to fp32 on load;
 // activations are torch's bits (amdqb_activation.h; softmax: exp(z - max) / sum with the sum in
@@ -48,6 +49,12 @@
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
 
+// A hook the CPU emulator defines to count logical warps whose keys tie (test coverage); nothing
+// elsewhere.
+#ifndef AMDQB_TRACE_TIED_KEYS
+#define AMDQB_TRACE_TIED_KEYS()
+#endif
+
 using namespace amdqb;
 
 #if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_BIAS_DTYPE) ||       \
@@ -55,7 +62,7 @@ using namespace amdqb;
     !defined(AMDQB_SLOTS) || !defined(AMDQB_CONTIGUOUS) || !defined(AMDQB_ROW_ROUNDS) ||           \
     !defined(AMDQB_GROUPS) || !defined(AMDQB_GROUP_LANES) || !defined(AMDQB_TOPK_GROUP) ||         \
     !defined(AMDQB_GROUP_BEST) || !defined(AMDQB_DENSE) || !defined(AMDQB_IN_DTYPE_MATH) ||        \
-    !defined(AMDQB_TOPK_BLOCK)
+    !defined(AMDQB_TOPK_BLOCK) || !defined(AMDQB_KEY_SELECT)
 #error "topk.hip needs its -D constants (amdqb.backends.hip._spec.topk_module)"
 #endif
 
@@ -91,6 +98,9 @@ constexpr int SVL = SOFTMAX_LANES > L ? SOFTMAX_LANES / L : 1;
 // Per-row LDS: the unbiased scores for the weights (bias), or the exponentials for the softmax sum
 // of the contiguous layout.
 constexpr bool ROW_LDS = HAS_BIAS || (SOFTMAX && CONTIGUOUS);
+// The row's Top-k over the selection keys alone first (compact outputs, list merges), the exact
+// entries only where the keys tie.
+constexpr bool KEY_SELECT = AMDQB_KEY_SELECT != 0 && !DENSE && !ROUNDS;
 
 static_assert(L >= 1 && L <= 32 && (L & (L - 1)) == 0, "AMDQB_ROW_LANES: a power of two <= 32");
 static_assert(L * V >= E, "the row's lanes must hold every expert");
@@ -147,11 +157,22 @@ AMDQB_DEVICE void order_desc(u64& a, u64& b) {
   a = hi;
   b = lo;
 }
+// Selection keys alone (amdqb::ukey): a max and a min, one instruction each.
+AMDQB_DEVICE void order_desc(u32& a, u32& b) {
+  const u32 hi = a > b ? a : b;
+  const u32 lo = a > b ? b : a;
+  a = hi;
+  b = lo;
+}
+AMDQB_DEVICE u64 max_of(u64 a, u64 b) { return a > b ? a : b; }
+AMDQB_DEVICE u32 max_of(u32 a, u32 b) { return a > b ? a : b; }
 AMDQB_DEVICE u64 shfl_xor_u64(u64 v, int mask) {
   const u32 lo = (u32)shfl_xor_i32((int)(u32)v, mask);
   const u32 hi = (u32)shfl_xor_i32((int)(u32)(v >> 32), mask);
   return ((u64)hi << 32) | lo;
 }
+AMDQB_DEVICE u32 shfl_xor_any(u32 v, int mask) { return (u32)shfl_xor_i32((int)v, mask); }
+AMDQB_DEVICE u64 shfl_xor_any(u64 v, int mask) { return shfl_xor_u64(v, mask); }
 AMDQB_DEVICE u64 shfl_u64(u64 v, int src) {
   const u32 lo = (u32)shfl_i32((int)(u32)v, src);
   const u32 hi = (u32)shfl_i32((int)(u32)(v >> 32), src);
@@ -159,8 +180,8 @@ AMDQB_DEVICE u64 shfl_u64(u64 v, int src) {
 }
 
 // Bitonic sort of a[0, N) into descending order (N a power of two).
-template <int N>
-AMDQB_DEVICE void sort_desc(u64 (&a)[N]) {
+template <typename T, int N>
+AMDQB_DEVICE void sort_desc(T (&a)[N]) {
 #pragma unroll
   for (int size = 2; size <= N; size <<= 1) {
 #pragma unroll
@@ -180,8 +201,8 @@ AMDQB_DEVICE void sort_desc(u64 (&a)[N]) {
 }
 
 // Sorts a bitonic a[0, N) into descending order.
-template <int N>
-AMDQB_DEVICE void merge_desc(u64 (&a)[N]) {
+template <typename T, int N>
+AMDQB_DEVICE void merge_desc(T (&a)[N]) {
 #pragma unroll
   for (int stride = N >> 1; stride > 0; stride >>= 1) {
 #pragma unroll
@@ -196,8 +217,8 @@ AMDQB_DEVICE void merge_desc(u64 (&a)[N]) {
 // partner reversed form a bitonic sequence whose element-wise maxima are the best M of both,
 // bitonic again (one merge). N = 8, M = 2 (Mixtral's k = 2 on one thread per row): 7
 // compare-exchanges and 6 maxima where the full sort takes 24 compare-exchanges.
-template <int N, int M>
-AMDQB_DEVICE void top_desc(u64 (&a)[N]) {
+template <int M, typename T, int N>
+AMDQB_DEVICE void top_desc(T (&a)[N]) {
   if (M >= N) {
     sort_desc(a);
     return;
@@ -222,12 +243,9 @@ AMDQB_DEVICE void top_desc(u64 (&a)[N]) {
   for (int width = M; width < N; width <<= 1) {
 #pragma unroll
     for (int base = 0; base < N; base += 2 * width) {
-      u64 c[M < N ? M : 1];
+      T c[M < N ? M : 1];
 #pragma unroll
-      for (int i = 0; i < M && i < N; ++i) {
-        const u64 x = a[base + i], y = a[base + width + M - 1 - i];
-        c[i] = x > y ? x : y;
-      }
+      for (int i = 0; i < M && i < N; ++i) c[i] = max_of(a[base + i], a[base + width + M - 1 - i]);
       merge_desc(c);
 #pragma unroll
       for (int i = 0; i < M && i < N; ++i) a[base + i] = c[i];
@@ -237,14 +255,12 @@ AMDQB_DEVICE void top_desc(u64 (&a)[N]) {
 
 // The best N of the union of the caller's sorted list and that of lane (lane ^ mask), sorted:
 // both partners end with the same list.
-template <int N>
-AMDQB_DEVICE void merge_with(u64 (&a)[N], int mask) {
-  u64 c[N];
+template <typename T, int N>
+AMDQB_DEVICE void merge_with(T (&a)[N], int mask) {
+  T c[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const u64 b = shfl_xor_u64(a[N - 1 - i], mask);  // the partner's list, reversed
-    c[i] = a[i] > b ? a[i] : b;
-  }
+  for (int i = 0; i < N; ++i)
+    c[i] = max_of(a[i], shfl_xor_any(a[N - 1 - i], mask));  // the partner's list, reversed
   merge_desc(c);
 #pragma unroll
   for (int i = 0; i < N; ++i) a[i] = c[i];
@@ -276,6 +292,61 @@ AMDQB_DEVICE void row_top_rounds(u64 (&a)[N]) {
   }
 #pragma unroll
   for (int i = 0; i < N; ++i) a[i] = out[i];
+}
+
+// The fp32 value of a selection key (an entry's high word).
+AMDQB_DEVICE float value_of(u32 key) { return key_value((i32)(key ^ 0x80000000u)); }
+AMDQB_DEVICE float value_of(u64 p) { return entry_value(p); }
+
+// How many of the row's best K keys a[0, K) lie above x: the compares independent, summed in a
+// tree (a member's rank).
+template <int N>
+AMDQB_DEVICE int count_above(const u32 (&a)[N], u32 x) {
+  int c[KP];
+#pragma unroll
+  for (int r = 0; r < KP; ++r) c[r] = r < K && a[r] > x ? 1 : 0;
+#pragma unroll
+  for (int d = KP >> 1; d > 0; d >>= 1)
+#pragma unroll
+    for (int r = 0; r < d; ++r) c[r] += c[r + d];
+  return c[0];
+}
+
+// The lane's part of the row's selection over T = u64 entries (exact) or u32 keys (their high
+// words: equal keys come out in any order): the lane's best KP sorted into top[] (zero when its
+// group is not kept); returns whether the lane's group is kept. Groups: each group's best
+// GROUP_BEST over its lanes (sorted lists merged like the row's), its score (their values summed
+// in selection order) and its rank among the groups (score descending, group id ascending).
+template <typename T>
+AMDQB_DEVICE bool row_select(const T (&mine)[V], T (&top)[KP], int rl, int rw) {
+  T srt[NSORT];
+#pragma unroll
+  for (int i = 0; i < NSORT; ++i) srt[i] = i < V ? mine[i] : T(0);
+  // the entries the row's lists need: its Top-KP, and a group's best GBP
+  top_desc<(GROUPS > 0 && GBP > KP) ? GBP : KP>(srt);
+#pragma unroll
+  for (int i = 0; i < KP; ++i) top[i] = i < NSORT ? srt[i] : T(0);
+  if (GROUPS == 0) return true;
+  T best[GBP];
+#pragma unroll
+  for (int i = 0; i < GBP; ++i) best[i] = i < NSORT ? srt[i] : T(0);
+#pragma unroll
+  for (int m = 1; m < GROUP_LANES; m <<= 1) merge_with(best, m);
+  float score = value_of(best[0]);
+#pragma unroll
+  for (int i = 1; i < GROUP_BEST; ++i) score = in_round(score + value_of(best[i]));
+  const int group = rl / GROUP_LANES;
+  const u64 gentry = group < GROUPS ? entry(order_key(score), group) : 0;
+  int ahead = 0;
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g)
+    ahead += shfl_u64(gentry, rw * L + g * GROUP_LANES) > gentry ? 1 : 0;
+  const bool kept = group < GROUPS && ahead < TOPK_GROUP;
+  if (!kept) {
+#pragma unroll
+    for (int i = 0; i < KP; ++i) top[i] = T(0);
+  }
+  return kept;
 }
 
 // Element-wise activation of V loaded logits; sigmoid: every element through the branch-free
@@ -351,6 +422,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   constexpr int WARPS = BLOCK / 32;
   AMDQB_SHARED(float, sh_row, ROW_LDS ? WARPS * ROWS * E : 1);
   AMDQB_SHARED(u8, sh_bits, DENSE && CONTIGUOUS ? WARPS * ROWS * E : 1);
+  AMDQB_SHARED(i32, sh_sel_id, KEY_SELECT ? WARPS * ROWS * KP : 1);
+  AMDQB_SHARED(float, sh_sel_s, KEY_SELECT && HAS_BIAS ? WARPS * ROWS * KP : 1);
   const int lane = lane_id();
   const int w = warp_in_block();
   const int rl = lane % L;  // lane inside the token's row
@@ -427,71 +500,124 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     }
   }
 
-  // Selection entries; the unbiased scores go to the row's LDS for the compact weights.
+  // Selection entries: (order key, ~id), the exact order.
   u64 mine[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     mine[i] = 0;
     const int e = expert_at(rl, i);
-    if (live && e < E) {
-      const float u = HAS_BIAS ? in_round(s[i] + b[i]) : s[i];
-      mine[i] = entry(order_key(u), e);
-      if (HAS_BIAS) my_row[e] = s[i];
-    }
+    if (live && e < E) mine[i] = entry(order_key(HAS_BIAS ? in_round(s[i] + b[i]) : s[i]), e);
   }
-  u64 srt[NSORT];
-#pragma unroll
-  for (int i = 0; i < NSORT; ++i) srt[i] = i < V ? mine[i] : 0;
-  // the entries the row's lists need: its Top-KP, and a group's best GBP
-  top_desc<NSORT, (GROUPS > 0 && GBP > KP) ? GBP : KP>(srt);
+
+  // Routes r < k: every lane of the row ends with the row's sorted top[] and the routes' unbiased
+  // weights wk[] (their sum in routes_sum's order below, in registers, so that each lane can
+  // write any route).
   u64 top[KP];
+  float wk[KP];
+  bool kept = true;   // the lane's group is among the kept ones (dense outputs)
+  float zmax = 0.0f;  // post softmax: the largest selected logit
+  bool exact = true;
+  if (KEY_SELECT) {
+    // The row's best keys alone (the entries' high words: one-instruction compares), exact
+    // where they are distinct, nonzero and the k-th key belongs to one expert only; else (a
+    // tie, a NaN or too few kept experts in some row of the logical warp) the entries below.
+    u32 key[V];
 #pragma unroll
-  for (int i = 0; i < KP; ++i) top[i] = i < NSORT ? srt[i] : 0;
-
-  bool kept = true;  // the lane's group is among the kept ones
-  if (GROUPS > 0) {
-    // The group's best GROUP_BEST over its lanes (sorted lists merged like the row's below), its
-    // score (their sum in selection order), its rank among the groups.
-    u64 best[GBP];
+    for (int i = 0; i < V; ++i) key[i] = (u32)(mine[i] >> 32);
+    u32 kt[KP];
+    if (!row_select(key, kt, rl, rw)) {
 #pragma unroll
-    for (int i = 0; i < GBP; ++i) best[i] = i < NSORT ? srt[i] : 0;
+      for (int i = 0; i < V; ++i) key[i] = 0;
+    }
 #pragma unroll
-    for (int m = 1; m < GROUP_LANES; m <<= 1) merge_with(best, m);
-    float score = entry_value(best[0]);
+    for (int m = 1; m < L; m <<= 1) merge_with(kt, m);
+    const u32 kth = kt[K - 1];
+    bool fast = kth != 0;
 #pragma unroll
-    for (int i = 1; i < GROUP_BEST; ++i) score = in_round(score + entry_value(best[i]));
-    const int group = rl / GROUP_LANES;
-    const u64 gentry = group < GROUPS ? entry(order_key(score), group) : 0;
-    int ahead = 0;
+    for (int r = 0; r + 1 < K; ++r) fast = fast && kt[r] > kt[r + 1];
+    int same = 0;  // this lane's experts with the k-th key
 #pragma unroll
-    for (int g = 0; g < GROUPS; ++g)
-      ahead += shfl_u64(gentry, rw * L + g * GROUP_LANES) > gentry ? 1 : 0;
-    kept = group < GROUPS && ahead < TOPK_GROUP;
-    if (!kept) {
+    for (int i = 0; i < V; ++i) same += key[i] == kth ? 1 : 0;
+    const u32 row_bits = L == 32 ? ~0u : ((1u << L) - 1u) << (rw * L);
+    const u32 holders = ballot32(same != 0) & row_bits;
+    const u32 multiple = ballot32(same > 1) & row_bits;
+    fast = !live || (fast && popc32(holders) == 1 && multiple == 0);
+    exact = ballot32(!fast) != 0;  // the same in every lane of the logical warp
+    if (exact) AMDQB_TRACE_TIED_KEYS();
+    if (!exact) {
+      // Each route's expert (and unbiased score) at its rank: a lane that holds a whole row
+      // selects them in registers, rows of several lanes exchange them through the row's LDS.
+      i32 rid[KP];
+      float rs[KP];
 #pragma unroll
-      for (int i = 0; i < KP; ++i) top[i] = 0;
+      for (int r = 0; r < KP; ++r) {
+        rid[r] = 0;
+        rs[r] = 0.0f;
+      }
+      i32* sel_id = sh_sel_id + (w * ROWS + rw) * KP;
+      float* sel_s = sh_sel_s + (w * ROWS + rw) * KP;
+      (void)sel_id;
+      (void)sel_s;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        const bool member = key[i] != 0 && key[i] >= kth;
+        if (L > 1 && K > 4 && ballot32(member) == 0) continue;  // no route in this slot
+        if (member) {
+          const int rank = count_above(kt, key[i]);
+          if (L == 1) {
+#pragma unroll
+            for (int r = 0; r < K; ++r) {
+              rid[r] = rank == r ? expert_at(rl, i) : rid[r];
+              rs[r] = rank == r ? s[i] : rs[r];
+            }
+          } else {
+            sel_id[rank] = expert_at(rl, i);
+            if (HAS_BIAS) sel_s[rank] = s[i];
+          }
+        }
+      }
+      if (L > 1) {
+        warp_sync();
+#pragma unroll
+        for (int r = 0; r < K; ++r) {
+          if (r % L == rl) rid[r] = sel_id[r];  // route r is lane r % L's to write
+          if (HAS_BIAS) rs[r] = sel_s[r];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < KP; ++r) {
+        top[r] = 0;
+        wk[r] = 0.0f;
+        if (r < K) {
+          top[r] = ((u64)kt[r] << 32) | (u64)(~(u32)rid[r]);
+          wk[r] = HAS_BIAS ? rs[r] : value_of(kt[r]);
+        }
+      }
     }
   }
-
-  if (ROUNDS) {
-    row_top_rounds(top);
-  } else {
+  if (exact) {
+    // The unbiased scores go to the row's LDS for the compact weights.
+    if (HAS_BIAS) {
 #pragma unroll
-    for (int m = 1; m < L; m <<= 1) merge_with(top, m);
-  }
-
-  // Routes r < k: every lane of the row holds the row's sorted top[]. Unbiased weights, their
-  // sum in routes_sum's order (a 32-lane butterfly over the k values; the steps past KP add exact
-  // zeros) in registers, so that each lane can write any route.
-  if (HAS_BIAS) warp_sync();               // the row's scores are in LDS
-  const float zmax = entry_value(top[0]);  // post softmax: the largest selected logit
-  float wk[KP];
+      for (int i = 0; i < V; ++i)
+        if (live && expert_at(rl, i) < E) my_row[expert_at(rl, i)] = s[i];
+    }
+    kept = row_select(mine, top, rl, rw);
+    if (ROUNDS) {
+      row_top_rounds(top);
+    } else {
 #pragma unroll
-  for (int r = 0; r < KP; ++r) {
-    wk[r] = 0.0f;
-    if (r < K) {
-      wk[r] = HAS_BIAS ? my_row[entry_id(top[r])] : entry_value(top[r]);
-      if (post_softmax) wk[r] = expf(wk[r] - zmax);
+      for (int m = 1; m < L; m <<= 1) merge_with(top, m);
+    }
+    if (HAS_BIAS) warp_sync();  // the row's scores are in LDS
+    zmax = entry_value(top[0]);
+#pragma unroll
+    for (int r = 0; r < KP; ++r) {
+      wk[r] = 0.0f;
+      if (r < K) {
+        wk[r] = HAS_BIAS ? my_row[entry_id(top[r])] : entry_value(top[r]);
+        if (post_softmax) wk[r] = expf(wk[r] - zmax);
+      }
     }
   }
   float acc[KP];

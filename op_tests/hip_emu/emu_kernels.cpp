@@ -19,7 +19,13 @@ AMDQB_EMU_REGISTER(amdqb_router_scores)
 #include "router_bwd.hip"
 AMDQB_EMU_REGISTER(amdqb_router_bwd)
 #elif defined(AMDQB_EMU_TOPK)
+static std::atomic<long long> g_tied_keys{0};
+#define AMDQB_TRACE_TIED_KEYS()                                                                    \
+  do {                                                                                             \
+    if (amdqb::lane_id() == 0) g_tied_keys++;                                                      \
+  } while (0)
 #include "topk.hip"
+extern "C" long long amdqb_emu_tied_keys() { return g_tied_keys.load(); }
 AMDQB_EMU_REGISTER(amdqb_topk)
 #elif defined(AMDQB_EMU_ROUTE)
 #include "layout.hip"

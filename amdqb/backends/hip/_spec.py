@@ -70,8 +70,14 @@ class ModuleSpec:
         return [f"-D{name}={value}" for name, value in self.defines]
 
     def label(self) -> str:
+        """A readable name for files: the kernel file and its constants; past 160 characters
+        (file names stop at 255 bytes with the suffixes callers add) cut, with a digest of the
+        whole name."""
         stem = self.kernel_file.rsplit(".", 1)[0]
-        return "_".join([stem] + [f"{n.lower().replace('amdqb_', '')}{v}" for n, v in self.defines])
+        full = "_".join([stem] + [f"{n.lower().replace('amdqb_', '')}{v}" for n, v in self.defines])
+        if len(full) <= 160:
+            return full
+        return f"{full[:144]}_{hashlib.sha256(full.encode()).hexdigest()[:15]}"
 
 
 # Compile-time constants of each module, from the architecture's config (``amdqb/configs``): the
@@ -198,6 +204,7 @@ def topk_module(
             ("AMDQB_DENSE", "1" if dense else "0"),
             ("AMDQB_IN_DTYPE_MATH", "1" if input_dtype_math else "0"),
             ("AMDQB_TOPK_BLOCK", str(int(cfg["hip.topk.block"]))),
+            ("AMDQB_KEY_SELECT", "1" if cfg["hip.topk.key_select"] else "0"),
         ),
     )
 

@@ -500,14 +500,22 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     }
   }
 
-  // Selection entries: (order key, ~id), the exact order.
-  u64 mine[V];
+  // Selection keys (the entries' high words; 0 also where a slot holds no expert) and the
+  // entries (order key, ~id) built from them where the exact order is needed.
+  u32 ukey[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-    mine[i] = 0;
-    const int e = expert_at(rl, i);
-    if (live && e < E) mine[i] = entry(order_key(HAS_BIAS ? in_round(s[i] + b[i]) : s[i]), e);
+    ukey[i] = 0;
+    if (live && expert_at(rl, i) < E)
+      ukey[i] = (u32)order_key(HAS_BIAS ? in_round(s[i] + b[i]) : s[i]) ^ 0x80000000u;
   }
+  auto entries = [&](u64(&mine)[V]) {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const int e = expert_at(rl, i);
+      mine[i] = live && e < E ? ((u64)ukey[i] << 32) | (u64)(~(u32)e) : 0;
+    }
+  };
 
   // Routes r < k: every lane of the row ends with the row's sorted top[] and the routes' unbiased
   // weights wk[] (their sum in routes_sum's order below, in registers, so that each lane can
@@ -523,7 +531,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     // tie, a NaN or too few kept experts in some row of the logical warp) the entries below.
     u32 key[V];
 #pragma unroll
-    for (int i = 0; i < V; ++i) key[i] = (u32)(mine[i] >> 32);
+    for (int i = 0; i < V; ++i) key[i] = ukey[i];
     u32 kt[KP];
     if (!row_select(key, kt, rl, rw)) {
 #pragma unroll
@@ -602,6 +610,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
       for (int i = 0; i < V; ++i)
         if (live && expert_at(rl, i) < E) my_row[expert_at(rl, i)] = s[i];
     }
+    u64 mine[V];
+    entries(mine);
     kept = row_select(mine, top, rl, rw);
     if (ROUNDS) {
       row_top_rounds(top);
@@ -638,6 +648,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     // The dense outputs of this lane's experts: members are the kept entries at or ahead of the
     // k-th (entries are distinct); weights from the lane's own scores, as the routes'.
     const u64 kth = top[K - 1];
+    u64 mine[V];
+    entries(mine);
     bool member[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) member[i] = kept && mine[i] != 0 && mine[i] >= kth;

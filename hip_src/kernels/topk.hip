@@ -46,6 +46,13 @@
 // (instructions a full GPU has to issue). Both give the same list. Route r is written by lane
 // r % L. Groups first combine each group's best entries across its AMDQB_GROUP_LANES lanes and
 // rank the group scores.
+// With AMDQB_KEY_SELECT (compact outputs, list merges) the sorts and merges run first on the
+// entries' 32-bit high words alone (a compare-exchange is a max and a min: 2 instructions where
+// the 64-bit entries take 8). The row's best K keys are then the exact Top-k wherever they are
+// distinct, nonzero (no NaN, enough kept experts) and the k-th key belongs to one expert of the
+// row (two ballots); each member lane finds its rank among them and publishes its expert and
+// unbiased score there (in registers for a thread per row, else in the row's LDS). A logical
+// warp in which any row fails a check runs the entries' selection instead.
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
 

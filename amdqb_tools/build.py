@@ -96,13 +96,17 @@ def titled_variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
 
     # (and the rows of few lanes amdqb_topk takes from hip.topk.wide_min_tokens tokens on)
     wide = 1 << 20
+    # (and the row Top-k over 32-bit keys first: "keys", AMDQB_KEY_SELECT whatever the config says)
     topks = [
-        (8, 2, "float32", "softmax", None, None, None, None),
-        (8, 2, "float32", "softmax", None, None, None, wide),
-        (128, 8, "bfloat16", "softmax", None, None, None, None),
-        (128, 8, "bfloat16", "softmax", None, None, None, wide),
-        (256, 8, "float32", "sigmoid", "float32", 8, 4, None),
-        (384, 8, "float32", "sigmoid", "bfloat16", None, None, None),
+        (8, 2, "float32", "softmax", None, None, None, None, False),
+        (8, 2, "float32", "softmax", None, None, None, wide, False),
+        (128, 8, "bfloat16", "softmax", None, None, None, None, False),
+        (128, 8, "bfloat16", "softmax", None, None, None, wide, False),
+        (256, 8, "float32", "sigmoid", "float32", 8, 4, None, False),
+        (384, 8, "float32", "sigmoid", "bfloat16", None, None, None, False),
+        (8, 2, "float32", "softmax", None, None, None, None, True),
+        (128, 8, "bfloat16", "softmax", None, None, None, None, True),
+        (256, 8, "float32", "sigmoid", "float32", 8, 4, None, True),
     ]
     return (
         [("layout", _spec.layout_module(cfg))]
@@ -118,10 +122,13 @@ def titled_variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
                 f"topk E={n} k={k} {short[dt]} {sf}"
                 + (f" bias {short[bdt]}" if bdt else "")
                 + (f" groups {g}/{tg}" if g else "")
-                + (" wide rows" if t else ""),
-                _spec.topk_module(topk_plan(n, k, sf, g, tg, cfg, tokens=t), dt, bdt, sf, cfg),
+                + (" wide rows" if t else "")
+                + (" keys" if keys else ""),
+                _spec.topk_module(
+                    topk_plan(n, k, sf, g, tg, cfg, tokens=t), dt, bdt, sf, cfg
+                ).with_defines(*([("AMDQB_KEY_SELECT", "1")] if keys else [])),
             )
-            for n, k, dt, sf, bdt, g, tg, t in topks
+            for n, k, dt, sf, bdt, g, tg, t, keys in topks
         ]
         + [
             (

@@ -135,7 +135,7 @@ def _boundary_ties(t, e, k, seed):
 def test_biased_topk_key_select_gives_the_entries_list(
     monkeypatch, backend, emu_rt, score, bias, e, k, groups, rows
 ):
-    """hip's row Top-k over the 32-bit keys (hip.topk.key_select) gives the ids and the bits of
+    """hip's row Top-k over the 32-bit keys (hip.topk.key_select_min_experts) gives the ids and the bits of
     the 64-bit entries' selection: tie-free rows by the keys, rows with a tie at or inside the
     Top-k, NaN rows and too few kept experts by the entries, also where such a row shares its
     logical warp with tie-free ones; in rows of several lanes (decode) and of few (wide: E=8 a
@@ -153,9 +153,9 @@ def test_biased_topk_key_select_gives_the_entries_list(
     if groups:
         kw.update(num_groups=groups[0], group_topk=groups[1])
     wide = {"hip.topk.wide_min_tokens": 1, "hip.topk.wide_min_experts": 1} if rows == "wide" else {}
-    set_config(monkeypatch, {"hip.topk.key_select": False, **wide})
+    set_config(monkeypatch, {"hip.topk.key_select_min_experts": 1 << 30, **wide})
     entries = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
-    cfg = set_config(monkeypatch, {"hip.topk.key_select": True, **wide})
+    cfg = set_config(monkeypatch, {"hip.topk.key_select_min_experts": 1, **wide})
     keys = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
     bits = [w.view(torch.int32) for w in (keys[0], entries[0])]  # NaN weights compare too
     assert torch.equal(keys[1], entries[1]) and torch.equal(*bits)

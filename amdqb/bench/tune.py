@@ -1,7 +1,7 @@
 """Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
 ``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
 
-    python -m amdqb.bench.tune --parts route,gate,align,topk,topk_lanes,topk_rounds,decode,qbhist,router [--json PATH] [--write]
+    python -m amdqb.bench.tune --parts route,gate,align,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
 
 A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
 config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
@@ -17,6 +17,7 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
 * ``topk_lanes`` -- amdqb_topk's experts per lane (decode and wide) and the switch between them;
 * ``topk_rounds`` -- amdqb_topk's row Top-k by list merges or by rounds of a butterfly max, over T;
+* ``topk_keys`` -- amdqb_topk's row Top-k over 32-bit keys first or over the 64-bit entries, by E;
 * ``decode`` -- one block per token against one warp per token over T: the decode thresholds;
 * ``qbhist`` -- the two-kernel histogram pass's launch shape;
 * ``router`` -- the router's register cap at few tokens (``hip.router.few_tokens_min_blocks``).
@@ -323,6 +324,57 @@ def topk_rounds(dev, cfg, tokens=(1, 256, 1024, 4096, 8192, 16384)):
     return report, {"hip.topk.rounds_min_tokens": (start, why)}
 
 
+def topk_keys(dev, cfg, tokens=(1, 8, 64, 256, 1024)):
+    """amdqb_topk's row Top-k over 32-bit keys first against the 64-bit entries alone at the
+    serving shapes (E=8 k=2 fp32 and E=128 k=8 bf16 softmax, DeepSeek-V3's grouped gate), below
+    hip.topk.rounds_min_tokens (the rounds run on entries): the smallest E of the sweep from which
+    the keys take less time summed over T at that E and every larger one."""
+    report = Report("tune_topk_keys", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    never = 1 << 30
+    totals: dict = {}  # E -> {variant: us}
+    shapes = [
+        (8, 2, torch.float32, "softmax", None),
+        (128, 8, torch.bfloat16, "softmax", None),
+        (256, 8, torch.float32, "sigmoid", (8, 4)),
+    ]
+    for e, k, dtype, sf, groups in shapes:
+        bias, kw = _topk_shape(e, sf, groups, g, dev)
+        for t in tokens:
+            x = torch.randn(t, e, generator=g).to(dev, dtype)
+            want = amdqb.biased_topk(x, k, bias, backend="torch", **kw)
+            impls = {
+                name: _with(
+                    {"hip.topk.key_select_min_experts": value},
+                    lambda x=x, bias=bias, kw=kw: amdqb.biased_topk(
+                        x, k, bias, backend="hip", **kw
+                    ),
+                )
+                for name, value in (("entries", never), ("keys", 1))
+            }
+            outs = {name: fn() for name, fn in impls.items()}
+            assert torch.equal(outs["entries"][1], want[1]), f"topk E={e} T={t} ids differ"
+            assert _same(outs["keys"], outs["entries"]), f"topk keys E={e} T={t} differ"
+            times = time_alternating(impls, dev, cfg)
+            report.add(E=e, k=k, T=t, **{f"{n}_us": us for n, us in times.items()})
+            row = totals.setdefault(e, {"entries": 0.0, "keys": 0.0})
+            for n, us in times.items():
+                row[n] += us
+    start = never
+    for e in sorted(totals, reverse=True):
+        if totals[e]["keys"] >= totals[e]["entries"]:
+            break
+        start = e
+    why = (
+        "; ".join(
+            f"E={e}: keys / entries {row['keys']:.1f} / {row['entries']:.1f} us"
+            for e, row in sorted(totals.items())
+        )
+        + f" summed over T = {tokens[0]} .. {tokens[-1]}"
+    )
+    return report, {"hip.topk.key_select_min_experts": (start, why)}
+
+
 def decode_sweep(dev, cfg, tokens=(1, 64, 256, 512, 768, 1024, 2048)):
     """The largest T at which one block per token is at least as fast as one warp per token."""
     report = Report("tune_decode", environment(dev))
@@ -439,6 +491,7 @@ PARTS = {
     "topk": topk_blocks,
     "topk_lanes": topk_lanes,
     "topk_rounds": topk_rounds,
+    "topk_keys": topk_keys,
     "decode": decode_sweep,
     "qbhist": qb_hist_shapes,
     "router": router_caps,

@@ -204,7 +204,10 @@ def topk_module(
             ("AMDQB_DENSE", "1" if dense else "0"),
             ("AMDQB_IN_DTYPE_MATH", "1" if input_dtype_math else "0"),
             ("AMDQB_TOPK_BLOCK", str(int(cfg["hip.topk.block"]))),
-            ("AMDQB_KEY_SELECT", "1" if cfg["hip.topk.key_select"] else "0"),
+            (
+                "AMDQB_KEY_SELECT",
+                "1" if plan.num_experts >= int(cfg["hip.topk.key_select_min_experts"]) else "0",
+            ),
         ),
     )
 

@@ -1,10 +1,12 @@
 """AMD build and code-object tools (not part of the amdqb package: ``import amdqb`` never imports
 them).
 
-    python -m amdqb_tools build [--toolchain clang-22] [--arch gfx942] [-j N] [--rebuild]
+    python -m amdqb_tools build [--toolchain clang-22] [--arch gfx942] [--libs rocm7] [-j N]
+                                [--rebuild]   (--libs: device-library sets, default every one found)
     python -m amdqb_tools inspect FILE.hsaco [--asm FILE.s] [--json]
     python -m amdqb_tools table [--write docs/amd_occupancy.md | --check docs/amd_occupancy.md]
-    python -m amdqb_tools configs [--write]   the occupancy-derived AMD config entries
+    python -m amdqb_tools configs [--write]   the occupancy-derived AMD config entries (those
+                                              that differ from default.json's are stored)
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from .build import build_all
 from .code_objects import inspect, inspect_build
 from .occupancy import RULES, occupancy
 from .table import render_sections, stale_sections, write_sections
-from .toolchain import Toolchain, missing_toolchains, toolchains
+from .toolchain import (
+    DEVICE_LIB_SETS,
+    Toolchain,
+    device_bitcode_source,
+    missing_toolchains,
+    toolchains,
+)
 
 
 def _select(args) -> list[Toolchain]:
@@ -34,8 +42,15 @@ def _select(args) -> list[Toolchain]:
 
 def _cmd_build(args) -> int:
     start = time.perf_counter()
+    libs = tuple(args.libs) or tuple(
+        lb for lb in DEVICE_LIB_SETS if device_bitcode_source(lb) is not None
+    )
     builds = build_all(
-        _select(args), archs=tuple(args.arch) or None, jobs=args.jobs, rebuild=args.rebuild
+        _select(args),
+        archs=tuple(args.arch) or None,
+        jobs=args.jobs,
+        rebuild=args.rebuild,
+        libs=libs,
     )
     wall = time.perf_counter() - start
     failed = 0
@@ -132,7 +147,7 @@ def _cmd_table(args) -> int:
 
 def _cmd_configs(args) -> int:
     from .code_objects import inspect_all
-    from .derive import DERIVED_ARCHS, derived_entries, write
+    from .derive import DERIVED_ARCHS, derived_entries, stored_entries, write
 
     tc = [t for t in toolchains() if t.name == "clang-22"]
     if not tc:
@@ -143,8 +158,10 @@ def _cmd_configs(args) -> int:
             print(f"wrote {path}")
         return 0
     for arch in DERIVED_ARCHS:
+        _, equal = stored_entries(arch, objects)
         for key, (value, why) in derived_entries(arch, objects).items():
-            print(f"{arch:8s} {key:32s} {value!s:6s} {why}")
+            note = " (the default's: not stored)" if key in equal else ""
+            print(f"{arch:8s} {key:32s} {value!s:6s} {why}{note}")
     return 0
 
 
@@ -157,6 +174,7 @@ def main(argv=None) -> int:
         s.add_argument("-j", "--jobs", type=int, default=None)
         if name == "build":
             s.add_argument("--arch", action="append", default=[])
+            s.add_argument("--libs", action="append", default=[], choices=DEVICE_LIB_SETS)
             s.add_argument("--rebuild", action="store_true")
         else:
             g = s.add_mutually_exclusive_group()

@@ -1,6 +1,10 @@
 """Offline AMD builds of the ``hip_src`` kernels: every module the runtime can request at the seed
 shapes (:func:`module_variants`), compiled and linked into ELF code objects (``.hsaco``) with
-Debian's clang and lld for every target of every toolchain (:mod:`amdqb_tools.toolchain`).
+Debian's clang and lld for every target of every toolchain (:mod:`amdqb_tools.toolchain`), against
+each device-library set the toolchain links (``toolchain.LIBS_BY_MAJOR``: Debian's ROCm 5.2
+ocml / ockl, and for clang 22 the ROCm 7.x ones of Triton's AMD backend). A build is named by its
+toolchain and set (:func:`build_name`: ``clang-22`` links Debian's set, ``clang-22-rocm7`` ROCm
+7's).
 
 The flags are the runtime's (``amdqb.backends.hip._spec.hip_flags``), so a code object here is what
 the compiler of a device's ROCm builds from the same sources with hipcc, up to the compiler
@@ -140,14 +144,47 @@ def titled_variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
     )
 
 
-def module_variants(arch: str = "gfx942") -> list[_spec.ModuleSpec]:
+# The modules built against each device-library set (titles of :func:`titled_variants`; None:
+# every one). Against ROCm 7's set, a representative subset: the modules whose code depends on the
+# device libraries -- the sqrtsoftplus routers, which call ocml's log1pf (every other module gives
+# the same instructions against either set: measured with clang 22.1.8 and ROCm 7.1 on all five
+# targets) -- and one module of each kernel file at the seed shapes, those the ISA checks read
+# included (the route / align module, the E=896 fp32 and bf16 routers). The whole list against
+# ROCm 7's set adds about two thirds to the run time of op_tests/test_amd_code_objects.py.
+LIB_MODULES: dict[str, tuple[str, ...] | None] = {
+    "debian": None,
+    "rocm7": (
+        "layout",
+        "router E=896 fp32 sigmoid",
+        "router E=896 bf16 sigmoid",
+        "router E=896 fp32 sqrtsoftplus",
+        "router E=129 fp16 sqrtsoftplus",
+        "topk E=256 k=8 fp32 sigmoid bias fp32 groups 8/4",
+        "router_bwd E=896 fp32 sigmoid",
+    ),
+}
+
+
+def module_variants(arch: str = "gfx942", libs: str = "debian") -> list[_spec.ModuleSpec]:
     """Every module the runtime can request at the seed shapes on ``arch`` (its config's
     constants), plus the shapes the compile tests cover: the layout module; the router at E=896 in
     fp32 / bf16 / fp16 with sigmoid, with sqrtsoftplus and softmax, with the tie-free selection and
     with the approximate activation; small odd E (129 fp16 sqrtsoftplus, 17 fp32 softmax) and
-    E=4096 (the op's largest) bf16 sigmoid and fp32 tie-free sigmoid; the serving top-k at the peers' shapes; the router backward. The one
-    place that lists them (:func:`titled_variants`)."""
-    return [spec for _, spec in titled_variants(arch)]
+    E=4096 (the op's largest) bf16 sigmoid and fp32 tie-free sigmoid; the serving top-k at the
+    peers' shapes; the router backward. The one place that lists them (:func:`titled_variants`);
+    those built against device-library set ``libs``: :data:`LIB_MODULES`."""
+    titled, wanted = titled_variants(arch), LIB_MODULES[libs]
+    unknown = set(wanted or ()) - {title for title, _ in titled}
+    if unknown:
+        raise ValueError(f"LIB_MODULES[{libs!r}] names no module {sorted(unknown)}")
+    return [spec for title, spec in titled if wanted is None or title in wanted]
+
+
+def build_name(tc_name: str, libs: str = "debian") -> str:
+    """The name of toolchain ``tc_name``'s builds against device-library set ``libs``: the
+    toolchain's own for Debian's set (``clang-22``), else ``<toolchain>-<libs>``
+    (``clang-22-rocm7``)."""
+    return tc_name if libs == "debian" else f"{tc_name}-{libs}"
 
 
 def expected_kernels(spec: _spec.ModuleSpec) -> frozenset:
@@ -165,14 +202,16 @@ def compile_command(
     out: Path,
     root: Path | None = None,
     amdqb_wave: int | None = None,
+    libs: str = "debian",
 ) -> list[str]:
-    """The clang command that compiles and links ``spec`` for ``arch`` into ``out`` (and leaves
-    the assembly listing next to it). ``amdqb_wave`` overrides the ``AMDQB_WAVE_SIZE`` the
-    runtime would pass (tests of the prelude's mismatch check); the target's wave size stays."""
+    """The clang command that compiles and links ``spec`` for ``arch`` into ``out`` against
+    device-library set ``libs`` (and leaves the assembly listing next to it). ``amdqb_wave``
+    overrides the ``AMDQB_WAVE_SIZE`` the runtime would pass (tests of the prelude's mismatch
+    check); the target's wave size stays."""
     root = root or _spec.source_root()
     wave = amd_wave_size(arch)
     cmd = [tc.clang, "-x", "hip", "--cuda-device-only", "--no-gpu-bundle-output", "-c"]
-    cmd += ["-save-temps=obj", f"--rocm-device-lib-path={device_lib_dir(tc)}"]
+    cmd += ["-save-temps=obj", f"--rocm-device-lib-path={device_lib_dir(tc, libs)}"]
     cmd += _spec.hip_flags(arch, amdqb_wave or wave, spec)
     if not predefines_wave_size(tc):
         cmd.append(f"-D__AMDGCN_WAVEFRONT_SIZE={wave}")  # from the arch, not AMDQB_WAVE_SIZE
@@ -185,7 +224,7 @@ def compile_command(
 
 @dataclass
 class Build:
-    toolchain: str
+    toolchain: str  # build_name(): the toolchain and the device-library set
     spec: _spec.ModuleSpec
     arch: str
     rc: int
@@ -212,10 +251,10 @@ class Build:
         return f"{self.spec.label()}@{self.arch}/{self.toolchain}"
 
 
-def _key(tc: Toolchain, spec: _spec.ModuleSpec, arch: str, root: Path) -> str:
+def _key(tc: Toolchain, spec: _spec.ModuleSpec, arch: str, root: Path, libs: str) -> str:
     placeholder = Path("/OUT/code.hsaco")
-    cmd = compile_command(tc, spec, arch, placeholder, root)
-    devlib = device_lib_dir(tc)
+    cmd = compile_command(tc, spec, arch, placeholder, root, libs=libs)
+    devlib = device_lib_dir(tc, libs)
     flags = [
         a.replace(str(devlib), devlib.name)
         .replace(str(root), "<src>")
@@ -232,28 +271,33 @@ def build(
     arch: str,
     rebuild: bool = False,
     root: Path | None = None,
+    libs: str = "debian",
 ) -> Build:
-    """Compile + link ``spec`` for ``arch`` with ``tc``, or take it from the cache."""
+    """Compile + link ``spec`` for ``arch`` with ``tc`` against device-library set ``libs``, or
+    take it from the cache."""
     root = root or _spec.source_root()
     if arch not in tc.archs:
         raise ValueError(f"{tc.name} does not build {arch} (it builds {', '.join(tc.archs)})")
-    key = _key(tc, spec, arch, root)
+    if libs not in tc.lib_sets:
+        raise ValueError(f"{tc.name} does not link {libs} (it links {', '.join(tc.lib_sets)})")
+    name = build_name(tc.name, libs)
+    key = _key(tc, spec, arch, root, libs)
     objects = offline_root() / "objects"
-    dest = objects / f"{spec.label()}-{arch}-{tc.name}-{key[:20]}"
+    dest = objects / f"{spec.label()}-{arch}-{name}-{key[:20]}"
     if not rebuild and (dest / "build.json").is_file() and (dest / "code.hsaco").is_file():
         info = json.loads((dest / "build.json").read_text())
-        return Build(tc.name, spec, arch, 0, info["log"], key, dest, info["seconds"], True)
+        return Build(name, spec, arch, 0, info["log"], key, dest, info["seconds"], True)
     objects.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=objects))
     try:
-        cmd = compile_command(tc, spec, arch, tmp / "code.hsaco", root)
+        cmd = compile_command(tc, spec, arch, tmp / "code.hsaco", root, libs=libs)
         start = time.perf_counter()
         proc = run(cmd, cwd=tmp)
         seconds = round(time.perf_counter() - start, 3)
         listings = sorted(tmp.glob("*.s"))
         if proc.returncode or not listings or not (tmp / "code.hsaco").is_file():
             return Build(
-                tc.name, spec, arch, proc.returncode or 1, proc.stderr, key, None, seconds, False
+                name, spec, arch, proc.returncode or 1, proc.stderr, key, None, seconds, False
             )
         os.replace(listings[0], tmp / "code.s")
         for p in tmp.iterdir():  # preprocessed source, bitcode, object, lld's save-temps
@@ -267,7 +311,7 @@ def build(
             os.replace(tmp, dest)
         except OSError:  # built meanwhile by another process
             pass
-        done = Build(tc.name, spec, arch, 0, proc.stderr, key, dest, seconds, False)
+        done = Build(name, spec, arch, 0, proc.stderr, key, dest, seconds, False)
         if inspect_tools() is not None:
             from .code_objects import inspect_build
 
@@ -281,14 +325,19 @@ def build_matrix(
     tcs: list[Toolchain] | None = None,
     variants: list[_spec.ModuleSpec] | None = None,
     archs: tuple[str, ...] | None = None,
-) -> list[tuple[Toolchain, _spec.ModuleSpec, str]]:
+    libs: tuple[str, ...] = ("debian",),
+) -> list[tuple[Toolchain, str, _spec.ModuleSpec, str]]:
+    """(toolchain, device-library set, module, target) of every build: the sets of ``libs`` the
+    toolchain links, each with its modules (:func:`module_variants`) unless ``variants``."""
     tcs = toolchains() if tcs is None else tcs
     return [
-        (tc, spec, arch)
+        (tc, lb, spec, arch)
         for tc in tcs
+        for lb in tc.lib_sets
+        if lb in libs
         for arch in tc.archs
         if archs is None or arch in archs
-        for spec in (module_variants(arch) if variants is None else variants)
+        for spec in (module_variants(arch, lb) if variants is None else variants)
     ]
 
 
@@ -298,21 +347,24 @@ def build_all(
     archs: tuple[str, ...] | None = None,
     jobs: int | None = None,
     rebuild: bool = False,
+    libs: tuple[str, ...] = ("debian",),
 ) -> dict[tuple[str, _spec.ModuleSpec, str], Build]:
-    """Every (toolchain, module, target) build, in parallel, each made once per process."""
-    todo = build_matrix(tcs, variants, archs)
-    for tc in {tc.name: tc for tc, _, _ in todo}.values():
-        device_lib_dir(tc)  # once, before the workers
+    """Every (build name, module, target) build against the device-library sets ``libs``
+    (:func:`build_matrix`; the key's name is :func:`build_name`), in parallel, each made once per
+    process."""
+    todo = build_matrix(tcs, variants, archs, libs)
+    for tc, lb in {(tc.name, lb): (tc, lb) for tc, lb, _, _ in todo}.values():
+        device_lib_dir(tc, lb)  # once, before the workers
         predefines_wave_size(tc)
         lld_dir(tc)
 
     def one(job):
-        tc, spec, arch = job
-        memo_key = (tc.name, spec, arch)
+        tc, lb, spec, arch = job
+        memo_key = (build_name(tc.name, lb), spec, arch)
         with MEMO.lock:
             done = None if rebuild else MEMO.builds.get(memo_key)
         if done is None:
-            done = build(tc, spec, arch, rebuild=rebuild)
+            done = build(tc, spec, arch, rebuild=rebuild, libs=lb)
             with MEMO.lock:
                 MEMO.builds[memo_key] = done
         return memo_key, done

@@ -4,9 +4,12 @@
 No AMD GPU has run these kernels: every value here is ``derived:`` from register, LDS and
 workgroup counts (amdqb_tools.occupancy), never from a timing; ``python -m amdqb.bench.tune --write`` on
 the GPU replaces an entry with a ``measured:`` one. :func:`derived_entries` computes them from the
-clang-22 builds of the layout module and the router at the seed shape (E=896, fp32, sigmoid);
-``python -m amdqb_tools configs --write`` stores them and op_tests/test_amd_code_objects.py checks
-the files still say what the current code objects give.
+clang-22 builds of the layout module and the router at the seed shape (E=896, fp32, sigmoid).
+An AMD file holds a derived entry only where its value differs from ``default.json``'s: one equal
+to the default stays out of the file until a measurement gives it (:func:`stored_entries`).
+``python -m amdqb_tools configs --write`` stores them (and drops derived entries the default now
+equals) and op_tests/test_amd_code_objects.py checks the files still say what the current code
+objects give.
 """
 
 from __future__ import annotations
@@ -94,13 +97,27 @@ def derived_entries(arch: str, objects: dict) -> dict[str, tuple[object, str]]:
     return out
 
 
+def stored_entries(arch: str, objects: dict) -> tuple[dict[str, tuple[object, str]], list[str]]:
+    """(the derived entries ``arch``'s file holds: those whose value differs from default.json's,
+    the derived keys it leaves to the default: those whose value equals it)."""
+    from amdqb import configs
+
+    default = configs.load(configs.DEFAULT)
+    entries = derived_entries(arch, objects)
+    kept = {key: vw for key, vw in entries.items() if vw[0] != default[key]}
+    return kept, sorted(set(entries) - set(kept))
+
+
 def write(objects: dict) -> list:
-    """Write the derived entries of every :data:`DERIVED_ARCHS` config (configs.write)."""
+    """Write the derived entries of every :data:`DERIVED_ARCHS` config that differ from the
+    default, and drop the derived entries equal to it (configs.write)."""
     from amdqb import configs
 
     paths = []
     for arch in DERIVED_ARCHS:
-        entries = derived_entries(arch, objects)
-        values = {key: (value, PROVENANCE, why) for key, (value, why) in entries.items()}
-        paths.append(configs.write(arch, values))
+        kept, equal = stored_entries(arch, objects)
+        values = {key: (value, PROVENANCE, why) for key, (value, why) in kept.items()}
+        # only entries this tool wrote leave: a measured one stays
+        derived = [k for k in equal if configs.load(arch).entry(k).provenance == PROVENANCE]
+        paths.append(configs.write(arch, values, remove=tuple(derived)))
     return paths

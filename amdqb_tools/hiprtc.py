@@ -40,7 +40,7 @@ from pathlib import Path
 from amdqb._arch import amd_wave_size, base_arch
 from amdqb.backends.hip import _spec
 
-from .build import Build, arch_config
+from .build import Build, titled_variants
 from .toolchain import (
     MEMO,
     OFFLINE_FORMAT,
@@ -218,16 +218,20 @@ def build(
     return done
 
 
+# The router modules the hiprtc builds cover (titles of build.titled_variants): the seed shape
+# (expf under the builtin header) and its sqrtsoftplus form (log1pf and sqrtf from ocml).
+ROUTER_MODULES = ("router E=896 fp32 sigmoid", "router E=896 fp32 sqrtsoftplus")
+
+
 def module_variants(arch: str) -> list[tuple[str, _spec.ModuleSpec]]:
-    """(title, spec) of the modules the hiprtc builds cover on ``arch``: the route / align module
-    and the router at the seed shape (E=896, fp32, sigmoid: expf from ocml under the builtin
-    header) and with sqrtsoftplus (log1pf and sqrtf from ocml)."""
-    cfg = arch_config(arch)
+    """(title, spec) of the modules the hiprtc builds cover on ``arch``, as the offline builds
+    list them (:func:`amdqb_tools.build.titled_variants`): the route / align module, the router
+    modules of :data:`ROUTER_MODULES`, and every serving top-k (topk.hip, at the peers' shapes)
+    and router backward (router_bwd.hip) module."""
     return [
-        ("layout", _spec.layout_module(cfg)),
-        ("router E=896 fp32 sigmoid", _spec.router_module(896, "float32", "sigmoid", cfg)),
-        (
-            "router E=896 fp32 sqrtsoftplus",
-            _spec.router_module(896, "float32", "sqrtsoftplus", cfg),
-        ),
+        (title, spec)
+        for title, spec in titled_variants(arch)
+        if title == "layout"
+        or title in ROUTER_MODULES
+        or spec.kernel_file in ("topk.hip", "router_bwd.hip")
     ]

@@ -1,7 +1,7 @@
 """The generated sections of docs/amd_occupancy.md, from the code objects of
 :func:`amdqb_tools.build.build_all`: ``occupancy`` (per target, every kernel's registers, LDS,
 scratch, spills and occupancy) and ``isa`` (per target, the cross-lane and atomic instructions of
-the hot modules' kernels, :mod:`amdqb_tools.isa`) and ``model`` (llvm-mca over the hot kernels'
+the hot modules' kernels, the serving top-k's and the router backward's, :mod:`amdqb_tools.isa`) and ``model`` (llvm-mca over the hot kernels'
 main loops with occupancy and bytes moved, :mod:`amdqb_tools.mca`). Each section sits between its
 own BEGIN marker and the next END marker.
 """
@@ -92,8 +92,10 @@ def render_table(builds: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-# Modules of the ISA section: the route / align kernels and the router at the seed shape.
+# Modules of the ISA section: the route / align kernels, the router at the seed shape, and every
+# module of the serving top-k and of the router backward.
 ISA_MODULES = ("layout", "router E=896 fp32 sigmoid")
+ISA_KERNEL_FILES = ("topk.hip", "router_bwd.hip")
 ISA_COLUMNS = (
     ("bpermute", "ds_bpermute"),
     ("dpp", "DPP"),
@@ -107,15 +109,17 @@ ISA_COLUMNS = (
 
 
 def render_isa_table(builds: dict) -> str:
-    """The ``isa`` section: per clang-22 target, the instruction counts of the kernels of
-    :data:`ISA_MODULES`, each cell ``all (in loops)``."""
+    """The ``isa`` section: per clang-22 target (Debian's device libraries), the instruction
+    counts of the kernels of :data:`ISA_MODULES` and of the modules of :data:`ISA_KERNEL_FILES`,
+    each cell ``all (in loops)``."""
     lines = [table_begin("isa"), ""]
     head = " | ".join(title for _, title in ISA_COLUMNS)
     for arch in AMD_ARCHS:
         rows = []
         for title, spec in titled_variants(arch):
             b = builds.get(("clang-22", spec, arch))
-            if title not in ISA_MODULES or b is None or not b.ok:
+            shown = title in ISA_MODULES or spec.kernel_file in ISA_KERNEL_FILES
+            if not shown or b is None or not b.ok:
                 continue
             co = inspect_build(b)
             for name in sorted(co.kernels):

@@ -17,6 +17,9 @@ neither gfx950 nor gfx1250). Toolchain facts this relies on (Debian 12, measured
   are LLVM intrinsics with clang 22's headers, as with the clang of a current ROCm).
 * clang 19 finds no lld of its own version on Debian; lld 22 links for it (``-B`` to a directory
   holding an ``lld`` link).
+* The ROCm 7.x bitcode is written by LLVM 20 (``Producer: 'LLVM20.0.0git'``), which clang 19
+  cannot read: clang 22 links both device-library sets, clang 19 Debian's alone
+  (:data:`LIBS_BY_MAJOR`).
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ class Toolchain:
         return ARCHS_BY_MAJOR.get(self.major, ())
 
     @property
+    def lib_sets(self) -> tuple[str, ...]:
+        """The device-library sets this toolchain links (:data:`LIBS_BY_MAJOR`)."""
+        return LIBS_BY_MAJOR.get(self.major, ())
+
+    @property
     def ident(self) -> str:
         return f"{self.version} | {self.lld_version}"
 
@@ -141,6 +149,8 @@ def missing_toolchains() -> list[str]:
             out.append(f"clang-{m} (apt-get install clang-{m} lld-22 llvm-{m})")
     if device_bitcode_source() is None:
         out.append("rocm-device-libs (ocml.bc / ockl.bc)")
+    if device_bitcode_source("rocm7") is None:
+        out.append("Triton's AMD backend (ROCm 7 ocml.bc / ockl.bc: pip install triton)")
     if not Path("/usr/include/hip/hip_runtime.h").is_file():
         out.append("libamdhip64-dev (HIP headers)")
     return out
@@ -187,6 +197,8 @@ _BITCODE_DIRS = (
 # Device-library sets a build links against: Debian's rocm-device-libs (ROCm 5.2 bitcode) and the
 # ROCm 7.x ocml / ockl that Triton's AMD backend ships (site-packages/triton/backends/amd/lib).
 DEVICE_LIB_SETS = ("debian", "rocm7")
+# The sets each toolchain can link: ROCm 7's bitcode needs an LLVM of 20 or later to read it.
+LIBS_BY_MAJOR = {22: DEVICE_LIB_SETS, 19: ("debian",)}
 
 
 def _triton_amd() -> Path | None:

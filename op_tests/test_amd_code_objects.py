@@ -1,18 +1,27 @@
 """What the linked AMD code objects of every hip_src kernel say about themselves.
 
-The code objects come from ``amdqb_tools`` (``amdqb_tools.build`` (the runtime's flags, Debian's clang 22
-for gfx942 / gfx950 / gfx1100 / gfx1201 / gfx1250 and clang 19 for gfx942 / gfx1100 / gfx1201,
-linked with lld against ocml / ockl; op_tests/test_hip_compile.py checks they build). The checks
-read each object's AMDGPU metadata note, symbols and disassembly, not the compiler's assembly
-text: wave size; no undefined symbols, no calls, no dynamic stack; no scratch in the route, align,
-decode Top-k and QB histogram kernels; LDS inside the target's budget; the listing's resource
-comments agree with the metadata. Occupancy (waves per SIMD) is derived from the metadata with the
+The code objects come from ``amdqb_tools`` (``amdqb_tools.build``: the runtime's flags, Debian's
+clang 22 for gfx942 / gfx950 / gfx1100 / gfx1201 / gfx1250 and clang 19 for gfx942 / gfx1100 /
+gfx1201, linked with lld against ocml / ockl; op_tests/test_hip_compile.py checks they build).
+Every check of a build runs for each device-library set: Debian's ROCm 5.2 ocml / ockl (clang 22
+and clang 19: every module of ``build.module_variants``) and the ROCm 7.x ones Triton's AMD backend
+ships (clang 22, the five targets; clang 19 cannot read that bitcode). Against ROCm 7's set a
+representative subset of the modules is built (``build.LIB_MODULES["rocm7"]``): the route / align
+module; the router at E=896 in fp32 and bf16 with sigmoid, and with sqrtsoftplus at E=896 fp32 and
+E=129 fp16 (the modules that call into ocml: log1pf); the serving top-k at DeepSeek-V3's shape
+(E=256, k=8, grouped, fp32 bias); the router backward at E=896. Every other module gives the same
+instructions against either set, and the whole list against ROCm 7's set adds about two thirds to
+this file's run time (the subset about a fifth). The checks read each object's AMDGPU metadata
+note, symbols and disassembly, not the compiler's assembly text: wave size; no undefined symbols,
+no calls, no dynamic stack; no scratch in the route, align, decode Top-k and QB histogram kernels;
+LDS inside the target's budget; the listing's resource comments agree with the metadata. Occupancy (waves per SIMD) is derived from the metadata with the
 per-target rules of ``tools_occupancy.RULES``, which must reproduce what LLVM prints for its own kernels
 and for probe kernels over register / LDS / block-size sweeps; docs/amd_occupancy.md must equal
 the table these builds give. ISA checks (disassembly of the linked objects): the lds route kernel
 privatises its histogram with LDS atomics and reserves each expert's interval with one returning
 global atomic per (block, expert), in its per-expert loop; the QB histogram pass counts in LDS and
-flushes once; the router's fused epilogue has one global atomic per (token, expert).
+flushes once; the router's fused epilogue has one global atomic per (token, expert); no hot loop
+keeps ds_bpermute chains, and the serving top-k and the router backward keep none at all.
 
 Nothing here executes a kernel (no AMD GPU or ROCm runtime on these machines).
 """
@@ -41,18 +50,25 @@ from conftest import needs, require
 # the module fixture builds every kernel once: its tests stay on one xdist worker
 pytestmark = pytest.mark.xdist_group("amd_code_objects")
 
-ALL_TARGETS = [
+# (toolchain, target) of every toolchain, and (toolchain, device-library set, target) of every
+# build: clang 22 against both sets, clang 19 against Debian's (toolchain.LIBS_BY_MAJOR)
+TOOLCHAIN_TARGETS = [
     (f"clang-{m}", arch)
     for m in tools_toolchain.TOOLCHAIN_MAJORS
     for arch in tools_toolchain.ARCHS_BY_MAJOR[m]
+]
+ALL_TARGETS = [
+    (tc, libs, arch)
+    for tc, arch in TOOLCHAIN_TARGETS
+    for libs in tools_toolchain.LIBS_BY_MAJOR[int(tc.split("-")[1])]
 ]
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "amd_occupancy.md"
 
 
-def _available(tc_name: str) -> bool:
+def _available(tc_name: str, libs: str = "debian") -> bool:
     tc = tools_toolchain.toolchain(int(tc_name.split("-")[1]))
-    return tc is not None and tools_toolchain.device_bitcode_source() is not None
+    return tc is not None and tools_toolchain.device_bitcode_source(libs) is not None
 
 
 def _skip_reason() -> str:
@@ -60,6 +76,24 @@ def _skip_reason() -> str:
 
 
 def target_params():
+    """(toolchain, device-library set, target) of every build (id: the build name and target)."""
+    return [
+        pytest.param(
+            tc,
+            libs,
+            arch,
+            id=f"{tools_build.build_name(tc, libs)}-{arch}",
+            marks=needs(
+                _available(tc, libs) and tools_toolchain.inspect_tools() is not None,
+                _skip_reason(),
+            ),
+        )
+        for tc, libs, arch in ALL_TARGETS
+    ]
+
+
+def toolchain_params():
+    """(toolchain, target) of every toolchain (checks of the compiler, not of a build)."""
     return [
         pytest.param(
             tc,
@@ -69,32 +103,39 @@ def target_params():
                 _available(tc) and tools_toolchain.inspect_tools() is not None, _skip_reason()
             ),
         )
-        for tc, arch in ALL_TARGETS
+        for tc, arch in TOOLCHAIN_TARGETS
     ]
 
 
 @pytest.fixture(scope="module")
 def objects():
-    """{(toolchain, module, arch): CodeObject} of every build (made once per process)."""
+    """{(build name, module, arch): CodeObject} of every build against every device-library set
+    found here (made once per process; a set missing fails its targets' tests under CI=true)."""
     require(
-        any(_available(tc) for tc, _ in ALL_TARGETS)
+        any(_available(tc) for tc, _ in TOOLCHAIN_TARGETS)
         and tools_toolchain.inspect_tools() is not None,
         _skip_reason(),
     )
-    builds = tools_build.build_all()
+    libs = tuple(
+        lb
+        for lb in tools_toolchain.DEVICE_LIB_SETS
+        if tools_toolchain.device_bitcode_source(lb) is not None
+    )
+    builds = tools_build.build_all(libs=libs)
     failed = {b.label: b.log[-3000:] for b in builds.values() if not b.ok}
     assert not failed, failed
     return tools_code_objects.inspect_all(builds)
 
 
-def modules_of(objects, tc, arch):
-    out = [(spec, co) for (t, spec, a), co in objects.items() if t == tc and a == arch]
-    assert len(out) == len(tools_build.module_variants(arch)), (tc, arch)
+def modules_of(objects, tc, libs, arch):
+    name = tools_build.build_name(tc, libs)
+    out = [(spec, co) for (t, spec, a), co in objects.items() if t == name and a == arch]
+    assert len(out) == len(tools_build.module_variants(arch, libs)), (name, arch)
     return out
 
 
-def code_object(objects, tc, arch, spec):
-    return objects[(tc, spec, arch)]
+def code_object(objects, tc, libs, arch, spec):
+    return objects[(tools_build.build_name(tc, libs), spec, arch)]
 
 
 GLOBAL_ATOMIC = re.compile(r"^(global|flat|buffer)_atomic_add")
@@ -157,21 +198,21 @@ def test_one_wave_size_rule():
 # ------------------------------------------------------------------------------------------------
 # Metadata
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_wave_size_is_the_targets(objects, tc, arch):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_wave_size_is_the_targets(objects, tc, libs, arch):
     want = amd_wave_size(arch)
-    for spec, co in modules_of(objects, tc, arch):
+    for spec, co in modules_of(objects, tc, libs, arch):
         assert co.target == f"amdgcn-amd-amdhsa--{arch}", (spec.label(), co.target)
         for name, k in co.kernels.items():
             assert k.wave == want, (spec.label(), arch, name, k.meta)
 
 
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_no_external_calls_no_dynamic_stack(objects, tc, arch):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_no_external_calls_no_dynamic_stack(objects, tc, libs, arch):
     """Linked with --no-undefined: no symbol left to resolve, no call of any kind (every device
     function and library routine inlined), so the metadata's register and scratch counts are the
     kernels' own, not a lower bound."""
-    for spec, co in modules_of(objects, tc, arch):
+    for spec, co in modules_of(objects, tc, libs, arch):
         assert co.undefined == [], (spec.label(), co.undefined)
         assert co.calls == [], (spec.label(), co.calls[:10])
         for name, k in co.kernels.items():
@@ -179,13 +220,13 @@ def test_no_external_calls_no_dynamic_stack(objects, tc, arch):
             assert k.code, (spec.label(), name, "no disassembly")
 
 
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_no_scratch_where_promised(objects, tc, arch):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_no_scratch_where_promised(objects, tc, libs, arch):
     """Route and align kernels (every one), the serving top-k, the decode-form Top-k and the QB
     histogram pass (every router module, E up to 4096) keep their per-thread arrays in registers;
     the router backward uses no scratch (at E=896 on wave64 it spills a few SGPRs into VGPR
     lanes, docs/serving.md). The full router and its scores pass: the test below."""
-    for spec, co in modules_of(objects, tc, arch):
+    for spec, co in modules_of(objects, tc, libs, arch):
         names = (
             sorted(co.kernels)
             if spec.kernel_file in ("layout.hip", "topk.hip", "router_bwd.hip")
@@ -205,12 +246,12 @@ def test_no_scratch_where_promised(objects, tc, arch):
 ROUTER_896_TARGETS = ("gfx942", "gfx950", "gfx1250")
 
 
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_router_fits_four_waves_without_scratch(objects, tc, arch):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_router_fits_four_waves_without_scratch(objects, tc, libs, arch):
     """amdqb_router and amdqb_router_scores: no scratch at any E built, up to the op's largest
     (4096: rows of many slots per lane load them in chunks, router.hip CHUNK), on any target;
     amdqb_router at E=896 on gfx942 / gfx950 / gfx1250: >= 4 waves per SIMD, no spill at all."""
-    for spec, co in modules_of(objects, tc, arch):
+    for spec, co in modules_of(objects, tc, libs, arch):
         if spec.kernel_file != "router.hip":
             continue
         for name in ("amdqb_router", "amdqb_router_scores"):
@@ -220,26 +261,27 @@ def test_router_fits_four_waves_without_scratch(objects, tc, arch):
             occ = tools_occupancy.occupancy(arch, k)
             assert occ.waves >= 4, (spec.label(), arch, occ, k.meta)
             assert k.spills == (0, 0), (spec.label(), arch, k.meta)
-    assert any(
-        dict(spec.defines)["AMDQB_NUM_EXPERTS"] == str(hip_router.MAX_ROUTER_EXPERTS)
-        for spec, _ in modules_of(objects, tc, arch)
-        if spec.kernel_file == "router.hip"
-    ), "the op's largest E is among the variants built"
+    if tools_build.LIB_MODULES[libs] is None:  # every module built against this set
+        assert any(
+            dict(spec.defines)["AMDQB_NUM_EXPERTS"] == str(hip_router.MAX_ROUTER_EXPERTS)
+            for spec, _ in modules_of(objects, tc, libs, arch)
+            if spec.kernel_file == "router.hip"
+        ), "the op's largest E is among the variants built"
 
 
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_lds_inside_the_targets_budget(objects, tc, arch):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_lds_inside_the_targets_budget(objects, tc, libs, arch):
     rules = tools_occupancy.RULES[arch]
-    for spec, co in modules_of(objects, tc, arch):
+    for spec, co in modules_of(objects, tc, libs, arch):
         for name, k in co.kernels.items():
             assert k.lds <= min(rules.lds_per_workgroup, 64 * 1024), (spec.label(), name, k.lds)
 
 
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_listing_agrees_with_the_metadata(objects, tc, arch):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_listing_agrees_with_the_metadata(objects, tc, libs, arch):
     """The ``; Kernel info`` comments of the listing the object was assembled from give the same
     register, LDS and scratch counts as the metadata note."""
-    for spec, co in modules_of(objects, tc, arch):
+    for spec, co in modules_of(objects, tc, libs, arch):
         for name, k in co.kernels.items():
             info = k.info
             assert info, (spec.label(), name, "no listing comments")
@@ -250,9 +292,9 @@ def test_listing_agrees_with_the_metadata(objects, tc, arch):
             assert info["LDSByteSize"] == k.lds, (name, info, k.meta)
 
 
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_expected_kernels_present(objects, tc, arch):
-    for spec, co in modules_of(objects, tc, arch):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_expected_kernels_present(objects, tc, libs, arch):
+    for spec, co in modules_of(objects, tc, libs, arch):
         assert tools_build.expected_kernels(spec) <= set(co.kernels), (
             spec.label(),
             sorted(co.kernels),
@@ -262,10 +304,10 @@ def test_expected_kernels_present(objects, tc, arch):
 # ------------------------------------------------------------------------------------------------
 # Occupancy
 # ------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_occupancy_from_metadata_matches_llvm(objects, tc, arch):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_occupancy_from_metadata_matches_llvm(objects, tc, libs, arch):
     """Waves per SIMD derived from the metadata equal the backend's own ``; Occupancy:``."""
-    for spec, co in modules_of(objects, tc, arch):
+    for spec, co in modules_of(objects, tc, libs, arch):
         for name, k in co.kernels.items():
             occ = tools_occupancy.occupancy(arch, k)
             assert occ.waves == k.info["Occupancy"], (spec.label(), name, occ, k.meta, k.info)
@@ -295,7 +337,7 @@ def _probe_cases(arch):
     return cases
 
 
-@pytest.mark.parametrize("tc, arch", target_params())
+@pytest.mark.parametrize("tc, arch", toolchain_params())
 def test_occupancy_rules_match_llvm_on_probe_kernels(tc, arch):
     """The per-target register-file sizes, allocation granules, wave limits, LDS sizes and
     workgroup limits of tools_occupancy.RULES reproduce LLVM's occupancy for every VGPR count 1..256,
@@ -323,7 +365,7 @@ def test_generated_tables_are_current(objects):
     give (so they cannot go stale: a kernel, flag or compiler change shows here; regenerate with
     ``python -m amdqb_tools table --write docs/amd_occupancy.md``)."""
     require(
-        all(_available(tc) for tc, _ in ALL_TARGETS),
+        all(_available(tc) for tc, _ in TOOLCHAIN_TARGETS),
         "the tables cover every toolchain: " + _skip_reason(),
     )
     sections = tools_table.render_sections(tools_build.build_all())
@@ -338,10 +380,12 @@ def test_generated_tables_are_current(objects):
 # ISA (disassembly of the linked code objects)
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("ids", ["i32", "i64"])
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(objects, tc, arch, ids):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(
+    objects, tc, libs, arch, ids
+):
     funcs = code_object(
-        objects, tc, arch, _spec.layout_module(tools_build.arch_config(arch))
+        objects, tc, libs, arch, _spec.layout_module(tools_build.arch_config(arch))
     ).kernels
     new = funcs[f"amdqb_route_lds_{ids}"].code
     old = funcs[f"amdqb_route_atomic_{ids}"].instructions()
@@ -375,10 +419,10 @@ def test_lds_route_kernel_privatises_histogram_and_reserves_once_per_expert(obje
     assert not any(re.match(r"global_load", t) for t in body), body
 
 
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_qb_histogram_pass_counts_in_lds(objects, tc, arch):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_qb_histogram_pass_counts_in_lds(objects, tc, libs, arch):
     spec = _spec.router_module(896, "float32", "sigmoid", tools_build.arch_config(arch))
-    hist = code_object(objects, tc, arch, spec).kernels["amdqb_qb_hist"].instructions()
+    hist = code_object(objects, tc, libs, arch, spec).kernels["amdqb_qb_hist"].instructions()
     assert count(hist, LDS_ATOMIC) >= 1
     assert count(hist, GLOBAL_ATOMIC) == 1  # the flush of non-zero bins
     assert count(hist, BARRIER) == 2  # zeroed; counted
@@ -391,13 +435,14 @@ def test_qb_histogram_pass_counts_in_lds(objects, tc, arch):
         co = code_object(
             objects,
             tc,
+            libs,
             arch,
             _spec.router_module(896, dtype, "sigmoid", tools_build.arch_config(arch)),
         )
         assert count(co.kernels["amdqb_qb_hist"].instructions(), pattern) >= 1, (dtype, arch)
     # fused_atomic epilogues (uniform and log_margin binning): one global atomic per (token,
     # expert) each, unrolled over the lane's slots (rows of a whole wave64 on gfx9: 64 lanes).
-    router = code_object(objects, tc, arch, spec).kernels["amdqb_router"].instructions()
+    router = code_object(objects, tc, libs, arch, spec).kernels["amdqb_router"].instructions()
     row = amd_wave_size(arch)
     assert count(router, GLOBAL_ATOMIC) == 2 * -(-896 // row)
 
@@ -416,21 +461,34 @@ HOT_BPERMUTE = {
     "amdqb_route_det_rank_i64": 0,
     "amdqb_align": 0,
 }
+# Kernels that run straight through (a row of lanes per token, no loop around the selection or the
+# sums), and the ds_bpermute they may keep anywhere in the kernel: the serving top-k none (its
+# bitonic sorts, list merges, row rounds, group ranking and key selection lower to DPP /
+# ds_swizzle / permlanex16 / readlane), nor the router backward (its row sums are butterflies).
+STRAIGHT_BPERMUTE = {
+    "amdqb_topk": 0,
+    "amdqb_router_bwd": 0,
+}
 
 
-@pytest.mark.parametrize("tc, arch", target_params())
-def test_hot_loops_use_no_bpermute_chains(objects, tc, arch):
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_hot_loops_use_no_bpermute_chains(objects, tc, libs, arch):
     """No hot loop regresses to chains of ds_bpermute: every kernel keeps at most 2 of them
     (outside the router family: block scans' neighbour reads), the hot kernels' loops at most
-    HOT_BPERMUTE; the router's selection loop and the decode form's selection and merges run on
-    DPP (and on gfx9 ds_swizzle for the xor by 16, gfx10+ permlanex16)."""
-    for spec, co in modules_of(objects, tc, arch):
+    HOT_BPERMUTE, the straight-line kernels (serving top-k, router backward) at most
+    STRAIGHT_BPERMUTE in all; the router's selection loop and the decode form's selection and
+    merges run on DPP (and on gfx9 ds_swizzle for the xor by 16, gfx10+ permlanex16)."""
+    seen = set()
+    for spec, co in modules_of(objects, tc, libs, arch):
+        seen |= set(co.kernels)
         for name, k in co.kernels.items():
             total = tools_isa.counts(k.code)
             looped = tools_isa.counts(k.code, only_loops=True)
             assert total["bpermute"] <= 2, (spec.label(), name, total)
             if name in HOT_BPERMUTE:
                 assert looped["bpermute"] <= HOT_BPERMUTE[name], (spec.label(), name, looped)
+            if name in STRAIGHT_BPERMUTE:
+                assert total["bpermute"] <= STRAIGHT_BPERMUTE[name], (spec.label(), name, total)
         if spec.kernel_file == "router.hip":
             # the router's token loop and the decode form's (straight-line) selection and merge
             for name, only_loops in (("amdqb_router", True), ("amdqb_router_decode", False)):
@@ -438,18 +496,25 @@ def test_hot_loops_use_no_bpermute_chains(objects, tc, arch):
                 assert c["dpp"] >= 20, (spec.label(), name, c)
                 cross = c["swizzle"] if arch in ("gfx942", "gfx950") else c["permlane"]
                 assert cross >= 1, (spec.label(), name, c)
+    assert set(HOT_BPERMUTE) | set(STRAIGHT_BPERMUTE) <= seen, "every bounded kernel is built"
 
 
 def test_amd_configs_follow_from_the_code_objects(objects):
     """The occupancy-derived entries of gfx942.json / gfx950.json / gfx1250.json are what the
     current code objects give -- values and the register / LDS figures their "why" quotes
-    (regenerate with ``python -m amdqb_tools configs --write``); the route gate gfx942 / gfx950
-    borrow from aiter's gfx1250 measurement is marked as borrowed in their own files."""
+    (regenerate with ``python -m amdqb_tools configs --write``) -- where the value differs from
+    default.json's; a derived value equal to the default's is not in the architecture's file (the
+    default stands until measured). The route gate gfx942 / gfx950 borrow from aiter's gfx1250
+    measurement is marked as borrowed in their own files."""
     require(_available("clang-22"), _skip_reason())
+    default = configs.load(configs.DEFAULT)
     for arch in tools_derive.DERIVED_ARCHS:
         cfg = configs.load(arch)
         for key, (value, why) in tools_derive.derived_entries(arch, objects).items():
             entry = cfg.entry(key)
+            if value == default[key]:
+                assert entry.source == configs.DEFAULT, (arch, key, "equals the default", entry)
+                continue
             assert entry.source == arch, (arch, key, "not in the architecture's file")
             assert (entry.value, entry.why) == (value, why), (arch, key, entry, value, why)
             assert entry.provenance == tools_derive.PROVENANCE, (arch, key, entry.provenance)

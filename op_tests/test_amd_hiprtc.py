@@ -3,9 +3,12 @@ as hiprtc builds it on a device (amdqb_tools.hiprtc: hiprtc's own options and bu
 front of the runtime's ``_spec.hip_flags``, bitcode without optimisation linked with the device
 libraries, -O3 code generation, lld) with Debian's clang 22, for gfx942, gfx950, gfx1100, gfx1201
 and gfx1250, against both device-library sets: Debian's ROCm 5.2 ocml / ockl and the ROCm 7.x ones
-Triton's AMD backend ships. Each code object must be linked with nothing left undefined (the
-builtin header's math resolved in ocml), call nothing, hold every kernel at the target's wave
-size and keep the promised kernels free of scratch.
+Triton's AMD backend ships. The modules (``amdqb_tools.hiprtc.module_variants``, from the offline
+builds' list): the route / align module, the router at the seed shape and with sqrtsoftplus, the
+serving top-k (topk.hip) at the peers' shapes and the router backward (router_bwd.hip). Each code
+object must be linked with nothing left undefined (the builtin header's math resolved in ocml),
+call nothing, hold every kernel at the target's wave size and keep the promised kernels free of
+scratch (as op_tests/test_amd_code_objects.py promises them for the offline builds).
 
 Nothing here runs a kernel (no AMD GPU); op_tests/test_hip_runtime_rocm.py drives the runtime's
 hiprtc toolchain with Debian's real ROCm 5.2 hiprtc.
@@ -31,7 +34,11 @@ pytestmark = pytest.mark.xdist_group("amd_hiprtc")  # the module fixture builds 
 
 ARCHS = tools_toolchain.AMD_ARCHS
 LIBS = tools_toolchain.DEVICE_LIB_SETS
+# Kernels of a router module that use no scratch and spill nothing; every kernel of the other
+# modules uses no scratch, and every one but the router backward (which spills a few SGPRs into
+# VGPR lanes on wave64) spills nothing.
 NO_SCRATCH = ("amdqb_router_decode", "amdqb_qb_hist", "amdqb_qb_hist_bins")
+WHOLE_MODULE = ("layout.hip", "topk.hip", "router_bwd.hip")
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +128,9 @@ def test_hiprtc_builds_hold_every_kernel_at_the_wave_size(builds, arch, libs):
         for name, k in co.kernels.items():
             assert k.wave == amd_wave_size(arch), (title, name, k.meta)
             assert k.dynamic_stack is False, (title, name)
-        names = sorted(co.kernels) if spec.kernel_file == "layout.hip" else NO_SCRATCH
+        names = sorted(co.kernels) if spec.kernel_file in WHOLE_MODULE else NO_SCRATCH
         for name in names:
             k = co.kernels[name]
-            assert k.scratch == 0 and k.spills == (0, 0), (title, arch, libs, name, k.meta)
+            assert k.scratch == 0, (title, arch, libs, name, k.meta)
+            if spec.kernel_file != "router_bwd.hip":
+                assert k.spills == (0, 0), (title, arch, libs, name, k.meta)

@@ -45,6 +45,25 @@ def test_config_file_is_well_formed(arch):
     assert configs.config_path(arch).read_text() == configs.dumps(arch, raw["entries"])
 
 
+AMD_ARCHES = [a for a in ARCHES if a.startswith("gfx") or a in ("cdna", "rdna")]
+
+
+@pytest.mark.parametrize("arch", AMD_ARCHES)
+def test_amd_entries_equal_to_the_default_are_measured(arch):
+    """An AMD architecture's file holds an entry whose value equals default.json's only with a
+    measurement behind it (measured or seed on that architecture, or a measurement named as
+    borrowed until one is taken there: the route gate); nothing derived or untuned repeats the
+    default."""
+    raw = json.loads(configs.config_path(arch).read_text())["entries"]
+    default = json.loads(configs.config_path("default").read_text())["entries"]
+    for key, item in raw.items():
+        if key not in default or item["value"] != default[key]["value"]:
+            continue
+        provenance = item["provenance"]
+        measured = provenance.startswith(("measured:", "seed:")) or "borrowed" in provenance
+        assert measured, f"{arch}: {key} equals default.json's value ({provenance})"
+
+
 def _strings(node) -> set[str]:
     return {
         n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)

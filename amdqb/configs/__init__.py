@@ -139,8 +139,9 @@ def override(arch: str, values: dict[str, Any], provenance: str = "override"):
             _OVERRIDES[arch] = previous
 
 
-def write(arch: str, values: dict[str, tuple[Any, str, str]]) -> Path:
-    """Write ``{key: (value, provenance, why)}`` into ``<arch>.json`` (other entries kept)."""
+def write(arch: str, values: dict[str, tuple[Any, str, str]], remove: tuple[str, ...] = ()) -> Path:
+    """Write ``{key: (value, provenance, why)}`` into ``<arch>.json`` and drop the entries named
+    in ``remove`` (the default's value then stands); other entries kept."""
     path = config_path(arch)
     raw = json.loads(path.read_text()) if path.is_file() else {"arch": arch, "entries": {}}
     known = _read(config_path(DEFAULT))
@@ -148,6 +149,8 @@ def write(arch: str, values: dict[str, tuple[Any, str, str]]) -> Path:
         if key not in known and not key.startswith(BACKEND_ORDER):
             raise KeyError(f"no config entry {key!r} in default.json")
         raw["entries"][key] = {"value": value, "provenance": provenance, "why": why}
+    for key in remove:
+        raw["entries"].pop(key, None)
     path.write_text(dumps(raw["arch"], raw["entries"]))
     _load_files.cache_clear()
     return path

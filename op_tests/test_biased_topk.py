@@ -135,11 +135,11 @@ def _boundary_ties(t, e, k, seed):
 def test_biased_topk_key_select_gives_the_entries_list(
     monkeypatch, backend, emu_rt, score, bias, e, k, groups, rows
 ):
-    """hip's row Top-k over the 32-bit keys (hip.topk.key_select_min_experts) gives the ids and the bits of
-    the 64-bit entries' selection: tie-free rows by the keys, rows with a tie at or inside the
-    Top-k, NaN rows and too few kept experts by the entries, also where such a row shares its
-    logical warp with tie-free ones; in rows of several lanes (decode) and of few (wide: E=8 a
-    thread per row)."""
+    """hip's row Top-k over the 32-bit keys (hip.topk.key_select_min_experts) gives the ids and
+    the bits of the 64-bit entries' selection: tie-free rows by the keys, rows with a tie at or
+    inside the Top-k, NaN rows and too few kept experts by the entries, also where such a row
+    shares its logical warp with tie-free ones; in rows of several lanes (decode) and of few
+    (wide: E=8 a thread per row)."""
     z = torch.cat(
         [
             tie_free_logits(9, e, seed=e + k),

@@ -164,7 +164,7 @@ AMDQB_DEVICE void order_desc(u64& a, u64& b) {
   a = hi;
   b = lo;
 }
-// Selection keys alone (amdqb::ukey): a max and a min, one instruction each.
+// Selection keys alone (the entries' high words): a max and a min, one instruction each.
 AMDQB_DEVICE void order_desc(u32& a, u32& b) {
   const u32 hi = a > b ? a : b;
   const u32 lo = a > b ? b : a;

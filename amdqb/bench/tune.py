@@ -324,11 +324,12 @@ def topk_rounds(dev, cfg, tokens=(1, 256, 1024, 4096, 8192, 16384)):
     return report, {"hip.topk.rounds_min_tokens": (start, why)}
 
 
-def topk_keys(dev, cfg, tokens=(1, 8, 64, 256, 1024)):
-    """amdqb_topk's row Top-k over 32-bit keys first against the 64-bit entries alone at the
-    serving shapes (E=8 k=2 fp32 and E=128 k=8 bf16 softmax, DeepSeek-V3's grouped gate), below
-    hip.topk.rounds_min_tokens (the rounds run on entries): the smallest E of the sweep from which
-    the keys take less time summed over T at that E and every larger one."""
+def topk_keys(dev, cfg, tokens=(1, 8, 64, 256, 1024, 4096, 16384)):
+    """amdqb_topk's row Top-k over 32-bit keys first (list merges: rounds yield to it) against
+    the 64-bit entries alone (list merges, rounds from hip.topk.rounds_min_tokens tokens on) at
+    the serving shapes (E=8 k=2 fp32 and E=128 k=8 bf16 softmax, DeepSeek-V3's grouped gate):
+    the smallest E of the sweep from which the keys take less time summed over T at that E and
+    every larger one."""
     report = Report("tune_topk_keys", environment(dev))
     g = torch.Generator().manual_seed(0)
     never = 1 << 30

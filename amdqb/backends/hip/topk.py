@@ -79,7 +79,9 @@ def plan(
         and tokens >= int(cfg["hip.topk.wide_min_tokens"])
         and num_experts >= int(cfg["hip.topk.wide_min_experts"])
     )
-    rounds = tokens is not None and tokens >= int(cfg["hip.topk.rounds_min_tokens"])
+    # the key selection (hip.topk.key_select_min_experts) runs on list merges: rounds yield to it
+    keys = not dense and num_experts >= int(cfg["hip.topk.key_select_min_experts"])
+    rounds = tokens is not None and tokens >= int(cfg["hip.topk.rounds_min_tokens"]) and not keys
     return _row_plan(
         num_experts,
         topk,

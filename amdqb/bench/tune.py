@@ -278,18 +278,14 @@ def lane_choice(times: dict, tokens) -> dict:
     }
 
 
-def topk_rounds(dev, cfg, tokens=(1, 256, 1024, 4096, 8192, 16384)):
-    """amdqb_topk's row Top-k by list merges against rounds of a butterfly max over T (E=128 k=8
-    bf16 softmax; DeepSeek-V3's grouped gate): the smallest T of the sweep from which rounds win
-    at every larger T of both shapes."""
-    report = Report("tune_topk_rounds", environment(dev))
+def _topk_variant_pair(dev, cfg, report, shapes, tokens, key, pair):
+    """Times amdqb_topk under two values of the config entry ``key`` (``pair``: ((name, value),
+    (name, value)), the first checked against the oracle, the second bit for bit against the
+    first) at each serving shape of ``shapes`` and each T of ``tokens``; adds a report row per
+    (E, T) and returns {(E, T): {name: us}}."""
     g = torch.Generator().manual_seed(0)
-    never = 1 << 30
-    wins: dict = {}
-    shapes = [
-        (128, 8, torch.bfloat16, "softmax", None),
-        (256, 8, torch.float32, "sigmoid", (8, 4)),
-    ]
+    (first, _), (second, _) = pair
+    times: dict = {}
     for e, k, dtype, sf, groups in shapes:
         bias, kw = _topk_shape(e, sf, groups, g, dev)
         for t in tokens:
@@ -297,20 +293,41 @@ def topk_rounds(dev, cfg, tokens=(1, 256, 1024, 4096, 8192, 16384)):
             want = amdqb.biased_topk(x, k, bias, backend="torch", **kw)
             impls = {
                 name: _with(
-                    {"hip.topk.rounds_min_tokens": value},
+                    {key: value},
                     lambda x=x, bias=bias, kw=kw: amdqb.biased_topk(
                         x, k, bias, backend="hip", **kw
                     ),
                 )
-                for name, value in (("merges", never), ("rounds", 1))
+                for name, value in pair
             }
             outs = {name: fn() for name, fn in impls.items()}
-            assert torch.equal(outs["merges"][1], want[1]), f"topk E={e} T={t} ids differ"
-            assert _same(outs["rounds"], outs["merges"]), f"topk rounds E={e} T={t} differ"
-            times = time_alternating(impls, dev, cfg)
-            report.add(E=e, k=k, T=t, **{f"{n}_us": us for n, us in times.items()})
-            wins[t] = wins.get(t, True) and times["rounds"] < times["merges"]
-    start = never
+            assert torch.equal(outs[first][1], want[1]), f"topk E={e} T={t} ids differ"
+            assert _same(outs[second], outs[first]), f"topk {second} E={e} T={t} differ"
+            measured = time_alternating(impls, dev, cfg)
+            report.add(E=e, k=k, T=t, **{f"{n}_us": us for n, us in measured.items()})
+            times[(e, t)] = measured
+    return times
+
+
+_NEVER = 1 << 30
+
+
+def topk_rounds(dev, cfg, tokens=(1, 256, 1024, 4096, 8192, 16384)):
+    """amdqb_topk's row Top-k by list merges against rounds of a butterfly max over T (E=128 k=8
+    bf16 softmax; DeepSeek-V3's grouped gate): the smallest T of the sweep from which rounds win
+    at every larger T of both shapes."""
+    report = Report("tune_topk_rounds", environment(dev))
+    shapes = [
+        (128, 8, torch.bfloat16, "softmax", None),
+        (256, 8, torch.float32, "sigmoid", (8, 4)),
+    ]
+    pair = (("merges", _NEVER), ("rounds", 1))
+    times = _topk_variant_pair(dev, cfg, report, shapes, tokens, "hip.topk.rounds_min_tokens", pair)
+    wins = {
+        t: all(times[(e, t)]["rounds"] < times[(e, t)]["merges"] for e, *_ in shapes)
+        for t in tokens
+    }
+    start = _NEVER
     for t in sorted(tokens, reverse=True):
         if not wins[t]:
             break
@@ -318,7 +335,7 @@ def topk_rounds(dev, cfg, tokens=(1, 256, 1024, 4096, 8192, 16384)):
     why = (
         f"rounds ahead of merges from T={start} on (E=128 k=8 bf16, E=256 grouped), "
         f"sweep T = {tokens[0]} .. {tokens[-1]}"
-        if start != never
+        if start != _NEVER
         else f"merges ahead at T={tokens[-1]} (E=128 k=8 bf16, E=256 grouped)"
     )
     return report, {"hip.topk.rounds_min_tokens": (start, why)}
@@ -331,37 +348,20 @@ def topk_keys(dev, cfg, tokens=(1, 8, 64, 256, 1024, 4096, 16384)):
     the smallest E of the sweep from which the keys take less time summed over T at that E and
     every larger one."""
     report = Report("tune_topk_keys", environment(dev))
-    g = torch.Generator().manual_seed(0)
-    never = 1 << 30
-    totals: dict = {}  # E -> {variant: us}
     shapes = [
         (8, 2, torch.float32, "softmax", None),
         (128, 8, torch.bfloat16, "softmax", None),
         (256, 8, torch.float32, "sigmoid", (8, 4)),
     ]
-    for e, k, dtype, sf, groups in shapes:
-        bias, kw = _topk_shape(e, sf, groups, g, dev)
-        for t in tokens:
-            x = torch.randn(t, e, generator=g).to(dev, dtype)
-            want = amdqb.biased_topk(x, k, bias, backend="torch", **kw)
-            impls = {
-                name: _with(
-                    {"hip.topk.key_select_min_experts": value},
-                    lambda x=x, bias=bias, kw=kw: amdqb.biased_topk(
-                        x, k, bias, backend="hip", **kw
-                    ),
-                )
-                for name, value in (("entries", never), ("keys", 1))
-            }
-            outs = {name: fn() for name, fn in impls.items()}
-            assert torch.equal(outs["entries"][1], want[1]), f"topk E={e} T={t} ids differ"
-            assert _same(outs["keys"], outs["entries"]), f"topk keys E={e} T={t} differ"
-            times = time_alternating(impls, dev, cfg)
-            report.add(E=e, k=k, T=t, **{f"{n}_us": us for n, us in times.items()})
-            row = totals.setdefault(e, {"entries": 0.0, "keys": 0.0})
-            for n, us in times.items():
-                row[n] += us
-    start = never
+    pair = (("entries", _NEVER), ("keys", 1))
+    times = _topk_variant_pair(
+        dev, cfg, report, shapes, tokens, "hip.topk.key_select_min_experts", pair
+    )
+    totals = {
+        e: {n: sum(times[(e, t)][n] for t in tokens) for n in ("entries", "keys")}
+        for e, *_ in shapes
+    }
+    start = _NEVER
     for e in sorted(totals, reverse=True):
         if totals[e]["keys"] >= totals[e]["entries"]:
             break

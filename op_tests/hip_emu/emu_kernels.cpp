@@ -2,12 +2,15 @@
 // op_tests/hip_emu/runtime.py with -I hip_src/include -I hip_src/kernels and the kernel defines.
 #include "amdqb_emu.h"
 
+// A kernel's trace hook counting logical warps: lane 0 of each adds one to `counter`.
+#define AMDQB_EMU_COUNT_WARP(counter)                                                              \
+  do {                                                                                             \
+    if (amdqb::lane_id() == 0) counter++;                                                          \
+  } while (0)
+
 #if defined(AMDQB_EMU_ROUTER)
 static std::atomic<long long> g_overflows{0};
-#define AMDQB_TRACE_OVERFLOW()                                                                     \
-  do {                                                                                             \
-    if (amdqb::lane_id() == 0) g_overflows++;                                                      \
-  } while (0)
+#define AMDQB_TRACE_OVERFLOW() AMDQB_EMU_COUNT_WARP(g_overflows)
 #include "router.hip"
 extern "C" long long amdqb_emu_overflows() { return g_overflows.load(); }
 AMDQB_EMU_REGISTER(amdqb_router)
@@ -20,10 +23,7 @@ AMDQB_EMU_REGISTER(amdqb_router_scores)
 AMDQB_EMU_REGISTER(amdqb_router_bwd)
 #elif defined(AMDQB_EMU_TOPK)
 static std::atomic<long long> g_tied_keys{0};
-#define AMDQB_TRACE_TIED_KEYS()                                                                    \
-  do {                                                                                             \
-    if (amdqb::lane_id() == 0) g_tied_keys++;                                                      \
-  } while (0)
+#define AMDQB_TRACE_TIED_KEYS() AMDQB_EMU_COUNT_WARP(g_tied_keys)
 #include "topk.hip"
 extern "C" long long amdqb_emu_tied_keys() { return g_tied_keys.load(); }
 AMDQB_EMU_REGISTER(amdqb_topk)

@@ -252,6 +252,38 @@ def test_biased_topk_matches_oracle_on_own_scores(backend, score, t):
     torch.testing.assert_close(w.cpu(), want_w, atol=1e-6, rtol=1e-4)
 
 
+@hip_gpu
+@over_backends("biased_topk", only=("hip",))
+@pytest.mark.parametrize("score,bias", [("softmax", False), ("sigmoid", True)])
+@pytest.mark.parametrize("e,k,slots", [(8, 2, 1), (8, 2, 2), (8, 2, 4), (8, 2, 8), (128, 8, 8)])
+def test_biased_topk_quotient_fast_path_is_the_division(
+    monkeypatch, backend, score, bias, e, k, slots
+):
+    """amdqb_topk's softmax and weight quotients (on NVIDIA with the IEEE division's fast path
+    written out, amdqb_activation.h quotient_fast) equal the module built with the compiler's own
+    division (-DAMDQB_DIVISION_ONLY), bit for bit: normal rows, logits spread so wide that the
+    softmax's exponentials are tiny, denormal or zero, and the adversarial rows (NaN, inf, ties)."""
+    g = torch.Generator().manual_seed(e * 31 + k)
+    wide = torch.randn(200, e, generator=g) * torch.logspace(0, 2.3, 200).unsqueeze(1)
+    z = torch.cat([wide.to(DEVICE), tie_free_logits(56, e, seed=e), adversarial_rows(e)])
+    eb = torch.linspace(0.2, -0.2, e, device=DEVICE) if bias else None
+    set_config(monkeypatch, {"hip.topk.decode_lane_slots": slots, "hip.topk.lane_slots": slots})
+    kw = dict(score_function=score, renormalize=True, scaling_factor=2.5)
+    fast = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
+    base = _spec.topk_module
+    monkeypatch.setattr(
+        _spec,
+        "topk_module",
+        lambda *a, **kw_: base(*a, **kw_).with_defines(("AMDQB_DIVISION_ONLY", "1")),
+    )
+    division = amdqb.biased_topk(z, k, eb, backend=backend, **kw)
+    assert torch.equal(fast[1], division[1])
+    assert torch.equal(fast[0].view(torch.int32), division[0].view(torch.int32))
+    if score == "softmax":  # routed scores below the fast path's range: the division's
+        weights = fast[0][: wide.shape[0]]
+        assert bool(((weights > 0) & (weights < 1e-19)).any()), "no weight left the fast path"
+
+
 # (E, k, logits dtype, style): the emulator's at 3 tokens, the GPU's at 37
 DECODE_TOPK_CASES = (
     [

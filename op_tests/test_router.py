@@ -714,7 +714,7 @@ def test_router_ties_and_nan_rows(backend, style, k, qb):
 def test_sigmoid_fast_path_is_the_division_bit_for_bit(backend, monkeypatch):
     """The kernels' sigmoid (on NVIDIA with the IEEE division's fast path written out, router.hip
     sigmoid_fast) equals the same module built with the compiler's own division
-    (-DAMDQB_SIGMOID_DIVISION_ONLY), bit for bit, over random bit patterns (NaN, inf, denormals),
+    (-DAMDQB_DIVISION_ONLY), bit for bit, over random bit patterns (NaN, inf, denormals),
     normal logits and every float of the range where the divisor leaves the fast path (z near
     -87.34, denormal results)."""
     g = torch.Generator().manual_seed(5)
@@ -732,7 +732,7 @@ def test_sigmoid_fast_path_is_the_division_bit_for_bit(backend, monkeypatch):
     e = 896
     z = torch.cat([z, torch.zeros((-z.numel()) % e)]).reshape(-1, e).to(DEVICE)
     got = kernel_scores("hip", z, "sigmoid")
-    router_built_with(monkeypatch, ("AMDQB_SIGMOID_DIVISION_ONLY", "1"))
+    router_built_with(monkeypatch, ("AMDQB_DIVISION_ONLY", "1"))
     want = kernel_scores("hip", z, "sigmoid")
     both_nan = torch.isnan(got) & torch.isnan(want)
     same = (got.view(torch.int32) == want.view(torch.int32)) | both_nan

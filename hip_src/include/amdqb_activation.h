@@ -42,20 +42,24 @@ AMDQB_DEVICE float sigmoid_divisor(float z) {
 #endif
 }
 
-// On NVIDIA, ptxas expands an IEEE division into a fast path -- the hardware reciprocal and one
-// Newton step, used when the divisor's exponent is in range -- and a CALL to a slow path; with one
-// call per expert the scheduler cannot interleave the experts' arithmetic (28 call sites per token
-// at E = 896). sigmoid_fast writes that fast path out: the same instructions, so the same bits, for
-// every divisor d = 1 + e^-z in [1, 2^126) (the exponent range ptxas sends to its fast path
-// includes it). sigmoid_fast_ok(d) says when it applies: false for d >= 2^126 (z below about
-// -87.3) and NaN, where the division is used. -DAMDQB_SIGMOID_DIVISION_ONLY=1 turns the fast path
-// off (the test that proves both give the same bits builds that variant).
+// On NVIDIA, ptxas expands an IEEE division into a fast path -- the hardware reciprocal, one
+// Newton step, the quotient and one correction from its exact residual (Markstein's sequence,
+// correctly rounded while every intermediate is a normal number) -- and a CALL to a slow path for
+// the operands its range check (FCHK) sends there; with one call per division the scheduler
+// cannot interleave the divisions of a row (28 call sites per token at E = 896). quotient_fast
+// writes that fast path out: the same instructions, and the correctly rounded quotient (the
+// division's bits) wherever quotient_fast_ok(a, b) holds -- |a| and |b| in [2^-64, 2^64], far inside the range where the
+// intermediates stay normal; elsewhere (zeros and their signs, NaN, infinities, the tiny
+// exponentials of a softmax) the division is used. sigmoid_fast is the case a = 1 for the
+// divisors d = 1 + e^-z in [1, 2^126). -DAMDQB_DIVISION_ONLY=1 turns the fast paths off (the
+// tests that prove both give the same bits build that variant). AMD and the CPU emulator use the
+// compiler's own division (no call to avoid).
 AMDQB_DEVICE bool sigmoid_fast_ok(float d) {
-#if defined(AMDQB_CUDA) && !defined(AMDQB_SIGMOID_DIVISION_ONLY)
+#if defined(AMDQB_CUDA) && !defined(AMDQB_DIVISION_ONLY)
   return d < 8.50705917e37f;  // 2^126
 #else
   (void)d;
-  return false;  // AMD and the emulator: the compiler's own division (no call to avoid)
+  return false;
 #endif
 }
 AMDQB_DEVICE float sigmoid_fast(float d) {
@@ -65,6 +69,51 @@ AMDQB_DEVICE float sigmoid_fast(float d) {
 #else
   return 1.0f / d;
 #endif
+}
+AMDQB_DEVICE bool quotient_fast_ok(float a, float b) {
+#if defined(AMDQB_CUDA) && !defined(AMDQB_DIVISION_ONLY)
+  const float ua = fabsf(a), ub = fabsf(b);
+  return ub >= 5.42101086e-20f && ub <= 1.84467441e19f &&  // 2^-64, 2^64
+         ua >= 5.42101086e-20f && ua <= 1.84467441e19f;
+#else
+  (void)a;
+  (void)b;
+  return false;
+#endif
+}
+AMDQB_DEVICE float quotient_fast(float a, float b) {
+#if defined(AMDQB_CUDA)
+  const float r = approx_rcp(b);
+  const float y = fmaf(r, -fmaf(b, r, -1.0f), r);  // 1 / b, one Newton step
+  const float q = a * y;
+  return fmaf(y, fmaf(-b, q, a), q);  // q + y (a - b q), the residual exact
+#else
+  return a / b;
+#endif
+}
+// a / b, IEEE round to nearest: the fast path where it applies, else the division.
+AMDQB_DEVICE float quotient(float a, float b) {
+  return quotient_fast_ok(a, b) ? quotient_fast(a, b) : a / b;
+}
+// a[i] / b for i < M, IEEE: every quotient through the fast path first, then the division redone
+// only where it does not apply (no CALL between two quotients).
+template <int M, int N>
+AMDQB_DEVICE void divide_first(float (&a)[N], float b) {
+  static_assert(M <= N, "divide_first: M <= N");
+  float q[M];
+  bool redo = false;
+#pragma unroll
+  for (int i = 0; i < M; ++i) {
+    q[i] = quotient_fast(a[i], b);
+    redo |= !quotient_fast_ok(a[i], b);
+  }
+  if (redo) {
+#pragma unroll
+    for (int i = 0; i < M; ++i)
+      if (!quotient_fast_ok(a[i], b)) q[i] = a[i] / b;
+  }
+#pragma unroll
+  for (int i = 0; i < M; ++i) a[i] = q[i];
 }
 
 AMDQB_DEVICE float sigmoid(float z) {

@@ -470,6 +470,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     for (int i = 0; i < V; ++i)
       if (expert_at(rl, i) < E) m = fmaxf(m, s[i]);
     m = row_max(m);
+    float ex[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) ex[i] = expf(s[i] - m);
     float sum = 0.0f;
     if (!CONTIGUOUS) {  // lane l holds experts l, l + L, ...: torch's order
       // each of torch's lanes this lane stands for adds its experts in order; the butterfly's
@@ -479,7 +482,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
       for (int j = 0; j < SVL; ++j) part[j] = 0.0f;
 #pragma unroll
       for (int i = 0; i < V; ++i)
-        if (expert_at(rl, i) < E) part[i % SVL] += expf(s[i] - m);
+        if (expert_at(rl, i) < E) part[i % SVL] += ex[i];
 #pragma unroll
       for (int d = SVL >> 1; d > 0; d >>= 1)
 #pragma unroll
@@ -489,15 +492,16 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     } else {  // the exponentials through the row's LDS, re-read in torch's order
 #pragma unroll
       for (int i = 0; i < V; ++i)
-        if (expert_at(rl, i) < E) my_row[expert_at(rl, i)] = expf(s[i] - m);
+        if (expert_at(rl, i) < E) my_row[expert_at(rl, i)] = ex[i];
       warp_sync();
       if (rl < SOFTMAX_LANES)
         for (int e = rl; e < E; e += SOFTMAX_LANES) sum += my_row[e];
       sum = row_sum<SOFTMAX_LANES>(sum);
       warp_sync();  // the row's LDS is rewritten below
     }
+    divide_first<V>(ex, sum);
 #pragma unroll
-    for (int i = 0; i < V; ++i) s[i] = expf(s[i] - m) / sum;
+    for (int i = 0; i < V; ++i) s[i] = ex[i];
   }
   if (IN_MATH) {
 #pragma unroll
@@ -647,9 +651,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
       if ((r & d) == 0) acc[r] = acc[r] + acc[r + d];
   const float sum = acc[0];
   const bool renorm = (p.flags & 1) || post_softmax;
-  auto weight = [&](float v) {
-    return (renorm ? v / (post_softmax ? sum : sum + 1e-20f) : v) * p.scale;
-  };
+  const float divisor = post_softmax ? sum : sum + 1e-20f;
+  auto weight = [&](float v) { return (renorm ? quotient(v, divisor) : v) * p.scale; };
 
   if (DENSE) {
     // The dense outputs of this lane's experts: members are the kept entries at or ahead of the
@@ -708,6 +711,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   }
 
   if (!live) return;
+  // the routes' weights, every quotient of the row through the fast path first
+  if (renorm) divide_first<K>(wk, divisor);
   const bool padded_row =
       p.non_padded != nullptr
           ? t >= ((p.flags & 4) ? static_cast<const i64*>(p.non_padded)[0]
@@ -725,10 +730,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
 #pragma unroll
   for (int r = 0; r < K; ++r) {
     if (r % L != rl) continue;  // route r is lane r % L's to write
-    store(r, entry_id(top[r]), weight(wk[r]));
+    store(r, entry_id(top[r]), wk[r] * p.scale);
     if (p.token_expert_idx != nullptr) p.token_expert_idx[t * K + r] = (i32)(r * p.tokens + t);
   }
   // fused shared experts E + (r - K), r = K .. out_k - 1, each by lane r % L
-  const float shared_w = (p.flags & 8) ? sum / p.shared_div : p.shared_weight;
+  const float shared_w = (p.flags & 8) ? quotient(sum, p.shared_div) : p.shared_weight;
   for (int r = K + ((rl - K % L + L) % L); r < p.out_k; r += L) store(r, E + (r - K), shared_w);
 }

@@ -465,11 +465,17 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   activate(z, s);
 
   if (SOFTMAX && !post_softmax) {
-    float m = bits_float(0xff800000u);  // -inf
+    // the row's maximum as a tree (its order only decides the sign of a zero maximum, which
+    // e^(s - m) does not see)
+    float mx[NSORT];
 #pragma unroll
-    for (int i = 0; i < V; ++i)
-      if (expert_at(rl, i) < E) m = fmaxf(m, s[i]);
-    m = row_max(m);
+    for (int i = 0; i < NSORT; ++i)
+      mx[i] = i < V && expert_at(rl, i) < E ? s[i < V ? i : 0] : bits_float(0xff800000u);
+#pragma unroll
+    for (int d = NSORT >> 1; d > 0; d >>= 1)
+#pragma unroll
+      for (int i = 0; i < d; ++i) mx[i] = fmaxf(mx[i], mx[i + d]);
+    const float m = row_max(mx[0]);
     float ex[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) ex[i] = expf(s[i] - m);
@@ -477,11 +483,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
     if (!CONTIGUOUS) {  // lane l holds experts l, l + L, ...: torch's order
       // each of torch's lanes this lane stands for adds its experts in order; the butterfly's
       // steps between them (d >= L) run in registers, the rest over the row's lanes
+      // (each sum starts at its first exponential: 0 + x is x, an exponential is never -0)
       float part[SVL];
 #pragma unroll
-      for (int j = 0; j < SVL; ++j) part[j] = 0.0f;
+      for (int j = 0; j < SVL; ++j)
+        part[j] = j < V && expert_at(rl, j) < E ? ex[j < V ? j : 0] : 0.0f;
 #pragma unroll
-      for (int i = 0; i < V; ++i)
+      for (int i = SVL; i < V; ++i)
         if (expert_at(rl, i) < E) part[i % SVL] += ex[i];
 #pragma unroll
       for (int d = SVL >> 1; d > 0; d >>= 1)
@@ -515,10 +523,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   // entries (order key, ~id) built from them where the exact order is needed.
   u32 ukey[V];
 #pragma unroll
-  for (int i = 0; i < V; ++i) {
-    ukey[i] = 0;
-    if (live && expert_at(rl, i) < E)
-      ukey[i] = (u32)order_key(HAS_BIAS ? in_round(s[i] + b[i]) : s[i]) ^ 0x80000000u;
+  for (int i = 0; i < V; ++i) {  // a select, not a branch per slot
+    const u32 key = (u32)order_key(HAS_BIAS ? in_round(s[i] + b[i]) : s[i]) ^ 0x80000000u;
+    ukey[i] = live && expert_at(rl, i) < E ? key : 0u;
   }
   auto entries = [&](u64(&mine)[V]) {
 #pragma unroll

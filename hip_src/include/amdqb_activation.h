@@ -48,8 +48,8 @@ AMDQB_DEVICE float sigmoid_divisor(float z) {
 // the operands its range check (FCHK) sends there; with one call per division the scheduler
 // cannot interleave the divisions of a row (28 call sites per token at E = 896). quotient_fast
 // writes that fast path out: the same instructions, and the correctly rounded quotient (the
-// division's bits) wherever quotient_fast_ok(a, b) holds -- |a| and |b| in [2^-64, 2^64], far inside the range where the
-// intermediates stay normal; elsewhere (zeros and their signs, NaN, infinities, the tiny
+// division's bits) wherever quotient_fast_ok(a, b) holds -- |a| and |b| in [2^-60, 2^60], where the quotient, the reciprocal
+// and the residual all stay normal; elsewhere (zeros and their signs, NaN, infinities, the tiny
 // exponentials of a softmax) the division is used. sigmoid_fast is the case a = 1 for the
 // divisors d = 1 + e^-z in [1, 2^126). -DAMDQB_DIVISION_ONLY=1 turns the fast paths off (the
 // tests that prove both give the same bits build that variant). AMD and the CPU emulator use the
@@ -73,8 +73,8 @@ AMDQB_DEVICE float sigmoid_fast(float d) {
 AMDQB_DEVICE bool quotient_fast_ok(float a, float b) {
 #if defined(AMDQB_CUDA) && !defined(AMDQB_DIVISION_ONLY)
   const float ua = fabsf(a), ub = fabsf(b);
-  return ub >= 5.42101086e-20f && ub <= 1.84467441e19f &&  // 2^-64, 2^64
-         ua >= 5.42101086e-20f && ua <= 1.84467441e19f;
+  return ub >= 8.67361738e-19f && ub <= 1.15292150e18f &&  // 2^-60, 2^60
+         ua >= 8.67361738e-19f && ua <= 1.15292150e18f;
 #else
   (void)a;
   (void)b;

@@ -48,12 +48,12 @@ AMDQB_DEVICE float sigmoid_divisor(float z) {
 // the operands its range check (FCHK) sends there; with one call per division the scheduler
 // cannot interleave the divisions of a row (28 call sites per token at E = 896). quotient_fast
 // writes that fast path out: the same instructions, and the correctly rounded quotient (the
-// division's bits) wherever quotient_fast_ok(a, b) holds -- |a| and |b| in [2^-60, 2^60], where the quotient, the reciprocal
-// and the residual all stay normal; elsewhere (zeros and their signs, NaN, infinities, the tiny
-// exponentials of a softmax) the division is used. sigmoid_fast is the case a = 1 for the
-// divisors d = 1 + e^-z in [1, 2^126). -DAMDQB_DIVISION_ONLY=1 turns the fast paths off (the
-// tests that prove both give the same bits build that variant). AMD and the CPU emulator use the
-// compiler's own division (no call to avoid).
+// division's bits) wherever quotient_fast_ok(a, b) holds -- |a| and |b| in [2^-60, 2^60], where
+// the quotient, the reciprocal and the residual all stay normal; elsewhere (zeros and their
+// signs, NaN, infinities, the tiny exponentials of a softmax) the division is used. sigmoid_fast
+// is the case a = 1 for the divisors d = 1 + e^-z in [1, 2^126). -DAMDQB_DIVISION_ONLY=1 turns
+// the fast paths off (the tests that prove both give the same bits build that variant). AMD and
+// the CPU emulator use the compiler's own division (no call to avoid).
 AMDQB_DEVICE bool sigmoid_fast_ok(float d) {
 #if defined(AMDQB_CUDA) && !defined(AMDQB_DIVISION_ONLY)
   return d < 8.50705917e37f;  // 2^126

@@ -707,36 +707,32 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   block_sync();
   const i64 total = (i64)start[E - 1] + last;
 
-  // 4. This block's slice of expert_ids, the padded total: each bucket's thread writes its own
-  // blocks in the slice (no search over the starts), then the slice's tail past the total.
+  // 4. This block's slice of expert_ids, the padded total.
   {
     const int j0 = (int)blockIdx.x * p.tile_blocks;
     const int j1 = j0 + p.tile_blocks < p.num_blocks ? j0 + p.tile_blocks : p.num_blocks;
-    const u32 bs = (u32)p.block_size;
-    const bool pow2 = (bs & (bs - 1)) == 0;
-    int shift = 0;  // log2(bs) for a power of two
-    while (pow2 && (1u << shift) < bs) ++shift;
-    for (int e = tid; e < E; e += nt) {
-      const u32 s0 = (u32)start[e];
-      const u32 s1 = e + 1 < E ? (u32)start[e + 1] : (u32)total;  // padded: whole blocks
-      int b0 = (int)(pow2 ? s0 >> shift : s0 / bs);
-      int b1 = (int)(pow2 ? s1 >> shift : s1 / bs);
-      b0 = b0 > j0 ? b0 : j0;
-      b1 = b1 < j1 ? b1 : j1;
-      if (b0 < b1) {
-        const int value =
-            p.map_mode == 2 ? (int)load_id(p.expert_map, e, p.flags & 2) : e - p.owner_shift;
-        for (int j = b0; j < b1; ++j) p.expert_ids[j] = value;
+    for (int j = j0 + tid; j < j1; j += nt) {
+      const i64 row = (i64)j * p.block_size;
+      int value;
+      if (row < total) {
+        int a = 0, b = E - 1;  // start[0] == 0 <= row: the owner lies in [a, b]
+        while (a < b) {
+          const int mid = (a + b + 1) >> 1;
+          if (start[mid] <= row)
+            a = mid;
+          else
+            b = mid - 1;
+        }
+        value = p.map_mode == 2 ? (int)load_id(p.expert_map, a, p.flags & 2) : a - p.owner_shift;
+      } else {
+        value = p.tail_value;
+        if (p.map_mode == 2) {  // the map read at the tail value, PyTorch's negative indexing
+          const int at = value < 0 ? value + p.map_len : value;
+          if (at >= 0 && at < p.map_len) value = (int)load_id(p.expert_map, at, p.flags & 2);
+        }
       }
+      p.expert_ids[j] = value;
     }
-    // blocks at or past the padded total (a multiple of the block size): the tail value
-    const int first_tail = (int)(pow2 ? (u32)total >> shift : (u32)total / bs);
-    int tail = p.tail_value;
-    if (p.map_mode == 2) {  // the map read at the tail value, PyTorch's negative indexing
-      const int at = tail < 0 ? tail + p.map_len : tail;
-      if (at >= 0 && at < p.map_len) tail = (int)load_id(p.expert_map, at, p.flags & 2);
-    }
-    for (int j = (first_tail > j0 ? first_tail : j0) + tid; j < j1; j += nt) p.expert_ids[j] = tail;
     if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;
   }
 

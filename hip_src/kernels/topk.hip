@@ -429,9 +429,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
   constexpr int WARPS = BLOCK / 32;
   AMDQB_SHARED(float, sh_row, ROW_LDS ? WARPS * ROWS * E : 1);
   AMDQB_SHARED(u8, sh_bits, DENSE && CONTIGUOUS ? WARPS * ROWS * E : 1);
-  // per row: the k routes' experts (and unbiased scores) by rank, and a slot that non-members write
-  AMDQB_SHARED(i32, sh_sel_id, KEY_SELECT ? WARPS * ROWS * (KP + 1) : 1);
-  AMDQB_SHARED(float, sh_sel_s, KEY_SELECT && HAS_BIAS ? WARPS * ROWS * (KP + 1) : 1);
+  AMDQB_SHARED(i32, sh_sel_id, KEY_SELECT ? WARPS * ROWS * KP : 1);
+  AMDQB_SHARED(float, sh_sel_s, KEY_SELECT && HAS_BIAS ? WARPS * ROWS * KP : 1);
   const int lane = lane_id();
   const int w = warp_in_block();
   const int rl = lane % L;  // lane inside the token's row
@@ -581,26 +580,26 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
         rid[r] = 0;
         rs[r] = 0.0f;
       }
-      i32* sel_id = sh_sel_id + (w * ROWS + rw) * (KP + 1);
-      float* sel_s = sh_sel_s + (w * ROWS + rw) * (KP + 1);
+      i32* sel_id = sh_sel_id + (w * ROWS + rw) * KP;
+      float* sel_s = sh_sel_s + (w * ROWS + rw) * KP;
       (void)sel_id;
       (void)sel_s;
 #pragma unroll
       for (int i = 0; i < V; ++i) {
-        // every slot's rank, without a branch or a ballot per slot; a member publishes at its
-        // rank, the others write the row's spare slot KP
         const bool member = key[i] != 0 && key[i] >= kth;
-        const int rank = count_above(kt, key[i]);
-        if (L == 1) {
+        if (L > 1 && K > 4 && ballot32(member) == 0) continue;  // no route in this slot
+        if (member) {
+          const int rank = count_above(kt, key[i]);
+          if (L == 1) {
 #pragma unroll
-          for (int r = 0; r < K; ++r) {
-            rid[r] = member && rank == r ? expert_at(rl, i) : rid[r];
-            rs[r] = member && rank == r ? s[i] : rs[r];
+            for (int r = 0; r < K; ++r) {
+              rid[r] = rank == r ? expert_at(rl, i) : rid[r];
+              rs[r] = rank == r ? s[i] : rs[r];
+            }
+          } else {
+            sel_id[rank] = expert_at(rl, i);
+            if (HAS_BIAS) sel_s[rank] = s[i];
           }
-        } else {
-          const int at = member ? rank : KP;
-          sel_id[at] = expert_at(rl, i);
-          if (HAS_BIAS) sel_s[at] = s[i];
         }
       }
       if (L > 1) {

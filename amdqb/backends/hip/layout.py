@@ -236,7 +236,7 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
                 threads *= 2
             return cdiv(n, per), per, threads, warps
     warps = warps_for(n)  # one block: also the threads that fill sorted_ids
-    return 1, max(n, 1), max(int(cfg["hip.align.single_block_threads"]), 32 * warps), warps
+    return 1, max(n, 1), max(256, 32 * warps), warps
 
 
 def align_hist_threads(per: int) -> int:

@@ -476,9 +476,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
 #pragma unroll
       for (int i = 0; i < d; ++i) mx[i] = fmaxf(mx[i], mx[i + d]);
     const float m = row_max(mx[0]);
-    float ex[V];
+    float ex[V];  // padding slots 1: a quotient inside the fast path's range
 #pragma unroll
-    for (int i = 0; i < V; ++i) ex[i] = expf(s[i] - m);
+    for (int i = 0; i < V; ++i) ex[i] = expert_at(rl, i) < E ? expf(s[i] - m) : 1.0f;
     float sum = 0.0f;
     if (!CONTIGUOUS) {  // lane l holds experts l, l + L, ...: torch's order
       // each of torch's lanes this lane stands for adds its experts in order; the butterfly's

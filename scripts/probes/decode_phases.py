@@ -34,77 +34,86 @@ def _insert(text: str, anchor: str, add: str, after: bool = True) -> str:
     return text.replace(anchor, anchor + add if after else add + anchor)
 
 
+# (kernel signature, stamp macro, [(anchor, text, text goes after the anchor)], last stamp)
+TOPK_STAMPS = (
+    "AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {",
+    "#define STAMP(i) do { if (p.scores != nullptr && blockIdx.x == 0 && threadIdx.x == 0) "
+    "reinterpret_cast<long long*>(p.scores)[i] = clock64(); } while (0)\n",
+    [
+        (
+            "  if (first >= p.tokens) return;  // uniform across the logical warp\n",
+            "  STAMP(0);\n",
+            True,
+        ),
+        ("  for (int i = 0; i < V; ++i) keep_loaded(raw[i]);\n", "  STAMP(1);\n", True),
+        (
+            "  if (IN_MATH) {\n",
+            "  { float q = s[0]; keep_loaded(q); s[0] = q; } STAMP(2);\n",
+            False,
+        ),
+        (
+            "  float acc[KP];\n",
+            "  { u32 q = (u32)(top[0] >> 32); keep_loaded(q); top[0] = ((u64)q << 32) | (u32)top[0];"
+            " float w0 = wk[0]; keep_loaded(w0); wk[0] = w0; } STAMP(3);\n",
+            False,
+        ),
+        (
+            "  const bool padded_row",
+            "  { float q = wk[0]; keep_loaded(q); wk[0] = q; } STAMP(4);\n",
+            False,
+        ),
+    ],
+    "STAMP(5)",
+)
+ALIGN_STAMPS = (
+    "AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {",
+    "#define ASTAMP(i) do { if (p.tiles == 1 && p.tile_counts != nullptr && threadIdx.x == 0) "
+    "reinterpret_cast<long long*>(p.tile_counts)[i] = clock64(); } while (0)\n",
+    [
+        ("  int* mine = next + (w < warps ? w : 0) * E;\n", "  ASTAMP(0);\n", True),
+        (
+            "  if (p.tiles == 1) fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, tid, nt);\n"
+            "  block_sync();\n",
+            "  ASTAMP(1);\n",
+            True,
+        ),
+        (
+            "  if (p.tiles > 1) wait_for_prior_grid();  // tile_counts (and the sentinel fill): "
+            "amdqb_align_hist\n  block_sync();\n",
+            "  ASTAMP(2);\n",
+            True,
+        ),
+        (
+            "  const int last = start[E - 1];  // the last bucket's padded size\n",
+            "  ASTAMP(3);\n",
+            True,
+        ),
+        ("  const i64 total = (i64)start[E - 1] + last;\n", "  ASTAMP(4);\n", True),
+        (
+            "    if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;\n  }\n",
+            "  ASTAMP(5);\n",
+            True,
+        ),
+    ],
+    "ASTAMP(6)",
+)
+
+
+def _stamp(path: Path, stamps) -> None:
+    """The kernel (the last function of the file) at path with its stamps."""
+    kernel, macro, points, last = stamps
+    s = _insert(path.read_text(), kernel, macro, after=False)
+    for anchor, add, after in points:
+        s = _insert(s, anchor, add, after)
+    s = s.rstrip()
+    path.write_text(s[: s.rindex("}")] + f"  {last};\n}}\n")
+
+
 def stamped_sources(dst: Path) -> None:
     """hip_src with the stamps, into dst."""
     shutil.copytree(ROOT / "hip_src", dst)
-    topk = dst / "kernels" / "topk.hip"
-    s = topk.read_text()
-    s = _insert(
-        s,
-        "AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {",
-        "#define STAMP(i) do { if (p.scores != nullptr && blockIdx.x == 0 && threadIdx.x == 0) "
-        "reinterpret_cast<long long*>(p.scores)[i] = clock64(); } while (0)\n",
-        after=False,
-    )
-    s = _insert(
-        s, "  if (first >= p.tokens) return;  // uniform across the logical warp\n", "  STAMP(0);\n"
-    )
-    s = _insert(s, "  for (int i = 0; i < V; ++i) keep_loaded(raw[i]);\n", "  STAMP(1);\n")
-    s = _insert(
-        s,
-        "  if (IN_MATH) {\n",
-        "  { float q = s[0]; keep_loaded(q); s[0] = q; } STAMP(2);\n",
-        after=False,
-    )
-    s = _insert(
-        s,
-        "  float acc[KP];\n",
-        "  { u32 q = (u32)(top[0] >> 32); keep_loaded(q); top[0] = ((u64)q << 32) | (u32)top[0];"
-        " float w0 = wk[0]; keep_loaded(w0); wk[0] = w0; } STAMP(3);\n",
-        after=False,
-    )
-    s = _insert(
-        s,
-        "  const bool padded_row",
-        "  { float q = wk[0]; keep_loaded(q); wk[0] = q; } STAMP(4);\n",
-        after=False,
-    )
-    s = s.rstrip()
-    s = s[: s.rindex("}")] + "  STAMP(5);\n}\n"
-    topk.write_text(s)
-
-    layout = dst / "kernels" / "layout.hip"
-    s = layout.read_text()
-    s = _insert(
-        s,
-        "AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {",
-        "#define ASTAMP(i) do { if (p.tiles == 1 && p.tile_counts != nullptr && threadIdx.x == 0) "
-        "reinterpret_cast<long long*>(p.tile_counts)[i] = clock64(); } while (0)\n",
-        after=False,
-    )
-    s = _insert(s, "  int* mine = next + (w < warps ? w : 0) * E;\n", "  ASTAMP(0);\n")
-    s = _insert(
-        s,
-        "  if (p.tiles == 1) fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, tid, nt);\n  block_sync();\n",
-        "  ASTAMP(1);\n",
-    )
-    s = _insert(
-        s,
-        "  if (p.tiles > 1) wait_for_prior_grid();  // tile_counts (and the sentinel fill): amdqb_align_hist\n  block_sync();\n",
-        "  ASTAMP(2);\n",
-    )
-    s = _insert(
-        s, "  const int last = start[E - 1];  // the last bucket's padded size\n", "  ASTAMP(3);\n"
-    )
-    s = _insert(s, "  const i64 total = (i64)start[E - 1] + last;\n", "  ASTAMP(4);\n")
-    s = _insert(
-        s,
-        "    if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;\n  }\n",
-        "  ASTAMP(5);\n",
-    )
-    s = s.rstrip()
-    s = s[: s.rindex("}")] + "  ASTAMP(6);\n}\n"
-    layout.write_text(s)
+    _stamp(dst / "kernels" / "topk.hip", TOPK_STAMPS)
+    _stamp(dst / "kernels" / "layout.hip", ALIGN_STAMPS)
 
 
 def main() -> None:

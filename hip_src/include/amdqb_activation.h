@@ -54,13 +54,14 @@ AMDQB_DEVICE float sigmoid_divisor(float z) {
 // is the case a = 1 for the divisors d = 1 + e^-z in [1, 2^126). -DAMDQB_DIVISION_ONLY=1 turns
 // the fast paths off (the tests that prove both give the same bits build that variant). AMD and
 // the CPU emulator use the compiler's own division (no call to avoid).
-AMDQB_DEVICE bool sigmoid_fast_ok(float d) {
+// Whether the written-out fast path is compiled (NVIDIA without -DAMDQB_DIVISION_ONLY).
 #if defined(AMDQB_CUDA) && !defined(AMDQB_DIVISION_ONLY)
-  return d < 8.50705917e37f;  // 2^126
+constexpr bool kQuotientFastPath = true;
 #else
-  (void)d;
-  return false;
+constexpr bool kQuotientFastPath = false;
 #endif
+AMDQB_DEVICE bool sigmoid_fast_ok(float d) {
+  return kQuotientFastPath && d < 8.50705917e37f;  // 2^126
 }
 AMDQB_DEVICE float sigmoid_fast(float d) {
 #if defined(AMDQB_CUDA)
@@ -70,12 +71,6 @@ AMDQB_DEVICE float sigmoid_fast(float d) {
   return 1.0f / d;
 #endif
 }
-// Whether the written-out fast path is compiled (NVIDIA without -DAMDQB_DIVISION_ONLY).
-#if defined(AMDQB_CUDA) && !defined(AMDQB_DIVISION_ONLY)
-constexpr bool kQuotientFastPath = true;
-#else
-constexpr bool kQuotientFastPath = false;
-#endif
 AMDQB_DEVICE bool quotient_fast_ok(float a, float b) {
   const float ua = fabsf(a), ub = fabsf(b);
   return kQuotientFastPath && ub >= 8.67361738e-19f && ub <= 1.15292150e18f &&  // 2^-60, 2^60
@@ -127,10 +122,6 @@ AMDQB_DEVICE void divide_range(float (&a)[N], float b) {
         if (g + i < J1) a[g + i] = q[i];
     }
   }
-}
-template <int M, int N>
-AMDQB_DEVICE void divide_first(float (&a)[N], float b) {
-  divide_range<0, M>(a, b);
 }
 
 AMDQB_DEVICE float sigmoid(float z) {

@@ -507,7 +507,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
       sum = row_sum<SOFTMAX_LANES>(sum);
       warp_sync();  // the row's LDS is rewritten below
     }
-    divide_first<V>(ex, sum);
+    divide_range<0, V>(ex, sum);
 #pragma unroll
     for (int i = 0; i < V; ++i) s[i] = ex[i];
   }
@@ -719,7 +719,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(BLOCK) amdqb_topk(TopkParams p) {
 
   if (!live) return;
   // the routes' weights, every quotient of the row through the fast path first
-  if (renorm) divide_first<K>(wk, divisor);
+  if (renorm) divide_range<0, K>(wk, divisor);
   const bool padded_row =
       p.non_padded != nullptr
           ? t >= ((p.flags & 4) ? static_cast<const i64*>(p.non_padded)[0]

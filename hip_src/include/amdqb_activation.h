@@ -78,8 +78,7 @@ AMDQB_DEVICE bool quotient_fast_ok(float a, float b) {
 }
 AMDQB_DEVICE float quotient_fast(float a, float b) {
 #if defined(AMDQB_CUDA)
-  const float r = approx_rcp(b);
-  const float y = fmaf(r, -fmaf(b, r, -1.0f), r);  // 1 / b, one Newton step
+  const float y = sigmoid_fast(b);  // 1 / b: the reciprocal and its Newton step
   const float q = a * y;
   return fmaf(y, fmaf(-b, q, a), q);  // q + y (a - b q), the residual exact
 #else

@@ -804,9 +804,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
   AMDQB_SHARED(i32, sh_cid, DEC_WARPS * CAP);
   AMDQB_SHARED(i32, sh_skey, DEC_WARPS * CAP);  // each warp's Top-n (local ids)
   AMDQB_SHARED(i32, sh_sid, DEC_WARPS * CAP);
-  AMDQB_SHARED(float, sh_score, DEC_THREADS * DEC_EPT);  // scores by expert id
-  AMDQB_SHARED(float, sh_biased, DEC_THREADS * DEC_EPT);  // score + bias by expert id
+  AMDQB_SHARED(float, sh_score, E);  // scores by expert id
   AMDQB_SHARED(i32, sh_top, CAP);  // the token's Top-n ids, in order
+  AMDQB_SHARED(i32, sh_topkey, CAP);  // and their keys (the cutoffs: amdqb_router's key_value)
   const int lane = lane_id();
   const int w = warp_in_block();
   const int tid = (int)threadIdx.x;
@@ -840,10 +840,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
     const float biased = bias != nullptr ? s[j] + bv[j] : s[j];
 #endif
     key[j] = valid(j) ? order_key(biased) : kInt32Min;
-    if (valid(j)) {
-      sh_score[e] = s[j];
-      sh_biased[e] = biased;  // the cutoffs below read it instead of reloading the bias
-    }
+    if (valid(j)) sh_score[e] = s[j];
   }
 
   const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
@@ -881,7 +878,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
         }
         warp_merge_desc(ak, ai, lane);
         if (lists == 2) {
-          if (lane < nsel) sh_top[lane] = ai;
+          if (lane < nsel) {
+            sh_top[lane] = ai;
+            sh_topkey[lane] = ak;
+          }
         } else {
           dst_k[w * CAP + lane] = ak;
           dst_i[w * CAP + lane] = ai;
@@ -899,7 +899,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
       return;
   } else {
     if (DEC_WARPS == 1) {  // local ids are the global ids
-      for (int r = tid; r < nsel; r += 32) sh_top[r] = sh_sid[r];
+      for (int r = tid; r < nsel; r += 32) {
+        sh_top[r] = sh_sid[r];
+        sh_topkey[r] = sh_skey[r];
+      }
     } else {
       for (int c = tid; c < DEC_WARPS * nsel; c += DEC_THREADS) {
         const int v0 = c / nsel, r0 = c - v0 * nsel;
@@ -909,7 +912,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
         for (int v = 0; v < DEC_WARPS; ++v)
           if (v != v0)
             rank += count_ahead_sorted(sh_skey + v * CAP, sh_sid + v * CAP, v, nsel, k0, id0);
-        if (rank < nsel) sh_top[rank] = id0;
+        if (rank < nsel) {
+          sh_top[rank] = id0;
+          sh_topkey[rank] = k0;
+        }
       }
     }
     block_sync();
@@ -949,12 +955,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
   const auto base = [&](int j) { return j * DEC_THREADS + w * 32; };
   if (has_dense_outputs(probs, map_kind)) {
     const i32 cid = sh_top[topk - 1];
-    write_dense_outputs(key, base, valid, lane, t, order_key(sh_biased[cid]), cid, probs, map,
-                        map_kind);
+    write_dense_outputs(key, base, valid, lane, t, sh_topkey[topk - 1], cid, probs, map, map_kind);
   }
 
   if (qb_mode != kQbNone) {
-    const float alpha = sh_biased[sh_top[topk]];                 // the (k+1)-th: the cutoff alpha
+    const float alpha = key_value(sh_topkey[topk]);              // the (k+1)-th: the cutoff alpha
     if (alpha_out != nullptr && tid == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
     if (qb_binning == kLogMargin) {
       margin_bins_out(key, base, valid, lane, t, alpha, bounds, num_bins, margin_fine, qb_mode,

@@ -270,6 +270,24 @@ def test_router_fits_four_waves_without_scratch(objects, tc, libs, arch):
 
 
 @pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_router_decode_fits_eight_waves(objects, tc, libs, arch):
+    """amdqb_router_decode up to E = 1024 (4 experts per thread: its 32-entry lists and E scores
+    in under 8 KiB of LDS, registers held to that occupancy by amdgpu_waves_per_eu): 8 waves per
+    SIMD on every target, whole blocks resident, no spill."""
+    seen = 0
+    for spec, co in modules_of(objects, tc, libs, arch):
+        if spec.kernel_file != "router.hip" or int(dict(spec.defines)["AMDQB_NUM_EXPERTS"]) > 1024:
+            continue
+        k = co.kernels["amdqb_router_decode"]
+        occ = tools_occupancy.occupancy(arch, k)
+        assert occ.waves >= 8 and occ.at_block >= 8, (spec.label(), arch, occ, k.meta)
+        assert k.spills == (0, 0) and k.scratch == 0, (spec.label(), arch, k.meta)
+        seen += 1
+    if tools_build.LIB_MODULES[libs] is None:  # every module built against this set
+        assert seen, "no router module of E <= 1024 built"
+
+
+@pytest.mark.parametrize("tc, libs, arch", target_params())
 def test_lds_inside_the_targets_budget(objects, tc, libs, arch):
     rules = tools_occupancy.RULES[arch]
     for spec, co in modules_of(objects, tc, libs, arch):

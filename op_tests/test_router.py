@@ -616,7 +616,7 @@ DECODE_ROUTER_CASES = (
     [
         (896, 16, torch.float32, "ties", (("bytemap", True, "fused_atomic"),)),
         (896, 16, torch.bfloat16, "ties", (("bytemap", True, "two_kernel"),)),
-        (300, 33, torch.float32, "ties", (("bytemap", True, None),)),
+        (300, 31, torch.float32, "ties", (("bytemap", True, "two_kernel"),)),  # nsel 32
         (4096, 8, torch.float16, "ties", (("bytemap", True, "fused_atomic"),)),
     ]
     if HAS_GPU
@@ -624,7 +624,7 @@ DECODE_ROUTER_CASES = (
         (896, 16, torch.float32, "ties", _EMU_FORMATS),  # nsel 17: merge tree of 32-entry lists
         (300, 8, torch.bfloat16, "nan_inf", _EMU_FORMATS),
         (64, 5, torch.float16, "normal", _EMU_FORMATS),  # one warp
-        (1100, 33, torch.float32, "saturated", _EMU_FORMATS),  # nsel 34 > 32: the merge by rank
+        (1100, 31, torch.float32, "saturated", _EMU_FORMATS),  # nsel 31 / 32: full 32-entry lists
     ]
 )
 
@@ -679,6 +679,35 @@ def test_router_decode_kernel_is_bitwise_the_warp_kernel(
         assert torch.equal(p1.view(bits), p2.view(bits)), fmt
         assert torch.equal(m1, m2), fmt
         assert (h1 is None) == (h2 is None) and (h1 is None or torch.equal(h1, h2)), fmt
+
+
+@over_backends("router_fwd", only=("hip",), gcn=GCN)
+def test_router_decode_leaves_a_top_n_beyond_its_lists_to_the_warp_kernel(
+    monkeypatch, backend, emu_rt
+):
+    """A Top-n past amdqb_router_decode's 32-entry lists (k = 32 with QB: n = 33; k = 33) runs on
+    amdqb_router even where the decode form is allowed, with the oracle's outputs."""
+    t = 67 if HAS_GPU else 3
+    logits = make_logits(t, 300, "ties", 7, torch.float32).to(DEVICE)
+    set_config(
+        monkeypatch,
+        {"hip.router.decode_max_tokens": 1 << 30, "hip.router.decode_max_tokens_fused": 1 << 30},
+        logits.device,
+    )
+    bias = (torch.arange(300) % 5 * 0.125).float().to(DEVICE)
+    forms = count_decode_launches(monkeypatch)
+    for k, qb, decode in ((31, "two_kernel", 1), (32, "two_kernel", 0), (33, None, 0)):
+        forms.append(0)
+        if emu_rt is not None:
+            emu_rt.launches.clear()
+        probs, rmap, _, _, _ = hip_run_router(backend, logits, k, "bytemap", bias, qb, 37)
+        assert forms[-1] == decode, (k, qb)
+        if emu_rt is not None:
+            names = [n for n, *_ in emu_rt.launches]
+            assert ("amdqb_router_decode" in names) == bool(decode), (k, names)
+        want_probs, _, want_map = oracle(logits.cpu(), k, expert_bias=bias.cpu())
+        assert torch.equal(rmap.cpu().bool(), want_map.bool()), k
+        assert torch.equal(probs.cpu().view(torch.int32), want_probs.view(torch.int32)), k
 
 
 # ----------------------------------------------------------------------------------------------

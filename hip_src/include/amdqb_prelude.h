@@ -75,12 +75,15 @@
 #define AMDQB_KERNEL extern "C"
 #define AMDQB_LAUNCH_BOUNDS(n)
 #define AMDQB_LAUNCH_BOUNDS_MIN(n, blocks)
+#define AMDQB_AMD_WAVES_PER_EU(w)
 #elif defined(AMDQB_HIP)
 #define AMDQB_DEVICE static __device__ inline __attribute__((always_inline))
 #define AMDQB_KERNEL extern "C" __global__
 #define AMDQB_LAUNCH_BOUNDS(n) __launch_bounds__(n)
 // HIP's second launch-bounds argument means waves per EU, not blocks per SM: left to the compiler.
 #define AMDQB_LAUNCH_BOUNDS_MIN(n, blocks) __launch_bounds__(n)
+// At least w waves per SIMD: the compiler keeps the registers within that occupancy's budget.
+#define AMDQB_AMD_WAVES_PER_EU(w) __attribute__((amdgpu_waves_per_eu(w)))
 // Contraction would change results between inlining contexts (the histogram kernel must reproduce
 // the router's sigmoid bit for bit); the compile flags say -ffp-contract=off as well.
 #pragma clang fp contract(off)
@@ -90,6 +93,7 @@
 #define AMDQB_LAUNCH_BOUNDS(n) __launch_bounds__(n)
 // n threads per block and at least `blocks` resident blocks per SM (caps the registers per thread)
 #define AMDQB_LAUNCH_BOUNDS_MIN(n, blocks) __launch_bounds__(n, blocks)
+#define AMDQB_AMD_WAVES_PER_EU(w)
 #endif
 
 // Shared memory. All shared memory is declared through these macros so that the emulator can

@@ -756,57 +756,52 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
 // e = j * DEC_THREADS + w * 32 + lane, j < DEC_EPT.
 //   1. each warp selects its own Top-n with select_top (its local ids j * 32 + lane are ordered as
 //      the global ids, so the warp's selection order is the token's);
-//   2. the warps' sorted lists are merged. n <= 32: a tree of bitonic merges, ceil(log2(warps))
-//      rounds; in each, warp i takes lists 2i and 2i + 1, lane l keeping the better of A[l] and
-//      B[31 - l] (the top half of their bitonic merge), and five compare-exchange stages sort
-//      them (the H200 timing of the alternative below at n = 16, 7 warps: 2.4 us of the kernel's
-//      5.3). n > 32: by rank, an entry's rank in the union being its position in its own list
-//      plus, for every other list, the number of entries ahead of it there (a binary search).
-//      (value, id) pairs are distinct, so both give the one selection order;
+//   2. the warps' sorted lists are merged by a tree of bitonic merges, ceil(log2(warps)) rounds;
+//      in each, warp i takes lists 2i and 2i + 1, lane l keeping the better of A[l] and B[31 - l]
+//      (the top half of their bitonic merge), and five compare-exchange stages sort them (a
+//      merge by rank -- each entry's position in its own list plus a binary search in every
+//      other -- took 2.4 us of the kernel's 5.3 on the H200 at n = 16, 7 warps);
 //   3. warp 0 writes the k routes (weights from the same scores and the same sequential sum as
 //      amdqb_router, so both kernels give identical bits); the dense outputs and the fused QB
 //      bins are written by every thread for its own experts.
+// n <= DEC_CAP = 32 (the op sends a larger Top-n to amdqb_router): each warp's candidate and
+// sorted lists hold 32 entries, which keeps the block's LDS at E floats + 4 KiB (E=896: 8 blocks
+// of 256 threads in the 64 KiB of a gfx942 CU).
 constexpr int DEC_WARPS_RAW = (E + AMDQB_DECODE_EPW - 1) / AMDQB_DECODE_EPW;
 constexpr int DEC_WARPS_EVEN = DEC_WARPS_RAW > 1 ? (DEC_WARPS_RAW + 1) / 2 * 2 : 1;
 constexpr int DEC_WARPS = DEC_WARPS_EVEN < 8 ? DEC_WARPS_EVEN : 8;
 constexpr int DEC_THREADS = 32 * DEC_WARPS;
 constexpr int DEC_EPT = (E + DEC_THREADS - 1) / DEC_THREADS;  // experts per thread
+constexpr int DEC_CAP = 32;  // the largest Top-n, a warp's list (amdqb.backends.hip.router)
 
 namespace {
 // Global id of warp w's local id j * 32 + lane.
 AMDQB_DEVICE i32 global_id(int w, i32 lid) {
   return (lid >> 5) * DEC_THREADS + w * 32 + (lid & 31);
 }
-
-// Entries of warp w's sorted list (keys, local ids)[0, len) ahead of (k, id) in the selection
-// order (id global).
-AMDQB_DEVICE int count_ahead_sorted(const i32* keys, const i32* ids, int w, int len, i32 k,
-                                    i32 id) {
-  int lo = 0, hi = len;  // answer in [lo, hi]
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (ahead(keys[mid], global_id(w, ids[mid]), k, id))
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
 }  // namespace
 
 // The router in its decode form: amdqb_router's arguments and outputs (probs, every routing map,
 // weights/ids, QB cutoff or fused histogram), bit for bit, for the element-wise scores (the op
 // sends softmax to amdqb_router).
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const RouterParams params) {
+// AMD: 8 waves per SIMD up to E = 1024 (4 experts per thread), where the LDS allows 8 blocks and
+// the registers fit that budget without spills; beyond, the compiler's choice.
+#if AMDQB_NUM_EXPERTS <= 1024
+#define AMDQB_DECODE_WAVES AMDQB_AMD_WAVES_PER_EU(8)
+#else
+#define AMDQB_DECODE_WAVES
+#endif
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) AMDQB_DECODE_WAVES
+    amdqb_router_decode(const RouterParams params) {
   AMDQB_ROUTER_PARAMS(params);
   (void)softmax_pre;  // amdqb_router's parameters; the op sends softmax scores to amdqb_router
-  AMDQB_SHARED(i32, sh_ckey, DEC_WARPS * CAP);
-  AMDQB_SHARED(i32, sh_cid, DEC_WARPS * CAP);
-  AMDQB_SHARED(i32, sh_skey, DEC_WARPS * CAP);  // each warp's Top-n (local ids)
-  AMDQB_SHARED(i32, sh_sid, DEC_WARPS * CAP);
+  AMDQB_SHARED(i32, sh_ckey, DEC_WARPS * DEC_CAP);
+  AMDQB_SHARED(i32, sh_cid, DEC_WARPS * DEC_CAP);
+  AMDQB_SHARED(i32, sh_skey, DEC_WARPS * DEC_CAP);  // each warp's Top-n (local ids)
+  AMDQB_SHARED(i32, sh_sid, DEC_WARPS * DEC_CAP);
   AMDQB_SHARED(float, sh_score, E);  // scores by expert id
-  AMDQB_SHARED(i32, sh_top, CAP);  // the token's Top-n ids, in order
-  AMDQB_SHARED(i32, sh_topkey, CAP);  // and their keys (the cutoffs: amdqb_router's key_value)
+  AMDQB_SHARED(i32, sh_top, DEC_CAP);  // the token's Top-n ids, in order
+  AMDQB_SHARED(i32, sh_topkey, DEC_CAP);  // and their keys (the cutoffs: amdqb_router's key_value)
   const int lane = lane_id();
   const int w = warp_in_block();
   const int tid = (int)threadIdx.x;
@@ -843,18 +838,18 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
     if (valid(j)) sh_score[e] = s[j];
   }
 
-  const WarpBuffers b{sh_ckey + w * CAP, sh_cid + w * CAP, sh_skey + w * CAP, sh_sid + w * CAP,
-                      nullptr};
-  select_top<CAP>(key, nsel, lane, b);  // local ids; the merge maps them to global ids
+  const WarpBuffers b{sh_ckey + w * DEC_CAP, sh_cid + w * DEC_CAP, sh_skey + w * DEC_CAP,
+                      sh_sid + w * DEC_CAP, nullptr};
+  select_top<DEC_CAP>(key, nsel, lane, b);  // local ids; the merge maps them to global ids
   block_sync();
 
   // Only the outputs over every expert (dense probs / maps, the fused histogram) need the whole
   // block after the selection; otherwise warp 0 finishes alone (no barrier after the last round).
   const bool block_outputs = has_dense_outputs(probs, map_kind) || qb_mode == kQbFused ||
                              (qb_mode != kQbNone && qb_binning == kLogMargin);
-  if (DEC_WARPS > 1 && nsel <= 32) {  // uniform
-    // Merge tree. Lists live in (src_k, src_i) at stride CAP; round r writes (dst_k, dst_i), and
-    // the two swap: the barrier opening each round orders the reads of one round before the
+  if (DEC_WARPS > 1) {
+    // Merge tree. Lists live in (src_k, src_i) at stride DEC_CAP; round r writes (dst_k, dst_i),
+    // and the two swap: the barrier opening each round orders the reads of one round before the
     // writes of the next. select_top's candidate buffers are free once every warp has passed the
     // first barrier. Missing entries are sentinels that rank after every expert. The last round
     // (warp 0 alone) writes the token's list straight to sh_top.
@@ -865,12 +860,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
         i32 ak = kInt32Min, ai = 0x7fffffff, bk = kInt32Min, bi = 0x7fffffff;
         const int la = 2 * w, lb = 2 * w + 1, rb = 31 - lane;
         if (lane < nsel) {
-          ak = src_k[la * CAP + lane];
-          ai = round == 0 ? global_id(la, src_i[la * CAP + lane]) : src_i[la * CAP + lane];
+          ak = src_k[la * DEC_CAP + lane];
+          ai = round == 0 ? global_id(la, src_i[la * DEC_CAP + lane]) : src_i[la * DEC_CAP + lane];
         }
         if (lb < lists && rb < nsel) {
-          bk = src_k[lb * CAP + rb];
-          bi = round == 0 ? global_id(lb, src_i[lb * CAP + rb]) : src_i[lb * CAP + rb];
+          bk = src_k[lb * DEC_CAP + rb];
+          bi = round == 0 ? global_id(lb, src_i[lb * DEC_CAP + rb]) : src_i[lb * DEC_CAP + rb];
         }
         if (ahead(bk, bi, ak, ai)) {
           ak = bk;
@@ -883,8 +878,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
             sh_topkey[lane] = ak;
           }
         } else {
-          dst_k[w * CAP + lane] = ak;
-          dst_i[w * CAP + lane] = ai;
+          dst_k[w * DEC_CAP + lane] = ak;
+          dst_i[w * DEC_CAP + lane] = ai;
         }
       }
       i32* tk = src_k;
@@ -897,37 +892,21 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
       warp_sync();
     else
       return;
-  } else {
-    if (DEC_WARPS == 1) {  // local ids are the global ids
-      for (int r = tid; r < nsel; r += 32) {
-        sh_top[r] = sh_sid[r];
-        sh_topkey[r] = sh_skey[r];
-      }
-    } else {
-      for (int c = tid; c < DEC_WARPS * nsel; c += DEC_THREADS) {
-        const int v0 = c / nsel, r0 = c - v0 * nsel;
-        const i32 k0 = sh_skey[v0 * CAP + r0], id0 = global_id(v0, sh_sid[v0 * CAP + r0]);
-        int rank = r0;
-#pragma unroll
-        for (int v = 0; v < DEC_WARPS; ++v)
-          if (v != v0)
-            rank += count_ahead_sorted(sh_skey + v * CAP, sh_sid + v * CAP, v, nsel, k0, id0);
-        if (rank < nsel) {
-          sh_top[rank] = id0;
-          sh_topkey[rank] = k0;
-        }
-      }
+  } else {  // one warp: its local ids are the global ids
+    if (tid < nsel) {
+      sh_top[tid] = sh_sid[tid];
+      sh_topkey[tid] = sh_skey[tid];
     }
     block_sync();
   }
 
   if (w == 0) {
-    // Lane r % 32 holds the score of rank r (CAP / 32 registers); the normalisation sums them in
-    // the order of routes_sum, as amdqb_router does.
-    i32 id[CAP / 32];
-    float v[CAP / 32];
+    // Lane r holds the score of rank r; the normalisation sums them in the order of routes_sum,
+    // as amdqb_router does.
+    i32 id[DEC_CAP / 32];
+    float v[DEC_CAP / 32];
 #pragma unroll
-    for (int q = 0; q < CAP / 32; ++q) {
+    for (int q = 0; q < DEC_CAP / 32; ++q) {
       const int r = lane + 32 * q;
       id[q] = r < topk ? sh_top[r] : 0;
       v[q] = r < topk ? sh_score[id[q]] : 0.0f;
@@ -936,12 +915,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) amdqb_router_decode(const Rou
     if (normalize) {
       float lane_sum = 0.0f;
 #pragma unroll
-      for (int q = 0; q < CAP / 32; ++q)
+      for (int q = 0; q < DEC_CAP / 32; ++q)
         if (lane + 32 * q < topk) lane_sum = q == 0 ? v[q] : lane_sum + v[q];
       denom = warp_sum_f32(lane_sum) + 1e-20f;
     }
 #pragma unroll
-    for (int q = 0; q < CAP / 32; ++q) {
+    for (int q = 0; q < DEC_CAP / 32; ++q) {
       const int r = lane + 32 * q;
       if (r < topk)
         write_route(t, topk, r, id[q], (normalize ? v[q] / denom : v[q]) * scale, probs, map,

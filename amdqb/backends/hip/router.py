@@ -10,9 +10,10 @@ Kernels and when each runs:
 
 * ``amdqb_router`` -- one row per token (a 32-lane logical warp; on wave64 AMD a whole wave), a
   persistent grid of one wave of resident blocks;
-* ``amdqb_router_decode`` -- one block per token, for element-wise scores up to
-  ``hip.router.decode_max_tokens`` tokens (``..._fused`` with the fused QB histogram,
-  ``hip.biased_topk.decode_max_tokens`` for ``biased_topk``): the same outputs bit for bit;
+* ``amdqb_router_decode`` -- one block per token, for element-wise scores and a Top-n of at most
+  ``DECODE_MAX_SELECT`` up to ``hip.router.decode_max_tokens`` tokens (``..._fused`` with the
+  fused QB histogram, ``hip.biased_topk.decode_max_tokens`` for ``biased_topk``): the same outputs
+  bit for bit;
 * ``amdqb_qb_hist`` -- the second kernel of ``qb_histogram_mode="two_kernel"``, launched as the
   router's dependent where ``hip.qb_hist.dependent_launch`` says so;
 * ``amdqb_router_scores`` -- the scores the router ranked (``RouterCall.write_scores``), a pass
@@ -37,6 +38,7 @@ from ._spec import arg_i32
 # Capability limits (declared in LIMITS below: the dispatcher passes this backend over beyond them).
 MAX_ROUTER_EXPERTS = 4096  # experts per lane live in registers (spills beyond ~2048)
 MAX_QB_BINS = 12288  # one LDS histogram row of the two-kernel mode within 48 KiB
+DECODE_MAX_SELECT = 32  # amdqb_router_decode's Top-n at most (router.hip DEC_CAP: a warp's list)
 
 _MAP_KINDS = {"bytemap": 1, "bitmap": 2}
 _INDEX_KINDS = {torch.int16: 3, torch.int32: 4, torch.int64: 5}
@@ -167,8 +169,8 @@ def _launch_router(
     approximate=False,
 ):
     """amdqb_router (one warp per token), or its decode form amdqb_router_decode (one block per
-    token) for element-wise scores and at most ``decode_max_tokens`` tokens; same outputs, bit
-    for bit. Both take one :class:`~._spec.RouterParams` by value. Returns the module spec it
+    token) for element-wise scores, a Top-n of at most ``DECODE_MAX_SELECT`` and at most
+    ``decode_max_tokens`` tokens; same outputs, bit for bit. Both take one :class:`~._spec.RouterParams` by value. Returns the module spec it
     launched from (the QB histogram pass comes from it too)."""
     tokens, num_experts = logits.shape
     _check_selection(topk, nsel, num_experts, cfg)
@@ -197,7 +199,7 @@ def _launch_router(
         margin_fine=margin_fine_keys(num_bins) if margin else 0,
         scale=scale,
     )
-    if score_function != "softmax" and tokens <= decode_max_tokens:
+    if score_function != "softmax" and tokens <= decode_max_tokens and nsel <= DECODE_MAX_SELECT:
         k = rt.kernel(device, spec, "amdqb_router_decode")
         rt.launch(k, tokens, decode_threads(num_experts, cfg), 0, [params])
     else:

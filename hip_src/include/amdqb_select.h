@@ -283,14 +283,15 @@ struct WarpBuffers {
   float* ss;
 };
 
-// Appends the lane's experts that satisfy pred(key, id) to b.ckey/cid from slot pos on.
-template <int W, int V, typename Pred>
+// Appends the lane's experts that satisfy pred(key, id) to b.ckey/cid from slot pos on, within
+// the CAP slots of the buffer.
+template <int CAP, int W, int V, typename Pred>
 AMDQB_DEVICE void append_candidates(const i32 (&key)[V], int p, int pos, const WarpBuffers& b,
                                     Pred pred) {
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const i32 id = row_id<W, V>(j, p);
-    if (pred(key[j], id)) {
+    if (pred(key[j], id) && pos < CAP) {
       b.ckey[pos] = key[j];
       b.cid[pos] = id;
       ++pos;
@@ -299,13 +300,14 @@ AMDQB_DEVICE void append_candidates(const i32 (&key)[V], int p, int pos, const W
 }
 
 #if defined(AMDQB_AMDGCN)
-// Appends the lane's slots in sel to b.ckey/cid from slot pos on.
-template <int W, int V>
+// Appends the lane's slots in sel to b.ckey/cid from slot pos on, within the CAP slots of the
+// buffer.
+template <int CAP, int W, int V>
 AMDQB_DEVICE void append_slots(const i32 (&key)[V], int p, int pos, const WarpBuffers& b,
                                const SlotBits<V>& sel) {
 #pragma unroll
   for (int j = 0; j < V; ++j) {
-    if (slot_in(sel, j)) {
+    if (slot_in(sel, j) && pos < CAP) {
       b.ckey[pos] = key[j];
       b.cid[pos] = row_id<W, V>(j, p);
       ++pos;
@@ -377,9 +379,9 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int p, const WarpBuffer
     c = slot_count(sel);
     incl = (int)Row::inclusive_sum_u32((u32)c);
     total = Row::bcast(incl, W - 1);  // == n
-    append_slots<W>(key, p, incl - c, b, sel);
+    append_slots<CAP, W>(key, p, incl - c, b, sel);
   } else {
-    append_candidates<W>(key, p, incl - c, b, first);
+    append_candidates<CAP, W>(key, p, incl - c, b, first);
   }
 #else
   i32 bid = 0;
@@ -402,11 +404,13 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int p, const WarpBuffer
     c = count_candidates<W>(key, p, by_order);
     incl = (int)Row::inclusive_sum_u32((u32)c);
     total = Row::bcast(incl, W - 1);  // == n
-    append_candidates<W>(key, p, incl - c, b, by_order);
+    append_candidates<CAP, W>(key, p, incl - c, b, by_order);
   } else {
-    append_candidates<W>(key, p, incl - c, b, first);
+    append_candidates<CAP, W>(key, p, incl - c, b, first);
   }
 #endif
+  // n <= CAP candidates for a consistent order; the buffer bounds the reads whatever the counts
+  if (total > CAP) total = CAP;
   Row::sync();
 #pragma unroll
   for (int q = 0; q < CAP / W; ++q) {

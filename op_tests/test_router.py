@@ -695,6 +695,7 @@ def test_router_decode_leaves_a_top_n_beyond_its_lists_to_the_warp_kernel(
         logits.device,
     )
     bias = (torch.arange(300) % 5 * 0.125).float().to(DEVICE)
+    scores = kernel_scores(backend, logits, "sigmoid")  # the selection on the kernel's scores
     forms = count_decode_launches(monkeypatch)
     for k, qb, decode in ((31, "two_kernel", 1), (32, "two_kernel", 0), (33, None, 0)):
         forms.append(0)
@@ -705,7 +706,6 @@ def test_router_decode_leaves_a_top_n_beyond_its_lists_to_the_warp_kernel(
         if emu_rt is not None:
             names = [n for n, *_ in emu_rt.launches]
             assert ("amdqb_router_decode" in names) == bool(decode), (k, names)
-        scores = kernel_scores(backend, logits, "sigmoid")  # the selection on the kernel's scores
         want_probs, _, want_map = oracle(logits, k, scores=scores, expert_bias=bias)
         assert torch.equal(rmap.bool(), want_map.bool()), k
         torch.testing.assert_close(probs, want_probs, **tol(300))

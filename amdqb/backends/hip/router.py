@@ -170,8 +170,9 @@ def _launch_router(
 ):
     """amdqb_router (one warp per token), or its decode form amdqb_router_decode (one block per
     token) for element-wise scores, a Top-n of at most ``DECODE_MAX_SELECT`` and at most
-    ``decode_max_tokens`` tokens; same outputs, bit for bit. Both take one :class:`~._spec.RouterParams` by value. Returns the module spec it
-    launched from (the QB histogram pass comes from it too)."""
+    ``decode_max_tokens`` tokens; same outputs, bit for bit. Both take one
+    :class:`~._spec.RouterParams` by value. Returns the module spec it launched from (the QB
+    histogram pass comes from it too)."""
     tokens, num_experts = logits.shape
     _check_selection(topk, nsel, num_experts, cfg)
     device = dev(logits)

@@ -86,6 +86,8 @@ def titled_variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
         (e, "float32", "sqrtsoftplus", {}),
         (e, "float32", "softmax", {}),
         (e, "float32", "sigmoid", {"tie_free": True}),
+        # the balancer's default QB (tie-free, log_margin) in the fused mode: LDS bin counters
+        (e, "float32", "sigmoid", {"tie_free": True, "margin_lds": True}),
         (e, "float32", "sigmoid", {"approximate": True}),
         (129, "float16", "sqrtsoftplus", {}),
         (17, "float32", "softmax", {}),
@@ -168,8 +170,9 @@ LIB_MODULES: dict[str, tuple[str, ...] | None] = {
 def module_variants(arch: str = "gfx942", libs: str = "debian") -> list[_spec.ModuleSpec]:
     """Every module the runtime can request at the seed shapes on ``arch`` (its config's
     constants), plus the shapes the compile tests cover: the layout module; the router at E=896 in
-    fp32 / bf16 / fp16 with sigmoid, with sqrtsoftplus and softmax, with the tie-free selection and
-    with the approximate activation; small odd E (129 fp16 sqrtsoftplus, 17 fp32 softmax) and
+    fp32 / bf16 / fp16 with sigmoid, with sqrtsoftplus and softmax, with the tie-free selection
+    (also in the build that counts the fused log_margin histogram in LDS) and with the approximate
+    activation; small odd E (129 fp16 sqrtsoftplus, 17 fp32 softmax) and
     E=4096 (the op's largest) bf16 sigmoid and fp32 tie-free sigmoid; the serving top-k at the
     peers' shapes; the router backward. The one place that lists them (:func:`titled_variants`);
     those built against device-library set ``libs``: :data:`LIB_MODULES`."""

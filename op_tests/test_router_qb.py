@@ -396,6 +396,51 @@ def test_log_margin_histogram_on_own_scores(backend, warp_router, mode, e, t, sc
     assert int(hist.sum()) == t * e
 
 
+@over_backends("router_fwd", emulator=True, waves=(32, 64))
+@pytest.mark.parametrize(
+    "e,t,bins,on",
+    [(24, 1100, 64, True), (21, 300, 66, True), (21, 300, 66, False), (896, 40, 256, True)],
+)
+def test_log_margin_fused_counts_in_lds_where_it_fits(
+    backend, emu_rt, warp_router, monkeypatch, e, t, bins, on
+):
+    """fused_atomic log_margin on amdqb_router with hip.router.margin_lds on: the bins at or above
+    the cutoff are counted in the block's 8-bit LDS counters where E rows of them fit the LDS
+    budget, in a grid whose blocks count at most 255 tokens each (T=1100 on the emulator's few CUs
+    needs the larger grid); E=896 with B=256 exceeds the budget and, like the config's off
+    switch, counts with device atomics. Either way the histogram is two_kernel's and the oracle's
+    on the kernel's scores, and adds onto the counts it is given."""
+    rt = emu_rt
+    set_config(monkeypatch, {"hip.router.margin_lds": on}, torch.device("cpu"))
+    logits = make_logits(t, e, "normal", e * t) * 4
+    bias = torch.randn(e, generator=torch.Generator().manual_seed(e)) * 1e-3
+    # per-expert axes from 2^0 to 2^29: zero, fine and coarse bins on both sides
+    scale = torch.ldexp(torch.ones(e), torch.arange(e) * 30 // e)
+    kw = dict(expert_bias=bias, qb_bin_bounds=scale, qb_binning="log_margin")
+    hists = {}
+    for mode in ("fused_atomic", "two_kernel"):
+        hists[mode] = torch.full((e, bins), 3, dtype=torch.int32)
+        amdqb.fused_topk_with_score_function(
+            logits, 8, qb_histogram=hists[mode], qb_histogram_mode=mode, backend=backend, **kw
+        )
+        if mode == "fused_atomic":
+            name, grid, block, smem = [x for x in rt.launches if x[0] == "amdqb_router"][-1]
+    lds = hip_router.margin_lds_bytes(e, bins)
+    fits = lds <= rt.smem_budget(0)
+    assert fits == (e < 896)
+    fits = fits and on
+    assert smem == (lds if fits else 0)
+    if fits:
+        rows = block // hip_router.row_lanes(rt, 0)
+        assert -(-t // (grid[0] * rows)) * rows <= hip_router.MARGIN_LDS_MAX_TOKENS
+    s = kernel_scores("hip", logits, "sigmoid")
+    want = torch.full((e, bins), 3, dtype=torch.int32)
+    ref.fused_topk_with_score_function(logits, 8, scores=s, qb_histogram=want, **kw)
+    assert torch.equal(hists["fused_atomic"], want)
+    assert torch.equal(hists["two_kernel"], want)
+    assert int(want.sum()) == t * e + 3 * e * bins
+
+
 @over_backends("router_fwd", emulator=True)
 def test_qb_two_kernel_histogram_accumulates(backend, emu_rt, warp_router):
     """One token slice per expert group (the default): every bin is flushed by one block, the
@@ -431,6 +476,34 @@ def test_qb_router_dtypes(backend, dtype, mode):
     logits = make_logits(1000, e, "normal", 7, dtype).to(DEVICE)
     bias = (torch.randn(e, generator=torch.Generator().manual_seed(3)) * 0.05).to(DEVICE)
     hip_check_qb(backend, logits, 16, "bytemap", bias, mode)
+
+
+@hip_gpu
+@over_backends("router_fwd", only=("hip",))
+@pytest.mark.parametrize("selection", ["te", "tie_free"])
+@pytest.mark.parametrize("on", [True, False])
+def test_log_margin_fused_on_the_warp_kernel_gpu(backend, monkeypatch, selection, on):
+    """log_margin fused_atomic beyond the decode form's tokens (amdqb_router): with LDS counters
+    (hip.router.margin_lds) or device atomics, the oracle's histogram on the kernel's scores and
+    the two-kernel mode's, onto the counts it is given; per-expert axes from 2^0 to 2^29."""
+    set_config(monkeypatch, {"hip.router.margin_lds": on})
+    e, k, t = 896, 16, 2500
+    logits = (make_logits(t, e, "normal", 11) * 4).to(DEVICE)
+    bias = (torch.randn(e, generator=torch.Generator().manual_seed(5)) * 1e-3).to(DEVICE)
+    scale = torch.ldexp(torch.ones(e), torch.arange(e) * 30 // e).to(DEVICE)
+    kw = dict(expert_bias=bias, qb_bin_bounds=scale, qb_binning="log_margin", selection=selection)
+    hists = {}
+    for mode in ("fused_atomic", "two_kernel"):
+        hists[mode] = torch.full((e, 64), 2, dtype=torch.int32, device=DEVICE)
+        amdqb.fused_topk_with_score_function(
+            logits, k, qb_histogram=hists[mode], qb_histogram_mode=mode, backend=backend, **kw
+        )
+    s = kernel_scores("hip", logits, "sigmoid").cpu()
+    want = torch.full((e, 64), 2, dtype=torch.int32)
+    cpu = {n: v.cpu() if torch.is_tensor(v) else v for n, v in kw.items()}
+    ref.fused_topk_with_score_function(logits.cpu(), k, scores=s, qb_histogram=want, **cpu)
+    assert torch.equal(hists["fused_atomic"].cpu(), want)
+    assert torch.equal(hists["two_kernel"].cpu(), want)
 
 
 @hip_gpu

@@ -5,8 +5,9 @@
 // Compile-time constants (-D, amdqb.backends.hip._spec.router_module, from amdqb/configs):
 //   AMDQB_NUM_EXPERTS (E), AMDQB_IN_DTYPE (0 fp32, 1 fp16, 2 bf16), AMDQB_SCORE (0 sigmoid,
 //   1 sqrtsoftplus, 2 softmax), AMDQB_APPROX_ACTIVATION (0 exact), AMDQB_TIE_FREE (1: rank
-//   sigmoid scores by b - sigmoid(-z) instead of s + b), AMDQB_ROUTER_WARPS (tokens in
-//   flight per block), AMDQB_ROUTER_CAP (candidate buffer, the largest Top-n),
+//   sigmoid scores by b - sigmoid(-z) instead of s + b), AMDQB_MARGIN_LDS (1: amdqb_router
+//   counts the fused log_margin histogram in LDS, qb_mode kQbMarginLds), AMDQB_ROUTER_WARPS
+//   (tokens in flight per block), AMDQB_ROUTER_CAP (candidate buffer, the largest Top-n),
 //   AMDQB_ROUTER_MIN_BLOCKS (NVIDIA register cap), AMDQB_DECODE_EPW (experts per warp of the
 //   decode kernel), AMDQB_QB_HIST_BLOCK / _UNROLL / _MIN_BLOCKS (the histogram pass), and
 //   AMDQB_WAVE_SIZE.
@@ -33,8 +34,9 @@
 // qb_bin_of_logit, bit for bit the exact formula), the two-kernel mode writes alpha and
 // amdqb_qb_hist recomputes the bins from the logits. log_margin binning: the router bins the
 // margin d = alpha - value_j of every expert from its key on the expert's own axis (margin_bin;
-// bounds holds the inverse scales [E]); the fused mode adds them up with atomics, the two-kernel
-// mode stores them as bytes [T, E] for amdqb_qb_hist_bins. Both modes give identical histograms.
+// bounds holds the inverse scales [E]); the fused mode adds them up with atomics (amdqb_router:
+// the bins at or above the cutoff's in 8-bit LDS counters, kQbMarginLds), the two-kernel mode
+// stores them as bytes [T, E] for amdqb_qb_hist_bins. All modes give identical histograms.
 // (QB is sigmoid-only at the op level.)
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
@@ -45,10 +47,10 @@
 using namespace amdqb;
 
 #if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_SCORE) ||            \
-    !defined(AMDQB_TIE_FREE) || !defined(AMDQB_ROUTER_WARPS) || !defined(AMDQB_ROUTER_CAP) ||      \
-    !defined(AMDQB_ROUTER_MIN_BLOCKS) || !defined(AMDQB_DECODE_EPW) ||                             \
-    !defined(AMDQB_QB_HIST_BLOCK) || !defined(AMDQB_QB_HIST_UNROLL) ||                             \
-    !defined(AMDQB_QB_HIST_MIN_BLOCKS)
+    !defined(AMDQB_TIE_FREE) || !defined(AMDQB_MARGIN_LDS) || !defined(AMDQB_ROUTER_WARPS) ||      \
+    !defined(AMDQB_ROUTER_CAP) || !defined(AMDQB_ROUTER_MIN_BLOCKS) ||                             \
+    !defined(AMDQB_DECODE_EPW) || !defined(AMDQB_QB_HIST_BLOCK) ||                                 \
+    !defined(AMDQB_QB_HIST_UNROLL) || !defined(AMDQB_QB_HIST_MIN_BLOCKS)
 #error "router.hip needs its -D constants (amdqb.backends.hip._spec.router_module)"
 #endif
 #if AMDQB_ROUTER_CAP % 32 != 0 || AMDQB_ROUTER_WARPS * 32 > 1024
@@ -82,7 +84,8 @@ constexpr int CAP = AMDQB_ROUTER_CAP;    // candidate buffer per row; the larges
 static_assert(ROUTER_BLOCK % RW == 0, "whole rows per block");
 
 enum MapKind { kMapNone = 0, kByteMap = 1, kBitMap = 2, kIdx16 = 3, kIdx32 = 4, kIdx64 = 5 };
-enum QbMode { kQbNone = 0, kQbFused = 1, kQbAlpha = 2 };  // two-kernel: alpha (or the bins)
+// two-kernel: alpha (or the bins); kQbMarginLds: log_margin counted in LDS (amdqb_router only)
+enum QbMode { kQbNone = 0, kQbFused = 1, kQbAlpha = 2, kQbMarginLds = 3 };
 enum QbBinning { kUniform = 0, kLogMargin = 1 };
 
 #if AMDQB_IN_DTYPE == 0
@@ -518,19 +521,33 @@ AMDQB_DEVICE void add_fused_bins(const in_t (&raw)[V], Base base, Valid valid, i
   }
 }
 
+// The LDS histogram of kQbMarginLds: expert e's bins half + r (0 <= r < half) as 8-bit counters,
+// 4 a word, rows of an odd number of words so that the same bin of the 32 experts of a warp's
+// lanes falls in 32 different banks.
+AMDQB_DEVICE int margin_lds_stride(int half) { return ((half + 3) >> 2) | 1; }
+AMDQB_DEVICE int margin_lds_word(int e, int r, int half) {
+  return e * margin_lds_stride(half) + (r >> 2);
+}
+
 // log_margin QB: the margin bin of every expert e = base(j) + lane of token t from its key (the
 // selection value), on the expert's axis inv[e]; fused: one device atomic per (token, expert) into
-// hist, two-kernel: the bin as a byte of bins_out [T, E].
+// hist, two-kernel: the bin as a byte of bins_out [T, E]; kQbMarginLds: the bins at or above the
+// cutoff's (d >= 0: every expert but the k routed) as 8-bit counters of the block's LDS histogram
+// lds (margin_lds_word), the routed experts' bins with device atomics.
 template <int V, typename Base, typename Valid>
 AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, int lane, i64 t,
                                   float alpha, const float* inv, int num_bins, int fine,
-                                  int qb_mode, int* hist, u8* bins_out) {
+                                  int qb_mode, int* hist, u8* bins_out, int* lds) {
+  const int half = num_bins >> 1;
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     if (valid(j)) {
       const int e = base(j) + lane;
-      const int bin = margin_bin(alpha - key_value(key[j]), inv[e], num_bins >> 1, fine);
-      if (qb_mode == kQbFused)
+      const int bin = margin_bin(alpha - key_value(key[j]), inv[e], half, fine);
+      if (AMDQB_MARGIN_LDS && qb_mode == kQbMarginLds && bin >= half)
+        atomic_add_shared(&lds[margin_lds_word(e, bin - half, half)],
+                          1 << (8 * ((bin - half) & 3)));
+      else if (qb_mode == kQbFused || qb_mode == kQbMarginLds)
         atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
       else
         bins_out[t * E + e] = (u8)bin;
@@ -538,6 +555,22 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
   }
 }
 
+// kQbMarginLds: adds the block's LDS counters (E rows of margin_lds_stride words, 4 bins of 8 bits
+// a word) to hist with one device atomic per non-zero bin. The launcher keeps a block's tokens
+// at most 255, so that no counter wraps.
+AMDQB_DEVICE void flush_margin_lds(const int* lds, int num_bins, int* hist) {
+  const int half = num_bins >> 1, stride = margin_lds_stride(half);
+  for (int i = (int)threadIdx.x; i < E * stride; i += (int)blockDim.x) {
+    const u32 word = (u32)lds[i];
+    if (word == 0u) continue;
+    const int e = i / stride, b0 = half + 4 * (i - e * stride);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const int c = (int)((word >> (8 * v)) & 0xffu);
+      if (c != 0) atomic_add_global(&hist[(i64)e * num_bins + b0 + v], c);
+    }
+  }
+}
 }  // namespace
 
 // The fields of a RouterParams as the kernels' local names (the logits dtype's pointers typed).
@@ -585,8 +618,9 @@ AMDQB_DEVICE int opaque_row(int w) { return w; }
 //   nsel = topk (+1 under QB); normalize: p = s / (sum_selected s + 1e-20); softmax_pre: scores are
 //   the softmax over E (else, for AMDQB_SCORE softmax, the selected logits are softmax-ed);
 //   probs (nullable) [T, E] in the logits dtype; map (nullable) per map_kind; hist/bounds for
-//   qb_mode 1, alpha_out for qb_mode 2 (and, nullable, the caller's cutoffs in any QB mode);
-//   w_out/id_out (nullable) [T, topk] fp32 / int32.
+//   qb_mode 1 and 3, alpha_out for qb_mode 2 (and, nullable, the caller's cutoffs in any QB mode);
+//   w_out/id_out (nullable) [T, topk] fp32 / int32. qb_mode 3 (log_margin): dynamic shared memory
+//   of E * margin_lds_stride(B / 2) ints, at most 255 tokens per block.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     amdqb_router(const RouterParams params) {
   AMDQB_ROUTER_PARAMS(params);
@@ -621,6 +655,16 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
       if (valid_slot(j, lane0)) prefetch_l1(logits + t_first * E + slot_id(j, lane0));
   if (bias != nullptr)
     for (int e = (int)threadIdx.x; e < E; e += (int)blockDim.x) sh_bias[e] = bias[e];
+  // kQbMarginLds (the AMDQB_MARGIN_LDS build): the block's 8-bit bin counters, dynamic shared
+  // memory zeroed here
+#if AMDQB_MARGIN_LDS
+  AMDQB_DYN_SHARED(margin_lds);
+  if (qb_mode == kQbMarginLds)
+    for (int i = (int)threadIdx.x; i < E * margin_lds_stride(num_bins >> 1); i += (int)blockDim.x)
+      margin_lds[i] = 0;
+#else
+  int* const margin_lds = nullptr;
+#endif
   block_sync();
 
   for (i64 t = t_first; t < num_tokens; t += (i64)gridDim.x * ROWS) {
@@ -728,7 +772,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
         if (alpha_out != nullptr && lane == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
         if (qb_binning == kLogMargin) {
           margin_bins_out(key, base, valid, l32, t, alpha, bounds, num_bins, margin_fine, qb_mode,
-                          hist, bins_out);
+                          hist, bins_out, margin_lds);
         } else if (qb_mode == kQbFused) {
           const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
           // QB is sigmoid-only: the bin needs the logit alone
@@ -747,6 +791,20 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     }
     RowWarp::sync();  // the next token reuses this row's buffers
   }
+#if AMDQB_MARGIN_LDS
+  {
+#if defined(AMDQB_HIP)
+    // the flush's arguments, read again here (kernel_params): nothing stays live through the loop
+    const KernelParams fp = kernel_params(params);
+    const int qb_mode = fp->qb_mode, num_bins = fp->num_bins;
+    int* const hist = fp->hist;
+#endif
+    if (qb_mode == kQbMarginLds) {
+      block_sync();
+      flush_margin_lds(margin_lds, num_bins, hist);
+    }
+  }
+#endif
 }
 
 // Decode form of the router and of biased_topk (element-wise scores: sigmoid, sqrtsoftplus): one
@@ -942,7 +1000,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) AMDQB_DECODE_WAVES
     if (alpha_out != nullptr && tid == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
     if (qb_binning == kLogMargin) {
       margin_bins_out(key, base, valid, lane, t, alpha, bounds, num_bins, margin_fine, qb_mode,
-                      hist, bins_out);
+                      hist, bins_out, nullptr);
     } else if (qb_mode == kQbFused) {
       const float lower = bounds[0];
       const float qscale = (float)num_bins / (bounds[1] - lower);

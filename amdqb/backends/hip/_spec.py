@@ -120,11 +120,14 @@ def router_module(
     min_blocks: int | None = None,
     approximate: bool = False,
     tie_free: bool = False,
+    margin_lds: bool = False,
 ) -> ModuleSpec:
     """router.hip for one expert count, logits dtype and score function. ``min_blocks`` replaces
     the config's register cap (the launcher's few-token build); ``approximate`` builds the opt-in
     approximate activation instead of torch's exact one; ``tie_free`` the tie-free selection
-    (sigmoid: ranks by ``b - sigmoid(-z)``)."""
+    (sigmoid: ranks by ``b - sigmoid(-z)``); ``margin_lds`` the build whose amdqb_router counts
+    the fused log_margin histogram in LDS (a build of its own: the other builds keep the
+    registers they had without it)."""
     blocks = router_min_blocks(cfg, num_experts) if min_blocks is None else min_blocks
     return ModuleSpec(
         "router.hip",
@@ -134,6 +137,7 @@ def router_module(
             ("AMDQB_SCORE", str(SCORE_CODES[score_function])),
             ("AMDQB_APPROX_ACTIVATION", "1" if approximate else "0"),
             ("AMDQB_TIE_FREE", "1" if tie_free else "0"),
+            ("AMDQB_MARGIN_LDS", "1" if margin_lds else "0"),
             ("AMDQB_ROUTER_WARPS", str(int(cfg["hip.router.warps"]))),
             ("AMDQB_ROUTER_CAP", str(int(cfg["hip.router.cap"]))),
             ("AMDQB_ROUTER_MIN_BLOCKS", str(int(blocks))),

@@ -14,8 +14,11 @@ Kernels and when each runs:
   ``DECODE_MAX_SELECT`` up to ``hip.router.decode_max_tokens`` tokens (``..._fused`` with the
   fused QB histogram, ``hip.biased_topk.decode_max_tokens`` for ``biased_topk``): the same outputs
   bit for bit;
-* ``amdqb_qb_hist`` -- the second kernel of ``qb_histogram_mode="two_kernel"``, launched as the
-  router's dependent where ``hip.qb_hist.dependent_launch`` says so;
+* ``amdqb_qb_hist`` / ``amdqb_qb_hist_bins`` -- the second kernel of
+  ``qb_histogram_mode="two_kernel"`` (uniform / log_margin binning), launched as the router's
+  dependent where ``hip.qb_hist.dependent_launch`` says so; ``"fused_atomic"`` with log_margin
+  binning counts in ``amdqb_router``'s LDS where the counters fit (``hip.router.margin_lds``,
+  :func:`margin_lds_bytes`), with device atomics otherwise;
 * ``amdqb_router_scores`` -- the scores the router ranked (``RouterCall.write_scores``), a pass
   of its own after the router, only when asked for.
 
@@ -43,6 +46,7 @@ DECODE_MAX_SELECT = 32  # amdqb_router_decode's Top-n at most (router.hip DEC_CA
 _MAP_KINDS = {"bytemap": 1, "bitmap": 2}
 _INDEX_KINDS = {torch.int16: 3, torch.int32: 4, torch.int64: 5}
 _QB_MODES = {None: 0, "fused_atomic": 1, "two_kernel": 2}
+_QB_MARGIN_LDS = 3  # router.hip's kQbMarginLds: fused_atomic log_margin counted in LDS
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -70,7 +74,14 @@ def router_rows(rt, cfg, device) -> int:
 
 
 def router_spec(
-    logits, score_function, cfg, rt=None, tokens=None, tie_free=False, approximate=False
+    logits,
+    score_function,
+    cfg,
+    rt=None,
+    tokens=None,
+    tie_free=False,
+    approximate=False,
+    margin_lds=False,
 ) -> _spec.ModuleSpec:
     """The router module for these logits. On runtimes whose launch bounds cap registers by
     resident blocks (NVIDIA), up to ``hip.router.few_tokens`` tokens and 256 < E <= 1024 it is the
@@ -93,18 +104,36 @@ def router_spec(
         min_blocks=min_blocks,
         tie_free=tie_free,
         approximate=approximate,
+        margin_lds=margin_lds,
     )
 
 
-def _router_grid(rt, cfg, kernel, device, tokens):
+def _router_grid(rt, cfg, kernel, device, tokens, smem=0):
     # Persistent warps: one wave of resident blocks (as many per CU as registers and LDS allow, so
     # no second, partial wave), each warp looping over tokens; runtimes without an occupancy query
     # (the CPU emulator) assume hip.fallback_blocks_per_cu.
     query = getattr(rt, "blocks_per_cu", None)
-    per_cu = query(kernel, router_block(cfg), 0) if query is not None else None
+    per_cu = query(kernel, router_block(cfg), smem) if query is not None else None
     per_cu = per_cu or cfg["hip.fallback_blocks_per_cu"]
     rows = router_rows(rt, cfg, device)
     return max(1, min(cdiv(tokens, rows), rt.num_cus(device) * per_cu))
+
+
+# The 8-bit LDS counters of the log_margin fused mode count at most this many tokens per block.
+MARGIN_LDS_MAX_TOKENS = 255
+
+
+def margin_lds_bytes(num_experts: int, num_bins: int) -> int:
+    """Dynamic shared memory of amdqb_router's LDS-counted log_margin histogram: E rows of
+    ``ceil(B/2 / 4) | 1`` words (router.hip's margin_lds_stride)."""
+    return 4 * num_experts * ((((num_bins // 2) + 3) // 4) | 1)
+
+
+def _margin_lds_grid(grid: int, tokens: int, rows: int) -> int:
+    """At least enough blocks that none counts more than MARGIN_LDS_MAX_TOKENS tokens (a block's
+    rows take ceil(T / (grid * rows)) tokens each)."""
+    per_row = MARGIN_LDS_MAX_TOKENS // rows
+    return max(grid, cdiv(tokens, rows * per_row))
 
 
 def auto_qb_mode(tokens: int, num_experts: int, cfg) -> str:
@@ -176,7 +205,15 @@ def _launch_router(
     tokens, num_experts = logits.shape
     _check_selection(topk, nsel, num_experts, cfg)
     device = dev(logits)
-    spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free, approximate)
+    decode = (
+        score_function != "softmax" and tokens <= decode_max_tokens and nsel <= DECODE_MAX_SELECT
+    )
+    # log_margin fused on amdqb_router: the bins at or above the cutoff counted in the block's LDS
+    smem = margin_lds_bytes(num_experts, num_bins) if margin and qb_mode == 1 else 0
+    margin_lds = (
+        not decode and smem > 0 and cfg["hip.router.margin_lds"] and smem <= rt.smem_budget(device)
+    )
+    spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free, approximate, margin_lds)
     params = _spec.RouterParams.of(
         logits=_addr(logits),
         bias=_addr(bias),
@@ -200,9 +237,15 @@ def _launch_router(
         margin_fine=margin_fine_keys(num_bins) if margin else 0,
         scale=scale,
     )
-    if score_function != "softmax" and tokens <= decode_max_tokens and nsel <= DECODE_MAX_SELECT:
+    if decode:
         k = rt.kernel(device, spec, "amdqb_router_decode")
         rt.launch(k, tokens, decode_threads(num_experts, cfg), 0, [params])
+    elif margin_lds:
+        k = rt.kernel(device, spec, "amdqb_router")
+        params.qb_mode = _QB_MARGIN_LDS
+        grid = _router_grid(rt, cfg, k, device, tokens, smem)
+        grid = _margin_lds_grid(grid, tokens, router_rows(rt, cfg, device))
+        rt.launch(k, grid, router_block(cfg), smem, [params])
     else:
         k = rt.kernel(device, spec, "amdqb_router")
         rt.launch(k, _router_grid(rt, cfg, k, device, tokens), router_block(cfg), 0, [params])

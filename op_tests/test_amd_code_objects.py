@@ -4,14 +4,10 @@ The code objects come from ``amdqb_tools`` (``amdqb_tools.build``: the runtime's
 clang 22 for gfx942 / gfx950 / gfx1100 / gfx1201 / gfx1250 and clang 19 for gfx942 / gfx1100 /
 gfx1201, linked with lld against ocml / ockl; op_tests/test_hip_compile.py checks they build).
 Every check of a build runs for each device-library set: Debian's ROCm 5.2 ocml / ockl (clang 22
-and clang 19: every module of ``build.module_variants``) and the ROCm 7.x ones Triton's AMD backend
-ships (clang 22, the five targets; clang 19 cannot read that bitcode). Against ROCm 7's set a
-representative subset of the modules is built (``build.LIB_MODULES["rocm7"]``): the route / align
-module; the router at E=896 in fp32 and bf16 with sigmoid, and with sqrtsoftplus at E=896 fp32 and
-E=129 fp16 (the modules that call into ocml: log1pf); the serving top-k at DeepSeek-V3's shape
-(E=256, k=8, grouped, fp32 bias); the router backward at E=896. Every other module gives the same
-instructions against either set, and the whole list against ROCm 7's set adds about two thirds to
-this file's run time (the subset about a fifth). The checks read each object's AMDGPU metadata
+and clang 19) and the ROCm 7.x ones Triton's AMD backend ships (clang 22, the five targets; clang 19
+cannot read that bitcode), every module of ``build.module_variants`` against both
+(``build.LIB_MODULES``); only the sqrtsoftplus routers (ocml's log1pf) differ between the two.
+The checks read each object's AMDGPU metadata
 note, symbols and disassembly, not the compiler's assembly text: wave size; no undefined symbols,
 no calls, no dynamic stack; no scratch in the route, align, decode Top-k and QB histogram kernels;
 LDS inside the target's budget; the listing's resource comments agree with the metadata. Occupancy (waves per SIMD) is derived from the metadata with the

@@ -283,6 +283,27 @@ def test_router_decode_fits_eight_waves(objects, tc, libs, arch):
         assert seen, "no router module of E <= 1024 built"
 
 
+# The kernels held to 8 waves per SIMD besides the decode form: the route and align kernels and
+# the QB histogram passes (layout.hip; router.hip's amdqb_qb_hist / amdqb_qb_hist_bins).
+EIGHT_WAVE_KERNELS = ("amdqb_route_", "amdqb_align", "amdqb_qb_hist")
+
+
+@pytest.mark.parametrize("tc, libs, arch", target_params())
+def test_route_align_and_qb_histogram_kernels_fit_eight_waves(objects, tc, libs, arch):
+    """Every route / align kernel and both QB histogram passes: 8 waves per SIMD or more on every
+    target with whole blocks resident, no spill, no scratch."""
+    seen = 0
+    for spec, co in modules_of(objects, tc, libs, arch):
+        for name, k in co.kernels.items():
+            if not name.startswith(EIGHT_WAVE_KERNELS):
+                continue
+            occ = tools_occupancy.occupancy(arch, k)
+            assert occ.waves >= 8 and occ.at_block >= 8, (spec.label(), arch, name, occ, k.meta)
+            assert k.spills == (0, 0) and k.scratch == 0, (spec.label(), arch, name, k.meta)
+            seen += 1
+    assert seen, "no route, align or QB histogram kernel built"
+
+
 @pytest.mark.parametrize("tc, libs, arch", target_params())
 def test_lds_inside_the_targets_budget(objects, tc, libs, arch):
     rules = tools_occupancy.RULES[arch]

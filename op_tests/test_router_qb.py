@@ -370,6 +370,12 @@ def test_qb_two_kernel_histogram_launch_shapes(
     assert chosen == [1 if misaligned else vec]
 
 
+def spread_margin_axes(e: int) -> torch.Tensor:
+    """log_margin inverse scales from 2^0 to 2^29 over E experts: with small biases and logits of
+    std 4 the margins land in the zero, fine and coarse bins on both sides."""
+    return torch.ldexp(torch.ones(e), torch.arange(e) * 30 // e)
+
+
 @over_backends("router_fwd", emulator=True)
 @pytest.mark.parametrize("mode", ["two_kernel", "fused_atomic"])
 @pytest.mark.parametrize("e,t", [(20, 300), (22, 130), (896, 37)])
@@ -380,8 +386,7 @@ def test_log_margin_histogram_on_own_scores(backend, warp_router, mode, e, t, sc
     vector loads for E = 20 and 896, scalar loads for E = 22, a partial last expert group)."""
     logits = make_logits(t, e, "normal", e + t) * 4
     bias = torch.randn(e, generator=torch.Generator().manual_seed(e)) * 1e-3
-    # per-expert axes from 2^0 to 2^29: zero, fine and coarse bins on both sides
-    scale = torch.ldexp(torch.ones(e), torch.arange(e) * 30 // e)
+    scale = spread_margin_axes(e)
     if scales == "unchecked":  # a trusted producer's garbage: the same bins on every backend
         garbage = torch.tensor([float("nan"), 0.0, -1.0, float("inf"), -float("inf"), 3e38])
         scale[::3] = garbage.repeat(e)[: len(scale[::3])]
@@ -414,8 +419,7 @@ def test_log_margin_fused_counts_in_lds_where_it_fits(
     set_config(monkeypatch, {"hip.router.margin_lds": on}, torch.device("cpu"))
     logits = make_logits(t, e, "normal", e * t) * 4
     bias = torch.randn(e, generator=torch.Generator().manual_seed(e)) * 1e-3
-    # per-expert axes from 2^0 to 2^29: zero, fine and coarse bins on both sides
-    scale = torch.ldexp(torch.ones(e), torch.arange(e) * 30 // e)
+    scale = spread_margin_axes(e)
     kw = dict(expert_bias=bias, qb_bin_bounds=scale, qb_binning="log_margin")
     hists = {}
     for mode in ("fused_atomic", "two_kernel"):
@@ -490,7 +494,7 @@ def test_log_margin_fused_on_the_warp_kernel_gpu(backend, monkeypatch, selection
     e, k, t = 896, 16, 2500
     logits = (make_logits(t, e, "normal", 11) * 4).to(DEVICE)
     bias = (torch.randn(e, generator=torch.Generator().manual_seed(5)) * 1e-3).to(DEVICE)
-    scale = torch.ldexp(torch.ones(e), torch.arange(e) * 30 // e).to(DEVICE)
+    scale = spread_margin_axes(e).to(DEVICE)
     kw = dict(expert_bias=bias, qb_bin_bounds=scale, qb_binning="log_margin", selection=selection)
     hists = {}
     for mode in ("fused_atomic", "two_kernel"):

@@ -831,6 +831,7 @@ constexpr int DEC_WARPS = DEC_WARPS_EVEN < 8 ? DEC_WARPS_EVEN : 8;
 constexpr int DEC_THREADS = 32 * DEC_WARPS;
 constexpr int DEC_EPT = (E + DEC_THREADS - 1) / DEC_THREADS;  // experts per thread
 constexpr int DEC_CAP = 32;  // the largest Top-n, a warp's list (amdqb.backends.hip.router)
+static_assert(DEC_CAP == 32, "one rank a lane of warp 0 writes the routes");
 
 namespace {
 // Global id of warp w's local id j * 32 + lane.
@@ -959,31 +960,15 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) AMDQB_DECODE_WAVES
   }
 
   if (w == 0) {
-    // Lane r holds the score of rank r; the normalisation sums them in the order of routes_sum,
-    // as amdqb_router does.
-    i32 id[DEC_CAP / 32];
-    float v[DEC_CAP / 32];
-#pragma unroll
-    for (int q = 0; q < DEC_CAP / 32; ++q) {
-      const int r = lane + 32 * q;
-      id[q] = r < topk ? sh_top[r] : 0;
-      v[q] = r < topk ? sh_score[id[q]] : 0.0f;
-    }
-    float denom = 1.0f;
-    if (normalize) {
-      float lane_sum = 0.0f;
-#pragma unroll
-      for (int q = 0; q < DEC_CAP / 32; ++q)
-        if (lane + 32 * q < topk) lane_sum = q == 0 ? v[q] : lane_sum + v[q];
-      denom = warp_sum_f32(lane_sum) + 1e-20f;
-    }
-#pragma unroll
-    for (int q = 0; q < DEC_CAP / 32; ++q) {
-      const int r = lane + 32 * q;
-      if (r < topk)
-        write_route(t, topk, r, id[q], (normalize ? v[q] / denom : v[q]) * scale, probs, map,
-                    map_kind, w_out, id_out);
-    }
+    // Lane r holds the score of rank r (a Top-n of at most DEC_CAP = 32); the normalisation sums
+    // them in the order of routes_sum (one rank a lane), as amdqb_router does.
+    const bool routed = lane < topk;
+    const i32 id = routed ? sh_top[lane] : 0;
+    const float v = routed ? sh_score[id] : 0.0f;
+    const float denom = normalize ? warp_sum_f32(v) + 1e-20f : 1.0f;
+    if (routed)
+      write_route(t, topk, lane, id, (normalize ? v / denom : v) * scale, probs, map, map_kind,
+                  w_out, id_out);
   }
 
   // Dense outputs, each thread for its own experts (coalesced across the block). Membership is a

@@ -610,11 +610,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
   for (int e = tid; e < p.num_experts; e += nt) out[e] = hist[e];
 }
 
-// Routes up to which the one-block amdqb_align loads its ids before the sentinel: H100, E=256,
-// k=8, block 64, same bits: 64 / 512 routes 4.24 -> 4.10 / 5.45 -> 5.36 us; at 2048 routes the
-// early loads took 5.68 -> 6.33.
-constexpr i64 kEarlyIdRoutes = 512;
-
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   AMDQB_DYN_SHARED(lds);
   AMDQB_SHARED(u32, warp_sums, 32);
@@ -638,9 +633,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   const i64 r1 = w >= warps ? r0 : r0 + run < t1 ? r0 + run : t1;  // no run past the ranking warps
   int* mine = next + (w < warps ? w : 0) * E;
 
-  // 1. One block of at most kEarlyIdRoutes routes: the ids first, so that their latency overlaps
-  // the zeroing and the sentinel (their buckets are taken after the barrier).
-  const bool early = p.tiles == 1 && p.n <= kEarlyIdRoutes;
+  // 1. One block: the ids first, so that their latency overlaps the zeroing and the sentinel
+  // (their buckets are taken after the barrier). Several blocks keep the later loads: loading
+  // early in both kernels of the two-launch path took 5.68 -> 6.33 us at 2048 routes (H100,
+  // E=256, k=8, block 64), where one block gains 0.07-0.32 us at 64-8192 routes.
+  const bool early = p.tiles == 1;
   i64 first[CACHED];
 #pragma unroll
   for (int c = 0; c < CACHED; ++c) {

@@ -76,17 +76,18 @@ AMDQB_DEVICE int qb_bin_of_logit(const QbCut& c, float z, float lower, float sca
 
 // log_margin bin of the biased margin d: inv = 1/eps of the expert's margin axis, half = B / 2,
 // fine = F (amdqb.ref.router.margin_fine_keys). Integer arithmetic on the float bits: the same bin
-// on every device.
+// on every device. Selects, no branches: the router bins every (token, expert) pair, and a branch
+// per pair kept each pair's axis load behind its own test (sm_90: one L1 round trip per pair).
 AMDQB_DEVICE int margin_bin(float d, float inv, int half, int fine) {
-  if (d != d) return 0;
-  if (d == 0.0f) return half;  // the token's own cutoff expert: a bin of width 0
   const float y = 1.0f + fabsf(d) * inv;
   // |y|'s bits: a NaN y (unchecked bounds) is the same bin on every device whatever its sign bit
   const int level = (int)((float_bits(y) & 0x7fffffffu) >> 22) - 254;
   int key = level < fine ? level : fine + ((level - fine) >> 3);
   key = key < 0 ? 0 : key;  // y >= 1 for every valid scale; unchecked bounds stay in the row
-  if (d > 0.0f) return half + 1 + (key < half - 2 ? key : half - 2);
-  return half - 1 - (key < half - 1 ? key : half - 1);
+  const int up = half + 1 + (key < half - 2 ? key : half - 2);
+  const int down = half - 1 - (key < half - 1 ? key : half - 1);
+  const int bin = d > 0.0f ? up : d == 0.0f ? half : down;  // d == 0: the token's own cutoff
+  return d != d ? 0 : bin;
 }
 
 }  // namespace amdqb

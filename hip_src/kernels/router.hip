@@ -534,24 +534,54 @@ AMDQB_DEVICE int margin_lds_word(int e, int r, int half) {
 // hist, two-kernel: the bin as a byte of bins_out [T, E]; kQbMarginLds: the bins at or above the
 // cutoff's (d >= 0: every expert but the k routed) as 8-bit counters of the block's LDS histogram
 // lds (margin_lds_word), the routed experts' bins with device atomics.
+// The mode is tested once per token, and the axes are loaded MARGIN_GROUP at a time before their
+// bins are taken (sm_90, E=896: a test and a load behind it per pair left 28 dependent L1 round
+// trips per token).
+#if defined(AMDQB_AMDGCN)
+constexpr int MARGIN_GROUP = 4;  // VGPRs: 8 took gfx950's E=4096 decode form from 6 waves to 5
+#else
+constexpr int MARGIN_GROUP = 8;
+#endif
+template <int V, typename Base, typename Valid, typename Out>
+AMDQB_DEVICE void for_margin_bins(const i32 (&key)[V], Base base, Valid valid, int lane,
+                                  float alpha, const float* inv, int half, int fine, Out out) {
+#pragma unroll
+  for (int j0 = 0; j0 < V; j0 += MARGIN_GROUP) {
+    float axis[MARGIN_GROUP];
+#pragma unroll
+    for (int g = 0; g < MARGIN_GROUP; ++g) {
+      const int j = j0 + g;
+      axis[g] = j < V && valid(j) ? inv[base(j) + lane] : 0.0f;
+    }
+#pragma unroll
+    for (int g = 0; g < MARGIN_GROUP; ++g) {
+      const int j = j0 + g;
+      if (j < V && valid(j))
+        out(base(j) + lane, margin_bin(alpha - key_value(key[j]), axis[g], half, fine));
+    }
+  }
+}
+
 template <int V, typename Base, typename Valid>
 AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, int lane, i64 t,
                                   float alpha, const float* inv, int num_bins, int fine,
                                   int qb_mode, int* hist, u8* bins_out, int* lds) {
   const int half = num_bins >> 1;
-#pragma unroll
-  for (int j = 0; j < V; ++j) {
-    if (valid(j)) {
-      const int e = base(j) + lane;
-      const int bin = margin_bin(alpha - key_value(key[j]), inv[e], half, fine);
-      if (AMDQB_MARGIN_LDS && qb_mode == kQbMarginLds && bin >= half)
+  if (AMDQB_MARGIN_LDS && qb_mode == kQbMarginLds) {
+    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine, [&](int e, int bin) {
+      if (bin >= half)
         atomic_add_shared(&lds[margin_lds_word(e, bin - half, half)],
                           1 << (8 * ((bin - half) & 3)));
-      else if (qb_mode == kQbFused || qb_mode == kQbMarginLds)
-        atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
       else
-        bins_out[t * E + e] = (u8)bin;
-    }
+        atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
+    });
+  } else if (qb_mode == kQbFused) {
+    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine,
+                    [&](int e, int bin) { atomic_add_global(&hist[(i64)e * num_bins + bin], 1); });
+  } else {
+    u8* const row = bins_out + t * E;
+    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine,
+                    [&](int e, int bin) { row[e] = (u8)bin; });
   }
 }
 

@@ -410,10 +410,10 @@ def test_log_margin_fused_counts_in_lds_where_it_fits(
     backend, emu_rt, warp_router, monkeypatch, e, t, bins, on
 ):
     """fused_atomic log_margin on amdqb_router with hip.router.margin_lds on: the bins at or above
-    the cutoff are counted in the block's 8-bit LDS counters where E rows of them fit the LDS
-    budget, in a grid whose blocks count at most 255 tokens each (T=1100 on the emulator's few CUs
-    needs the larger grid); E=896 with B=256 exceeds the budget and, like the config's off
-    switch, counts with device atomics. Either way the histogram is two_kernel's and the oracle's
+    the cutoff are counted in the block's 8-bit LDS counters where they fit the LDS budget, in
+    a grid whose blocks count at most 255 tokens each (T=1100 on the emulator's few CUs needs
+    the larger grid); E=896 with B=256 exceeds the budget and, like the config's off switch,
+    counts with device atomics. Either way the histogram is two_kernel's and the oracle's
     on the kernel's scores, and adds onto the counts it is given."""
     rt = emu_rt
     set_config(monkeypatch, {"hip.router.margin_lds": on}, torch.device("cpu"))

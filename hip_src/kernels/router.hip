@@ -522,12 +522,11 @@ AMDQB_DEVICE void add_fused_bins(const in_t (&raw)[V], Base base, Valid valid, i
 }
 
 // The LDS histogram of kQbMarginLds: expert e's bins half + r (0 <= r < half) as 8-bit counters,
-// 4 a word, rows of an odd number of words so that the same bin of the 32 experts of a warp's
-// lanes falls in 32 different banks.
-AMDQB_DEVICE int margin_lds_stride(int half) { return ((half + 3) >> 2) | 1; }
-AMDQB_DEVICE int margin_lds_word(int e, int r, int half) {
-  return e * margin_lds_stride(half) + (r >> 2);
-}
+// 4 a word, in planes of E words (bins 4q .. 4q + 3 of every expert in plane q): a warp's lanes
+// hold consecutive experts, so their counters lie in consecutive words, 32 banks, and a word's
+// index is one multiply-add by the constant E.
+AMDQB_DEVICE int margin_lds_words(int half) { return E * ((half + 3) >> 2); }
+AMDQB_DEVICE int margin_lds_word(int e, int r) { return (r >> 2) * E + e; }
 
 // log_margin QB: the margin bin of every expert e = base(j) + lane of token t from its key (the
 // selection value), on the expert's axis inv[e]; fused: one device atomic per (token, expert) into
@@ -570,8 +569,7 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
   if (AMDQB_MARGIN_LDS && qb_mode == kQbMarginLds) {
     for_margin_bins(key, base, valid, lane, alpha, inv, half, fine, [&](int e, int bin) {
       if (bin >= half)
-        atomic_add_shared(&lds[margin_lds_word(e, bin - half, half)],
-                          1 << (8 * ((bin - half) & 3)));
+        atomic_add_shared(&lds[margin_lds_word(e, bin - half)], 1 << (8 * ((bin - half) & 3)));
       else
         atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
     });
@@ -585,15 +583,15 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
   }
 }
 
-// kQbMarginLds: adds the block's LDS counters (E rows of margin_lds_stride words, 4 bins of 8 bits
-// a word) to hist with one device atomic per non-zero bin. The launcher keeps a block's tokens
-// at most 255, so that no counter wraps.
+// kQbMarginLds: adds the block's LDS counters (margin_lds_word's planes, 4 bins of 8 bits a word)
+// to hist with one device atomic per non-zero bin. The launcher keeps a block's tokens at most
+// 255, so that no counter wraps.
 AMDQB_DEVICE void flush_margin_lds(const int* lds, int num_bins, int* hist) {
-  const int half = num_bins >> 1, stride = margin_lds_stride(half);
-  for (int i = (int)threadIdx.x; i < E * stride; i += (int)blockDim.x) {
+  const int half = num_bins >> 1;
+  for (int i = (int)threadIdx.x; i < margin_lds_words(half); i += (int)blockDim.x) {
     const u32 word = (u32)lds[i];
     if (word == 0u) continue;
-    const int e = i / stride, b0 = half + 4 * (i - e * stride);
+    const int q = i / E, e = i - q * E, b0 = half + 4 * q;
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
       const int c = (int)((word >> (8 * v)) & 0xffu);
@@ -650,7 +648,7 @@ AMDQB_DEVICE int opaque_row(int w) { return w; }
 //   probs (nullable) [T, E] in the logits dtype; map (nullable) per map_kind; hist/bounds for
 //   qb_mode 1 and 3, alpha_out for qb_mode 2 (and, nullable, the caller's cutoffs in any QB mode);
 //   w_out/id_out (nullable) [T, topk] fp32 / int32. qb_mode 3 (log_margin): dynamic shared memory
-//   of E * margin_lds_stride(B / 2) ints, at most 255 tokens per block.
+//   of margin_lds_words(B / 2) ints, at most 255 tokens per block.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     amdqb_router(const RouterParams params) {
   AMDQB_ROUTER_PARAMS(params);
@@ -690,7 +688,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
 #if AMDQB_MARGIN_LDS
   AMDQB_DYN_SHARED(margin_lds);
   if (qb_mode == kQbMarginLds)
-    for (int i = (int)threadIdx.x; i < E * margin_lds_stride(num_bins >> 1); i += (int)blockDim.x)
+    for (int i = (int)threadIdx.x; i < margin_lds_words(num_bins >> 1); i += (int)blockDim.x)
       margin_lds[i] = 0;
 #else
   int* const margin_lds = nullptr;

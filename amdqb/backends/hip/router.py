@@ -124,9 +124,9 @@ MARGIN_LDS_MAX_TOKENS = 255
 
 
 def margin_lds_bytes(num_experts: int, num_bins: int) -> int:
-    """Dynamic shared memory of amdqb_router's LDS-counted log_margin histogram: E rows of
-    ``ceil(B/2 / 4) | 1`` words (router.hip's margin_lds_stride)."""
-    return 4 * num_experts * ((((num_bins // 2) + 3) // 4) | 1)
+    """Dynamic shared memory of amdqb_router's LDS-counted log_margin histogram: ``ceil(B/2 / 4)``
+    planes of E words (router.hip's margin_lds_words)."""
+    return 4 * num_experts * (((num_bins // 2) + 3) // 4)
 
 
 def _margin_lds_grid(grid: int, tokens: int, rows: int) -> int:

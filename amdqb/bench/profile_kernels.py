@@ -5,7 +5,7 @@
 
 Everything is compiled and warmed up before ``cudaProfilerStart`` so that only the timed kernels of
 the docs/targets.md shapes are profiled: the QB router (E=896, k=16, T=16384; B=1000 in both
-histogram modes, log_margin with B=64, and no QB) per backend, biased_topk at a decode size, route
+histogram modes, log_margin with B=64 in both, and no QB) per backend, biased_topk at a decode size, route
 rows (atomic / lds, M=8192 uniform) and moe_align_block_size (M=8192); the serving entry points
 at the peers' shapes through ``amdqb.compat.vllm`` (softmax top-k E=8 k=2 fp32 and E=128 k=8
 bf16, DeepSeek-V3's and Kimi-K2's gates at T=1, align E=256 k=8 block 64 over M tokens).
@@ -38,23 +38,24 @@ def _cases(dev):
     amdqb.mark_qb_bin_bounds_validated(margin_bounds)
     cases = []
     for be in ("triton", "hip"):
-        cases.append(
-            (
-                f"router {be} log_margin two_kernel T={t}",
-                be,
-                "router_fwd",
-                lambda be=be: amdqb.fused_topk_with_score_function(
-                    logits,
-                    k,
-                    expert_bias=bias,
-                    qb_histogram=margin_hist,
-                    qb_bin_bounds=margin_bounds,
-                    qb_histogram_mode="two_kernel",
-                    qb_binning="log_margin",
-                    backend=be,
-                ),
+        for margin_mode in ("two_kernel", "fused_atomic"):
+            cases.append(
+                (
+                    f"router {be} log_margin {margin_mode} T={t}",
+                    be,
+                    "router_fwd",
+                    lambda be=be, margin_mode=margin_mode: amdqb.fused_topk_with_score_function(
+                        logits,
+                        k,
+                        expert_bias=bias,
+                        qb_histogram=margin_hist,
+                        qb_bin_bounds=margin_bounds,
+                        qb_histogram_mode=margin_mode,
+                        qb_binning="log_margin",
+                        backend=be,
+                    ),
+                )
             )
-        )
         for mode in (None, "two_kernel", "fused_atomic"):
             qb = {} if mode is None else dict(qb_histogram=hist, qb_bin_bounds=bounds)
             cases.append(

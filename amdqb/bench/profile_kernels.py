@@ -4,10 +4,10 @@
         python -m amdqb.bench.profile_kernels
 
 Everything is compiled and warmed up before ``cudaProfilerStart`` so that only the timed kernels of
-the docs/targets.md shapes are profiled: the QB router (E=896, k=16, T=16384; B=1000 in both
-histogram modes, log_margin with B=64 in both, and no QB) per backend, biased_topk at a decode size, route
-rows (atomic / lds, M=8192 uniform) and moe_align_block_size (M=8192); the serving entry points
-at the peers' shapes through ``amdqb.compat.vllm`` (softmax top-k E=8 k=2 fp32 and E=128 k=8
+the docs/targets.md shapes are profiled: the QB router (E=896, k=16, T=16384; B=1000 and
+log_margin with B=64 in both histogram modes, and no QB) per backend, biased_topk at a decode size,
+route rows (atomic / lds, M=8192 uniform) and moe_align_block_size (M=8192); the serving entry
+points at the peers' shapes through ``amdqb.compat.vllm`` (softmax top-k E=8 k=2 fp32 and E=128 k=8
 bf16, DeepSeek-V3's and Kimi-K2's gates at T=1, align E=256 k=8 block 64 over M tokens).
 ``AMDQB_PROFILE_K=a,b``: only the cases whose name contains a or b.
 """

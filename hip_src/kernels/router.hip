@@ -536,8 +536,11 @@ AMDQB_DEVICE int margin_lds_word(int e, int r) { return (r >> 2) * E + e; }
 // The mode is tested once per token, and the axes are loaded MARGIN_GROUP at a time before their
 // bins are taken (sm_90, E=896: a test and a load behind it per pair left 28 dependent L1 round
 // trips per token).
+// AMD: 4. Against one at a time, E=896 keeps its waves (one at a time: gfx942's fp16 router 7 -> 6)
+// and a lower main-loop model; E=4096 loses one (gfx950's decode form, gfx1250's router), as with 2
+// or 8.
 #if defined(AMDQB_AMDGCN)
-constexpr int MARGIN_GROUP = 4;  // VGPRs: 8 took gfx950's E=4096 decode form from 6 waves to 5
+constexpr int MARGIN_GROUP = 4;
 #else
 constexpr int MARGIN_GROUP = 8;
 #endif

@@ -576,7 +576,7 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
       else
         atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
     });
-  } else if (qb_mode == kQbFused) {
+  } else if (qb_mode == kQbFused || qb_mode == kQbMarginLds) {  // the latter: a build without LDS
     for_margin_bins(key, base, valid, lane, alpha, inv, half, fine,
                     [&](int e, int bin) { atomic_add_global(&hist[(i64)e * num_bins + bin], 1); });
   } else {

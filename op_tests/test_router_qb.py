@@ -445,6 +445,30 @@ def test_log_margin_fused_counts_in_lds_where_it_fits(
     assert int(want.sum()) == t * e + 3 * e * bins
 
 
+@over_backends("router_fwd", emulator=False, only=("hip",))
+@pytest.mark.parametrize("e", [896, 1024, 1280])
+def test_log_margin_lds_counts_within_static_and_dynamic_lds(backend, monkeypatch, e):
+    """On a GPU the LDS-counted log_margin router's block holds its static LDS (rows, bias, the
+    counter table) beside the dynamic counters: at E = 1024 and 1280 with B = 64 the counters
+    alone fit the 48 KiB budget and the sum does not, and the router counts with device atomics
+    instead of failing its launch; E = 896 fits. Either way the histogram is the oracle's."""
+    set_config(monkeypatch, {"hip.router.margin_lds": True})
+    t = 700
+    logits = make_logits(t, e, "normal", e + t).to(DEVICE) * 4
+    bias = (torch.randn(e, generator=torch.Generator().manual_seed(e)) * 1e-3).to(DEVICE)
+    scale = spread_margin_axes(e).to(DEVICE)
+    hist = torch.zeros(e, 64, dtype=torch.int32, device=DEVICE)
+    kw = dict(expert_bias=bias, qb_bin_bounds=scale, qb_binning="log_margin")
+    amdqb.fused_topk_with_score_function(
+        logits, 8, qb_histogram=hist, qb_histogram_mode="fused_atomic", backend=backend, **kw
+    )
+    s = kernel_scores("hip", logits, "sigmoid")
+    want = torch.zeros_like(hist)
+    ref.fused_topk_with_score_function(logits, 8, scores=s, qb_histogram=want, **kw)
+    assert torch.equal(hist, want)
+    assert int(hist.sum()) == t * e
+
+
 @over_backends("router_fwd", emulator=True)
 def test_qb_two_kernel_histogram_accumulates(backend, emu_rt, warp_router):
     """One token slice per expert group (the default): every bin is flushed by one block, the

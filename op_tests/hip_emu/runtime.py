@@ -217,3 +217,7 @@ class EmuRuntime:
 
     def smem_budget(self, device_index):
         return self.budget
+
+    def dynamic_smem_budget(self, kernel):
+        """The emulator's static shared memory comes from its own heap: all of the budget."""
+        return self.budget

@@ -2,7 +2,8 @@
 
 Every launcher takes a runtime ``rt`` (``kernel(device_index, spec, name)``, ``launch(kernel, grid,
 block, smem, args)``, ``launch_dependent(...)``, ``num_cus(device_index)``,
-``smem_budget(device_index)``, optionally ``blocks_per_cu(kernel, block, smem)``): the GPU runtime
+``smem_budget(device_index)``, ``dynamic_smem_budget(kernel)`` (the budget less the kernel's static
+shared memory), optionally ``blocks_per_cu(kernel, block, smem)``): the GPU runtime
 of ``_runtime`` in production, the host emulator of ``op_tests/hip_emu`` in the CPU tests. Scratch
 tensors come from torch's caching allocator on the inputs' device (graph-safe); nothing syncs.
 """

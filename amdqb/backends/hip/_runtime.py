@@ -218,6 +218,8 @@ class _Toolchain:
 
     def blocks_per_cu(self, fn, block: int, smem: int, device_index: int) -> int: ...
 
+    def static_smem(self, fn, device_index: int) -> int: ...
+
 
 class NvrtcCompiler:
     """NVRTC through cuda-python; needs no GPU (the CPU tests compile every kernel with it)."""
@@ -388,6 +390,11 @@ class NvrtcToolchain(_Toolchain):
                 self._pdl = False
         self.launch(fn, grid, block, smem, device_index, params_address)
 
+    def static_smem(self, fn, device_index):
+        self.ensure_context(device_index)
+        attr = self.driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+        return int(_check(self.driver.cuFuncGetAttribute(attr, fn), "cuFuncGetAttribute"))
+
     def blocks_per_cu(self, fn, block, smem, device_index):
         self.ensure_context(device_index)
         return int(
@@ -508,6 +515,10 @@ class HiprtcToolchain(_Toolchain):
         )
         _check(result, "hipModuleLaunchKernel")
 
+    def static_smem(self, fn, device_index):
+        attr = self.hip.hipFunction_attribute.HIP_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES
+        return int(_check(self.hip.hipFuncGetAttribute(attr, fn), "hipFuncGetAttribute"))
+
     def blocks_per_cu(self, fn, block, smem, device_index):
         return int(
             _check(
@@ -521,13 +532,14 @@ class HiprtcToolchain(_Toolchain):
 # Runtime: modules per device, launches
 # ------------------------------------------------------------------------------------------------
 class Kernel:
-    __slots__ = ("fn", "name", "device_index", "occupancy")
+    __slots__ = ("fn", "name", "device_index", "occupancy", "static_smem")
 
     def __init__(self, fn, name, device_index):
         self.fn = fn
         self.name = name
         self.device_index = device_index
         self.occupancy = {}  # (block, smem) -> resident blocks per CU/SM
+        self.static_smem = None  # its static shared memory in bytes, asked once
 
 
 class GpuRuntime:
@@ -664,6 +676,19 @@ class GpuRuntime:
     def smem_budget(self, device_index: int) -> int:
         """Dynamic shared memory a block may use without opt-in attributes."""
         return 48 * 1024
+
+    def dynamic_smem_budget(self, kernel: Kernel) -> int:
+        """Dynamic shared memory a block of ``kernel`` may use without opt-in attributes: the
+        budget less the kernel's static shared memory (a launch whose sum exceeds it fails). 0
+        where the bindings cannot tell the static size."""
+        if kernel.static_smem is None:
+            try:
+                kernel.static_smem = int(self.toolchain.static_smem(kernel.fn, kernel.device_index))
+            except (HipBackendError, AttributeError, TypeError):
+                kernel.static_smem = -1
+        if kernel.static_smem < 0:
+            return 0
+        return max(0, self.smem_budget(kernel.device_index) - kernel.static_smem)
 
 
 _RUNTIME: GpuRuntime | None = None

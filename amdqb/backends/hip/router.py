@@ -214,6 +214,11 @@ def _launch_router(
         not decode and smem > 0 and cfg["hip.router.margin_lds"] and smem <= rt.smem_budget(device)
     )
     spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free, approximate, margin_lds)
+    if margin_lds and smem > rt.dynamic_smem_budget(rt.kernel(device, spec, "amdqb_router")):
+        # with the build's static LDS (the rows' buffers, the bias, the counter table) the block
+        # would exceed the budget: device atomics
+        margin_lds = False
+        spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free, approximate, False)
     params = _spec.RouterParams.of(
         logits=_addr(logits),
         bias=_addr(bias),

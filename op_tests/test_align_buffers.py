@@ -157,3 +157,66 @@ def test_hip_kernels_fill_the_decode_buffers_on_the_emulator(wave):
             want = ref.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad)
             for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
                 assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist})"
+
+
+def _check_padding_kept(got_sorted, want_sorted, numel, prefill):
+    """The route slots of the oracle's layout written, every other entry the caller's prefill."""
+    routes = want_sorted != numel
+    assert torch.equal(got_sorted[routes], want_sorted[routes])
+    assert torch.all(got_sorted[~routes] == prefill)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dist", ["distinct", "one", "dropped"])
+@pytest.mark.parametrize("m,k,e,bs", [(3, 4, 64, 16), (40, 4, 32, 8), (600, 8, 256, 64)])
+def test_into_without_sentinel_keeps_the_callers_padding(backend, dist, m, k, e, bs):
+    """fill_sentinel=False (SGLang's pad_sorted_token_ids=False): only the route slots of
+    sorted_token_ids are written, the padding keeps the caller's values; expert_ids and the
+    padded total as with the sentinel. 4800 routes take the two-launch hip path."""
+    numel = m * k
+    g = torch.Generator().manual_seed(m * e + bs + 1)
+    if dist == "distinct":
+        ids = torch.randperm(max(e, numel), generator=g)[:numel] % e
+    elif dist == "one":
+        ids = torch.full((numel,), e - 1)
+    else:
+        ids = torch.randint(-2, e + 3, (numel,), generator=g)
+    ids = ids.view(m, k).to(torch.int32)
+    rows = align_min_rows(numel, e, bs)
+    sorted_ids = torch.full((rows,), -5, dtype=torch.int32, device=DEVICE)
+    expert_ids = torch.full((rows // bs,), -7, dtype=torch.int32, device=DEVICE)
+    post = torch.full((1,), -7, dtype=torch.int32, device=DEVICE)
+    align_block_size_into(
+        ids.to(DEVICE), bs, e, sorted_ids, expert_ids, post, fill_sentinel=False, backend=backend
+    )
+    want_sorted, want_blocks, want_post = ref.moe_align_block_size(ids, bs, e)
+    assert torch.equal(post.cpu(), want_post)
+    assert torch.equal(expert_ids.cpu(), want_blocks[: rows // bs])
+    _check_padding_kept(sorted_ids.cpu(), want_sorted[:rows], numel, -5)
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) for the hip kernel emulator")
+@pytest.mark.parametrize("routes", [40, 4800])
+def test_hip_kernels_leave_the_padding_to_the_caller_on_the_emulator(routes):
+    """flags bit 2 (AlignCall.fill_sentinel=False) on the emulator: neither the one-block kernel
+    (40 routes) nor amdqb_align_hist (4800 routes, two launches) writes the sentinel."""
+    from amdqb.backends.calls import AlignCall
+    from amdqb.backends.hip import layout as hip_layout
+
+    rt = EmuRuntime(wave_size=32, cus=2)
+    e, bs = 64, 16
+    ids = make_ids(routes // 8, 8, e, "uniform", routes, torch.int32)
+    rows = align_min_rows(ids.numel(), e, bs)
+    got = (
+        torch.full((rows,), -5, dtype=torch.int32),
+        torch.full((rows // bs,), -7, dtype=torch.int32),
+        torch.full((1,), -7, dtype=torch.int32),
+    )
+    call = AlignCall(e, bs, fill_sentinel=False)
+    hip_layout.align_block_size(rt, call, ids.reshape(-1), None, *got)
+    assert {x[0] for x in rt.launches} >= (
+        {"amdqb_align_hist"} if routes > 1000 else {"amdqb_align"}
+    )
+    want_sorted, want_blocks, want_post = ref.moe_align_block_size(ids, bs, e)
+    assert torch.equal(got[2], want_post) and torch.equal(got[1], want_blocks[: rows // bs])
+    _check_padding_kept(got[0], want_sorted[:rows], ids.numel(), -5)

@@ -209,7 +209,9 @@ class AlignCall:
     buckets outside ``[0, num_experts)`` are skipped. A used block's expert is its bucket minus
     ``owner_shift`` (``map_mode="output"``: ``expert_map[bucket]``); blocks at or past the padded
     total get ``tail_value`` (``"output"``: ``expert_map[tail_value]``, negative values indexing
-    from the end as in PyTorch).
+    from the end as in PyTorch). ``fill_sentinel=False`` writes only the route slots of
+    ``sorted_ids``: the padding keeps the caller's values (SGLang's ``pad_sorted_token_ids=False``,
+    whose callers prefill the sentinel).
     """
 
     num_experts: int
@@ -218,6 +220,7 @@ class AlignCall:
     map_mode: str = "none"
     owner_shift: int = 0
     tail_value: int = 0
+    fill_sentinel: bool = True
 
     def __post_init__(self):
         if self.map_mode not in ALIGN_MAP_MODES:

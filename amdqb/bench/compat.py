@@ -8,7 +8,8 @@ softmax top-k with renormalisation at E=8 k=2 fp32 (Mixtral) and E=128 k=8 bf16 
 DeepSeek-V3's grouped sigmoid gate with the correction bias (E=256, 8 groups, topk_group 4, k=8)
 through vLLM's ``grouped_topk`` and SGLang's ``moe_fused_gate``; Kimi-K2's ungrouped gate (E=384,
 k=8) through both; ``moe_align_block_size`` at E=256, k=8 over M tokens in blocks of 16 / 64 / 128
-through vLLM's ``_custom_ops`` and SGLang's preallocated forms.
+through vLLM's ``_custom_ops`` and SGLang's preallocated forms (SGLang's with its default
+``pad_sorted_token_ids=False``: the buffer holds the caller's sentinel, the call writes the routes).
 
 Every case is checked against the torch backend (the oracles) before it is timed. Rows: ``us``
 per call (graph replay of ``calls`` calls, median of alternating samples), ``floor_us`` the launch
@@ -119,8 +120,9 @@ def align_cases(device, g):
                 torch.empty(1, dtype=torch.int32, device=device),
             ]
             sg_rows = ids.numel() + (e + 1) * (bs - 1)  # SGLang's E + 1 buckets
+            # pad_sorted_token_ids=False, SGLang's default: the caller's buffer holds the sentinel
             sg = [
-                torch.empty(sg_rows, dtype=torch.int32, device=device),
+                torch.full((sg_rows,), ids.numel(), dtype=torch.int32, device=device),
                 torch.empty(-(-sg_rows // bs), dtype=torch.int32, device=device),
                 torch.empty(1, dtype=torch.int32, device=device),
                 torch.empty(e + 2, dtype=torch.int32, device=device),
@@ -174,7 +176,7 @@ def run(device, cfg: TimingConfig) -> list[Report]:
     cases = router_cases(device, g) + align_cases(device, g)
     progress = Progress(len(cases), "compat")
     for op, shape, t, fn in cases:
-        got = fn()
+        got = tuple(x.clone() for x in fn())  # the aligns return their (reused) buffers
         with _oracle_backend():
             want = fn()
         ok = _same(got, want) if "align" in op else _close(got, want)

@@ -16,7 +16,9 @@ Semantics (SGLang's):
   experts, route ids ``-1 .. num_experts - 2`` fall in buckets ``id + 1``, so the routes an EP
   dispatcher marked -1 are aligned first, in blocks of expert -1 (which SGLang's fused MoE kernel
   writes as zeros). Flat route indices, the sentinel ``numel``; ``num_tokens_post_pad`` is the
-  padded total.
+  padded total. As SGLang's kernel, the sentinel is written only with ``pad_sorted_token_ids``;
+  without it the route slots are written and the rest of ``sorted_token_ids`` keeps the caller's
+  prefill.
 * ``moe_fused_gate`` / ``biased_grouped_topk``: ``sigmoid`` scores plus the correction bias for
   the selection, groups ranked by the sum of their best two biased scores, ``topk_group`` of them
   kept, weights the unbiased sigmoid scores; ``moe_fused_gate`` always renormalizes.
@@ -35,9 +37,7 @@ Differences from SGLang (docs/serving.md):
   ``renormalize`` divides by ``sum + 1e-20``;
 * order: ids in selection order (biased score descending, expert id ascending on ties); SGLang's
   torch paths use an unsorted top-k;
-* ``moe_align_block_size`` always writes the sentinel over the whole ``sorted_token_ids`` (SGLang
-  leaves it to the caller unless ``pad_sorted_token_ids``; the caller's prefill is that same
-  value), writes expert 0 into the ``experts_ids`` blocks past the padded total (SGLang leaves
+* ``moe_align_block_size`` writes expert 0 into the ``experts_ids`` blocks past the padded total (SGLang leaves
   them untouched; its callers allocate zeros), leaves ``cumsum_buffer`` untouched (SGLang's
   scratch), skips ids outside ``-1 .. num_experts - 2`` (SGLang's kernel would index out of
   bounds), and orders each expert's routes by route index (SGLang: any order);
@@ -101,6 +101,7 @@ def moe_align_block_size(
         id_shift=1,
         owner_shift=1,
         raw_storage=True,
+        fill_sentinel=pad_sorted_token_ids,
     )
 
 

@@ -299,6 +299,7 @@ def align_block_size_into(
     owner_shift: int = 0,
     tail_value: int = 0,
     raw_storage: bool = False,
+    fill_sentinel: bool = True,
     backend: Optional[str] = None,
 ) -> None:
     """:func:`moe_align_block_size` into the caller's int32 buffers (the preallocated form of the
@@ -308,7 +309,9 @@ def align_block_size_into(
     ``map_mode`` "filter" or "output", ``owner_shift``, ``tail_value``) are those of
     :class:`amdqb.backends.calls.AlignCall`; ``raw_storage``: a non-contiguous ``topk_ids`` is
     read as its ``numel`` values in memory order (SGLang's kernel), not as its logical ids.
-    ``sorted_token_ids`` must hold :func:`align_min_rows` entries (checked from the shapes: the
+    ``fill_sentinel=False``: only the route slots of ``sorted_token_ids`` are written, its other
+    entries keep the caller's values (SGLang's ``pad_sorted_token_ids=False``: the caller filled
+    the sentinel). ``sorted_token_ids`` must hold :func:`align_min_rows` entries (checked from the shapes: the
     padded total of any routing fits) and ``expert_ids`` at least that many rows' blocks, so no
     routing can make a kernel write out of bounds."""
     _check_ids(topk_ids)
@@ -340,6 +343,7 @@ def align_block_size_into(
     for name, v in (("id_shift", id_shift), ("owner_shift", owner_shift)):
         check_int(name, v, low=-INT32_MAX, high=INT32_MAX)
     check_int("tail_value", tail_value, low=-INT32_MAX, high=INT32_MAX)
+    fill_sentinel = check_bool("fill_sentinel", fill_sentinel)
     ids, block_size, num_experts = _check_align(
         topk_ids, block_size, num_experts, backend, raw_storage
     )
@@ -359,7 +363,13 @@ def align_block_size_into(
     if expert_map is not None:  # int32 entries (outside int32: -1), read contiguously
         expert_map = int32_expert_map(expert_map).contiguous()
     call = AlignCall(
-        num_experts, block_size, int(id_shift), map_mode, int(owner_shift), int(tail_value)
+        num_experts,
+        block_size,
+        int(id_shift),
+        map_mode,
+        int(owner_shift),
+        int(tail_value),
+        fill_sentinel,
     )
     chosen_backend = dispatch.kernel_backend("align_block_size", device, backend, call)
     _align_block_size(

@@ -506,7 +506,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
 // (tile_counts [tiles, E]) and each rank block sums the columns for the totals and its tile's
 // base (launched as the histogram's dependent). The sentinel goes over all of sorted_ids first
 // (the single block before its barriers; else amdqb_align_hist, which the rank pass waits for),
-// so the route slots overwrite it. The block then scans the padded counts, writes its slice of
+// so the route slots overwrite it; with flags bit 2 the caller's padding stays (no sentinel). The block then scans the padded counts, writes its slice of
 // expert_ids, and ranks its tile's routes: warp w owns a contiguous run of chunks of 32 routes,
 // counts them per bucket, and walks them in flat order claiming slots (warp_claim_slot). Dynamic
 // shared memory: (1 + warps) * E ints.
@@ -539,7 +539,7 @@ struct AlignParams {
   i32 map_mode;  // 0 none, 1 filter ids through the map, 2 map the blocks' experts
   i32 owner_shift;
   i32 tail_value;
-  i32 flags;
+  i32 flags;        // bit 0, 1: int64 ids, map; bit 2: no sentinel (the caller's padding stays)
   i32 rank_warps;   // warps that rank (the first ones); the others help count and fill
   i32 warp_run;     // routes per ranking warp: whole chunks of 32, rank_warps of them cover a tile
   i32 tile_blocks;  // entries of expert_ids each block writes, ceil(num_blocks / tiles)
@@ -587,7 +587,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
   allow_dependent_launch();  // the rank pass is launched as this pass's dependent
   for (int e = tid; e < p.num_experts; e += nt) hist[e] = 0;
   // the sentinel over sorted_ids; the rank pass, which waits for this grid, writes the routes
-  fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, (i64)blockIdx.x * nt + tid, (i64)gridDim.x * nt);
+  if (!(p.flags & 4))
+    fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, (i64)blockIdx.x * nt + tid, (i64)gridDim.x * nt);
   block_sync();
   const i64 t0 = (i64)blockIdx.x * p.tile;
   const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
@@ -647,7 +648,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   // Zeroed per-warp rows; one block: the sentinel over sorted_ids, written before the barriers
   // that order it before the route slots (several: amdqb_align_hist wrote it).
   for (int i = tid; i < warps * E; i += nt) next[i] = 0;
-  if (p.tiles == 1) fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, tid, nt);
+  if (p.tiles == 1 && !(p.flags & 4)) fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, tid, nt);
   block_sync();
 
   // 2. Per-warp counts of the warp's run; its buckets stay in registers for the walk (the first

@@ -269,8 +269,10 @@ def align_block_size(
     tile_counts = None
     if tiles > 1:
         tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
-    flags = (1 if topk_ids.dtype == torch.int64 else 0) | (
-        2 if expert_map is not None and expert_map.dtype == torch.int64 else 0
+    flags = (
+        (1 if topk_ids.dtype == torch.int64 else 0)
+        | (2 if expert_map is not None and expert_map.dtype == torch.int64 else 0)
+        | (0 if call.fill_sentinel else 4)
     )
     params = AlignParams(
         topk_ids.data_ptr() if n else None,

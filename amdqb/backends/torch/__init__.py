@@ -173,8 +173,12 @@ def align_block_size(
     ids = _serving.align_buckets(call, topk_ids, expert_map)
     sorted_ids, expert_ids, post = ref.moe_align_block_size(ids, call.block_size, call.num_experts)
     n = min(sorted_ids.numel(), sorted_ids_out.numel())
-    sorted_ids_out.fill_(topk_ids.numel())
-    sorted_ids_out[:n].copy_(sorted_ids[:n])
+    if call.fill_sentinel:
+        sorted_ids_out.fill_(topk_ids.numel())
+        sorted_ids_out[:n].copy_(sorted_ids[:n])
+    else:  # the route slots only (route indices lie below the sentinel numel)
+        slots = sorted_ids[:n] != topk_ids.numel()
+        sorted_ids_out[:n][slots] = sorted_ids[:n][slots]
     nb = min(expert_ids.numel(), expert_ids_out.numel())
     expert_ids_out.zero_()
     expert_ids_out[:nb].copy_(expert_ids[:nb])

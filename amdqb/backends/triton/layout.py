@@ -167,13 +167,16 @@ def route_rows(
 # ----------------------------------------------------------------------------------------------
 
 
-def _align_wide(ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad, n, cfg):
+def _align_wide(
+    ids, block_size, num_experts, sorted_ids, expert_ids, num_post_pad, n, cfg, fill=True
+):
     """E > 4096: nothing E-wide in registers (atomic block counts, single-program offsets, binary
     search for expert_ids, sort + segmented-scan ranks); 7 launches."""
     sub = min(cfg["triton.route.sort_routes"], max(16, pow2(n)))
     nb = triton.cdiv(n, sub)
     hist = torch.zeros(nb + 2, num_experts, dtype=torch.int32, device=ids.device)
-    sorted_ids.fill_(n)
+    if fill:
+        sorted_ids.fill_(n)
     K._count_atomic_kernel[(nb,)](ids, hist, n, num_experts, SUB=sub, num_warps=4)
     _scan(hist, hist, hist, nb, num_experts, num_experts, 0, None, "totals")
     K._align_offsets_wide_kernel[(1,)](
@@ -196,17 +199,24 @@ def align_block_size(
 ):
     ids = _serving.align_buckets(call, topk_ids, expert_map)
     _align_block_size(
-        ids, call.block_size, call.num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
+        ids,
+        call.block_size,
+        call.num_experts,
+        sorted_ids_out,
+        expert_ids_out,
+        num_post_pad_out,
+        call.fill_sentinel,
     )
     _serving.align_finish(call, expert_map, expert_ids_out, num_post_pad_out)
 
 
 def _align_block_size(
-    topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out
+    topk_ids, block_size, num_experts, sorted_ids_out, expert_ids_out, num_post_pad_out, fill=True
 ):
     n = topk_ids.numel()
     if n == 0:
-        sorted_ids_out.fill_(0)
+        if fill:
+            sorted_ids_out.fill_(0)
         expert_ids_out.zero_()
         num_post_pad_out.zero_()
         return
@@ -223,6 +233,7 @@ def _align_block_size(
                 num_post_pad_out,
                 n,
                 cfg,
+                fill,
             )
         return
     e_pad = _e_pad(num_experts)
@@ -236,7 +247,7 @@ def _align_block_size(
         hist = torch.empty(nb + 1, e_pad, dtype=torch.int32, device=ids.device)
         K._block_hist_kernel[(nb,)](
             ids, hist, sorted_ids_out, n, num_experts, fill_len, fill_per, n,
-            SUB=sub, NSUB=nsub, E_PAD=e_pad, FILL=True, FILL_BLOCK=fill_block, num_warps=warps,
+            SUB=sub, NSUB=nsub, E_PAD=e_pad, FILL=fill, FILL_BLOCK=fill_block, num_warps=warps,
         )  # fmt: skip
         _scan(hist, hist, hist, nb, num_experts, e_pad, 0, None, "totals")
         n_eid = expert_ids_out.numel()

@@ -448,10 +448,10 @@ def test_log_margin_fused_counts_in_lds_where_it_fits(
 @over_backends("router_fwd", emulator=False, only=("hip",))
 @pytest.mark.parametrize("e", [896, 1024, 1280])
 def test_log_margin_lds_counts_within_static_and_dynamic_lds(backend, monkeypatch, e):
-    """On a GPU the LDS-counted log_margin router's block holds its static LDS (rows, bias, the
-    counter table) beside the dynamic counters: at E = 1024 and 1280 with B = 64 the counters
-    alone fit the 48 KiB budget and the sum does not, and the router counts with device atomics
-    instead of failing its launch; E = 896 fits. Either way the histogram is the oracle's."""
+    """On a GPU the LDS-counted log_margin router's block holds its static LDS (the rows' buffers,
+    the bias) beside the dynamic counters: at E = 1280 with B = 64 the counters alone fit the
+    48 KiB budget and the sum does not, and the router counts with device atomics instead of
+    failing its launch; E = 896 and 1024 fit. Either way the histogram is the oracle's."""
     set_config(monkeypatch, {"hip.router.margin_lds": True})
     t = 700
     logits = make_logits(t, e, "normal", e + t).to(DEVICE) * 4

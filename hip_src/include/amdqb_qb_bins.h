@@ -74,27 +74,16 @@ AMDQB_DEVICE int qb_bin_of_logit(const QbCut& c, float z, float lower, float sca
   return qb_bin(c.alpha - sigmoid(z), lower, scale, num_bins);
 }
 
-// log_margin: the exponent bits of y = 1 + |d| * inv, (bits(y) & 0x7fffffff) >> 22 in [0, 511];
-// the half-octave level of margin_bin is this minus 254. |y|'s bits: a NaN y (unchecked bounds) is
-// the same bin on every device whatever its sign bit.
-AMDQB_DEVICE int margin_level_bits(float d, float inv) {
-  const float y = 1.0f + fabsf(d) * inv;
-  return (int)((float_bits(y) & 0x7fffffffu) >> 22);
-}
-
-// The key of a level: the level itself on the F = fine fine keys, then one key per 2^3 levels,
-// never below 0 (y >= 1 for every valid scale; unchecked bounds stay in the row).
-AMDQB_DEVICE int margin_key(int level, int fine) {
-  const int key = level < fine ? level : fine + ((level - fine) >> 3);
-  return key < 0 ? 0 : key;
-}
-
 // log_margin bin of the biased margin d: inv = 1/eps of the expert's margin axis, half = B / 2,
 // fine = F (amdqb.ref.router.margin_fine_keys). Integer arithmetic on the float bits: the same bin
 // on every device. Selects, no branches: the router bins every (token, expert) pair, and a branch
 // per pair kept each pair's axis load behind its own test (sm_90: one L1 round trip per pair).
 AMDQB_DEVICE int margin_bin(float d, float inv, int half, int fine) {
-  const int key = margin_key(margin_level_bits(d, inv) - 254, fine);
+  const float y = 1.0f + fabsf(d) * inv;
+  // |y|'s bits: a NaN y (unchecked bounds) is the same bin on every device whatever its sign bit
+  const int level = (int)((float_bits(y) & 0x7fffffffu) >> 22) - 254;
+  int key = level < fine ? level : fine + ((level - fine) >> 3);
+  key = key < 0 ? 0 : key;  // y >= 1 for every valid scale; unchecked bounds stay in the row
   const int up = half + 1 + (key < half - 2 ? key : half - 2);
   const int down = half - 1 - (key < half - 1 ? key : half - 1);
   const int bin = d > 0.0f ? up : d == 0.0f ? half : down;  // d == 0: the token's own cutoff

@@ -528,26 +528,14 @@ AMDQB_DEVICE void add_fused_bins(const in_t (&raw)[V], Base base, Valid valid, i
 AMDQB_DEVICE int margin_lds_words(int half) { return E * ((half + 3) >> 2); }
 AMDQB_DEVICE int margin_lds_word(int e, int r) { return (r >> 2) * E + e; }
 
-// kQbMarginLds: the LDS counter of a margin d >= 0 read from a table of the block: entry i < 512
-// for a d > 0 whose y has exponent bits i (margin_level_bits), kMarginZeroSlot for d == 0; each
-// the word offset (r >> 2) * E of bin half + r's plane and the increment 1 << 8 (r & 3) of its byte
-// (margin_lds_word). One LDS load in place of the key's and the counter's integer operations.
-constexpr int kMarginZeroSlot = 512;
-constexpr int kMarginSlots = 513;
-struct alignas(8) MarginSlot {
-  int word;
-  int inc;
-};
-AMDQB_DEVICE MarginSlot margin_slot(int i, int half, int fine) {
-  const int key = margin_key(i - 254, fine);
-  const int r = i == kMarginZeroSlot ? 0 : 1 + (key < half - 2 ? key : half - 2);
-  return MarginSlot{(r >> 2) * E, 1 << (8 * (r & 3))};
-}
-
-// log_margin QB: the biased margin d = alpha - value of every expert e = base(j) + lane of token t,
-// from its key (the selection value), and the expert's axis inv[e], given to out(e, d, inv[e]).
-// The axes are loaded MARGIN_GROUP at a time before their margins are taken (sm_90, E=896: a test
-// and a load behind it per pair left 28 dependent L1 round trips per token).
+// log_margin QB: the margin bin of every expert e = base(j) + lane of token t from its key (the
+// selection value), on the expert's axis inv[e]; fused: one device atomic per (token, expert) into
+// hist, two-kernel: the bin as a byte of bins_out [T, E]; kQbMarginLds: the bins at or above the
+// cutoff's (d >= 0: every expert but the k routed) as 8-bit counters of the block's LDS histogram
+// lds (margin_lds_word), the routed experts' bins with device atomics.
+// The mode is tested once per token, and the axes are loaded MARGIN_GROUP at a time before their
+// bins are taken (sm_90, E=896: a test and a load behind it per pair left 28 dependent L1 round
+// trips per token).
 // AMD: 4. Against one at a time, E=896 keeps its waves (one at a time: gfx942's fp16 router 7 -> 6)
 // and a lower main-loop model; E=4096 loses one (gfx950's decode form, gfx1250's router), as with 2
 // or 8.
@@ -557,8 +545,8 @@ constexpr int MARGIN_GROUP = 4;
 constexpr int MARGIN_GROUP = 8;
 #endif
 template <int V, typename Base, typename Valid, typename Out>
-AMDQB_DEVICE void for_margins(const i32 (&key)[V], Base base, Valid valid, int lane, float alpha,
-                              const float* inv, Out out) {
+AMDQB_DEVICE void for_margin_bins(const i32 (&key)[V], Base base, Valid valid, int lane,
+                                  float alpha, const float* inv, int half, int fine, Out out) {
 #pragma unroll
   for (int j0 = 0; j0 < V; j0 += MARGIN_GROUP) {
     float axis[MARGIN_GROUP];
@@ -570,39 +558,31 @@ AMDQB_DEVICE void for_margins(const i32 (&key)[V], Base base, Valid valid, int l
 #pragma unroll
     for (int g = 0; g < MARGIN_GROUP; ++g) {
       const int j = j0 + g;
-      if (j < V && valid(j)) out(base(j) + lane, alpha - key_value(key[j]), axis[g]);
+      if (j < V && valid(j))
+        out(base(j) + lane, margin_bin(alpha - key_value(key[j]), axis[g], half, fine));
     }
   }
 }
 
-// The margin bins of token t (margin_bin) into the histogram of qb_mode: fused, one device atomic
-// per (token, expert) into hist; two-kernel, the bin as a byte of bins_out [T, E]; kQbMarginLds,
-// the bins at or above the cutoff's (d >= 0: every expert but the k routed) as 8-bit counters of
-// the block's LDS histogram lds (margin_lds_word, the counter from slots), the routed experts' bins
-// (and NaN margins' bin 0) with device atomics. The mode is tested once per token.
 template <int V, typename Base, typename Valid>
 AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, int lane, i64 t,
                                   float alpha, const float* inv, int num_bins, int fine,
-                                  int qb_mode, int* hist, u8* bins_out, int* lds,
-                                  const MarginSlot* slots) {
+                                  int qb_mode, int* hist, u8* bins_out, int* lds) {
   const int half = num_bins >> 1;
   if (AMDQB_MARGIN_LDS && qb_mode == kQbMarginLds) {
-    for_margins(key, base, valid, lane, alpha, inv, [&](int e, float d, float axis) {
-      if (d >= 0.0f) {
-        const MarginSlot s = slots[d > 0.0f ? margin_level_bits(d, axis) : kMarginZeroSlot];
-        atomic_add_shared(&lds[s.word + e], s.inc);
-      } else {
-        atomic_add_global(&hist[(i64)e * num_bins + margin_bin(d, axis, half, fine)], 1);
-      }
+    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine, [&](int e, int bin) {
+      if (bin >= half)
+        atomic_add_shared(&lds[margin_lds_word(e, bin - half)], 1 << (8 * ((bin - half) & 3)));
+      else
+        atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
     });
   } else if (qb_mode == kQbFused || qb_mode == kQbMarginLds) {  // the latter: a build without LDS
-    for_margins(key, base, valid, lane, alpha, inv, [&](int e, float d, float axis) {
-      atomic_add_global(&hist[(i64)e * num_bins + margin_bin(d, axis, half, fine)], 1);
-    });
+    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine,
+                    [&](int e, int bin) { atomic_add_global(&hist[(i64)e * num_bins + bin], 1); });
   } else {
     u8* const row = bins_out + t * E;
-    for_margins(key, base, valid, lane, alpha, inv,
-                [&](int e, float d, float axis) { row[e] = (u8)margin_bin(d, axis, half, fine); });
+    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine,
+                    [&](int e, int bin) { row[e] = (u8)bin; });
   }
 }
 
@@ -710,17 +690,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
   // memory zeroed here
 #if AMDQB_MARGIN_LDS
   AMDQB_DYN_SHARED(margin_lds);
-  AMDQB_SHARED(
-  MarginSlot, margin_slots, kMarginSlots);
-  if (qb_mode == kQbMarginLds) {
+  if (qb_mode == kQbMarginLds)
     for (int i = (int)threadIdx.x; i < margin_lds_words(num_bins >> 1); i += (int)blockDim.x)
       margin_lds[i] = 0;
-    for (int i = (int)threadIdx.x; i < kMarginSlots; i += (int)blockDim.x)
-      margin_slots[i] = margin_slot(i, num_bins >> 1, margin_fine);
-  }
 #else
   int* const margin_lds = nullptr;
-  const MarginSlot* const margin_slots = nullptr;
 #endif
   block_sync();
 
@@ -829,7 +803,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
         if (alpha_out != nullptr && lane == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
         if (qb_binning == kLogMargin) {
           margin_bins_out(key, base, valid, l32, t, alpha, bounds, num_bins, margin_fine, qb_mode,
-                          hist, bins_out, margin_lds, margin_slots);
+                          hist, bins_out, margin_lds);
         } else if (qb_mode == kQbFused) {
           const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
           // QB is sigmoid-only: the bin needs the logit alone
@@ -1042,7 +1016,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) AMDQB_DECODE_WAVES
     if (alpha_out != nullptr && tid == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
     if (qb_binning == kLogMargin) {
       margin_bins_out(key, base, valid, lane, t, alpha, bounds, num_bins, margin_fine, qb_mode,
-                      hist, bins_out, nullptr, nullptr);
+                      hist, bins_out, nullptr);
     } else if (qb_mode == kQbFused) {
       const float lower = bounds[0];
       const float qscale = (float)num_bins / (bounds[1] - lower);

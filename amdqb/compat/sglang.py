@@ -37,10 +37,10 @@ Differences from SGLang (docs/serving.md):
   ``renormalize`` divides by ``sum + 1e-20``;
 * order: ids in selection order (biased score descending, expert id ascending on ties); SGLang's
   torch paths use an unsorted top-k;
-* ``moe_align_block_size`` writes expert 0 into the ``experts_ids`` blocks past the padded total (SGLang leaves
-  them untouched; its callers allocate zeros), leaves ``cumsum_buffer`` untouched (SGLang's
-  scratch), skips ids outside ``-1 .. num_experts - 2`` (SGLang's kernel would index out of
-  bounds), and orders each expert's routes by route index (SGLang: any order);
+* ``moe_align_block_size`` writes expert 0 into the ``experts_ids`` blocks past the padded total
+  (SGLang leaves them untouched; its callers allocate zeros), leaves ``cumsum_buffer`` untouched
+  (SGLang's scratch), skips ids outside ``-1 .. num_experts - 2`` (SGLang's kernel would index
+  out of bounds), and orders each expert's routes by route index (SGLang: any order);
 * ``biased_grouped_topk`` does not take SGLang's ``expert_location_dispatch_info`` (EPLB's
   logical -> physical map, part of SGLang's runtime).
 """

@@ -311,9 +311,9 @@ def align_block_size_into(
     read as its ``numel`` values in memory order (SGLang's kernel), not as its logical ids.
     ``fill_sentinel=False``: only the route slots of ``sorted_token_ids`` are written, its other
     entries keep the caller's values (SGLang's ``pad_sorted_token_ids=False``: the caller filled
-    the sentinel). ``sorted_token_ids`` must hold :func:`align_min_rows` entries (checked from the shapes: the
-    padded total of any routing fits) and ``expert_ids`` at least that many rows' blocks, so no
-    routing can make a kernel write out of bounds."""
+    the sentinel). ``sorted_token_ids`` must hold :func:`align_min_rows` entries (checked from the
+    shapes: the padded total of any routing fits) and ``expert_ids`` at least that many rows'
+    blocks, so no routing can make a kernel write out of bounds."""
     _check_ids(topk_ids)
     device = topk_ids.device
     for name, buf in (("sorted_token_ids", sorted_token_ids), ("expert_ids", expert_ids)):

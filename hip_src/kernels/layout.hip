@@ -506,10 +506,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
 // (tile_counts [tiles, E]) and each rank block sums the columns for the totals and its tile's
 // base (launched as the histogram's dependent). The sentinel goes over all of sorted_ids first
 // (the single block before its barriers; else amdqb_align_hist, which the rank pass waits for),
-// so the route slots overwrite it; with flags bit 2 the caller's padding stays (no sentinel). The block then scans the padded counts, writes its slice of
-// expert_ids, and ranks its tile's routes: warp w owns a contiguous run of chunks of 32 routes,
-// counts them per bucket, and walks them in flat order claiming slots (warp_claim_slot). Dynamic
-// shared memory: (1 + warps) * E ints.
+// so the route slots overwrite it; with flags bit 2 the caller's padding stays (no sentinel). The
+// block then scans the padded counts, writes its slice of expert_ids, and ranks its tile's routes:
+// warp w owns a contiguous run of chunks of 32 routes, counts them per bucket, and walks them in
+// flat order claiming slots (warp_claim_slot). Dynamic shared memory: (1 + warps) * E ints.
 //
 // ceil(count / block_size) * block_size in u32 (the op checked that the padded total fits int32),
 // a mask for the usual power-of-two block sizes: the rank pass computes it for every expert, and

@@ -215,8 +215,8 @@ def _launch_router(
     )
     spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free, approximate, margin_lds)
     if margin_lds and smem > rt.dynamic_smem_budget(rt.kernel(device, spec, "amdqb_router")):
-        # with the build's static LDS (the rows' buffers, the bias, the counter table) the block
-        # would exceed the budget: device atomics
+        # with the build's static LDS (the rows' buffers, the bias) the block would exceed the
+        # budget: device atomics
         margin_lds = False
         spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free, approximate, False)
     params = _spec.RouterParams.of(

@@ -75,6 +75,19 @@ def test_no_routes(backend):
     assert sorted_ids.numel() == 0 and expert_ids.numel() == 0 and post.tolist() == [0]
 
 
+def _routes(dist, m, k, e, seed):
+    """int32 [m, k] ids: distinct experts (mod E), all on the last expert, or some outside [0, E)."""
+    numel = m * k
+    g = torch.Generator().manual_seed(seed)
+    if dist == "distinct":
+        ids = torch.randperm(max(e, numel), generator=g)[:numel] % e
+    elif dist == "one":
+        ids = torch.full((numel,), e - 1)
+    else:
+        ids = torch.randint(-2, e + 3, (numel,), generator=g)
+    return ids.view(m, k).to(torch.int32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dist", ["distinct", "one", "dropped"])
 @pytest.mark.parametrize("m,k,e,bs", [(3, 4, 64, 16), (40, 4, 32, 8), (5, 3, 7, 5)])
@@ -83,14 +96,7 @@ def test_into_minimal_buffers_without_writes_past_them(backend, dist, m, k, e, b
     that many rows' whole blocks) inside guard-banded allocations: the layout equals the oracle's
     prefix, every entry of the buffers is written, the guard bands keep their poison."""
     numel = m * k
-    g = torch.Generator().manual_seed(m * e + bs)
-    if dist == "distinct":
-        ids = torch.randperm(max(e, numel), generator=g)[:numel] % e
-    elif dist == "one":
-        ids = torch.full((numel,), e - 1)
-    else:
-        ids = torch.randint(-2, e + 3, (numel,), generator=g)
-    ids = ids.view(m, k).to(torch.int32)
+    ids = _routes(dist, m, k, e, m * e + bs)
     rows = align_min_rows(numel, e, bs)
     guard = 37
     big_sorted = torch.full((rows + guard,), -7, dtype=torch.int32, device=DEVICE)
@@ -174,14 +180,7 @@ def test_into_without_sentinel_keeps_the_callers_padding(backend, dist, m, k, e,
     sorted_token_ids are written, the padding keeps the caller's values; expert_ids and the
     padded total as with the sentinel. 4800 routes take the two-launch hip path."""
     numel = m * k
-    g = torch.Generator().manual_seed(m * e + bs + 1)
-    if dist == "distinct":
-        ids = torch.randperm(max(e, numel), generator=g)[:numel] % e
-    elif dist == "one":
-        ids = torch.full((numel,), e - 1)
-    else:
-        ids = torch.randint(-2, e + 3, (numel,), generator=g)
-    ids = ids.view(m, k).to(torch.int32)
+    ids = _routes(dist, m, k, e, m * e + bs + 1)
     rows = align_min_rows(numel, e, bs)
     sorted_ids = torch.full((rows,), -5, dtype=torch.int32, device=DEVICE)
     expert_ids = torch.full((rows // bs,), -7, dtype=torch.int32, device=DEVICE)

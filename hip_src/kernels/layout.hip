@@ -385,10 +385,11 @@ AMDQB_DEVICE int accepted_routes(int e, int capacity, const int* before, const i
   return slots_within(before[e], (int)((u32)counters[e] - (u32)before[e]), capacity);
 }
 
-// Exclusive prefix sum over the block of one u32 per thread (wrapping arithmetic). Two levels of
-// logical-warp shuffle scans: no serial loop over the block's threads.
-// `warp_sums` holds blockDim.x / 32 entries. Two barriers; every thread must call it.
-AMDQB_DEVICE u32 block_exclusive_sum_u32(u32 v, u32* warp_sums) {
+// Exclusive prefix sum over the block of one u32 per thread (wrapping arithmetic), and the block's
+// total to every thread. Two levels of logical-warp shuffle scans: no serial loop over the block's
+// threads. `warp_sums` holds blockDim.x / 32 + 1 entries (the last one: the total). Two barriers;
+// every thread must call it.
+AMDQB_DEVICE u32 block_exclusive_sum_u32(u32 v, u32* warp_sums, u32& total) {
   const int lane = lane_id();
   const int warp = warp_in_block();
   const int warps = (int)(blockDim.x >> 5);
@@ -399,27 +400,11 @@ AMDQB_DEVICE u32 block_exclusive_sum_u32(u32 v, u32* warp_sums) {
     const u32 w = lane < warps ? warp_sums[lane] : 0u;
     const u32 wincl = warp_inclusive_sum_u32(w);
     if (lane < warps) warp_sums[lane] = wincl - w;  // exclusive warp offsets
+    if (lane == 31) warp_sums[32] = wincl;          // lanes past the warps add 0: the total
   }
   block_sync();
+  total = warp_sums[32];
   return warp_sums[warp] + (incl - v);
-}
-
-// out[e] = the sum of value(e') over e' < e, for e in [0, n) (wrapping u32 arithmetic): each thread
-// owns a contiguous run of experts, whose sums are scanned across the block. Every thread calls it.
-template <typename F>
-AMDQB_DEVICE void block_exclusive_cumsum(int n, F value, int* out, u32* warp_sums) {
-  const int nt = (int)blockDim.x;
-  const int per = (n + nt - 1) / nt;
-  const int lo = (int)threadIdx.x * per < n ? (int)threadIdx.x * per : n;
-  const int hi = lo + per < n ? lo + per : n;
-  u32 sum = 0;
-  for (int e = lo; e < hi; ++e) sum += value(e);
-  u32 run = block_exclusive_sum_u32(sum, warp_sums);
-  for (int e = lo; e < hi; ++e) {
-    const u32 v = value(e);  // read before the write: out may be where value reads (in place)
-    out[e] = (int)run;
-    run += v;
-  }
 }
 
 // Saturating u32 addition at 2^31 (a compact offset at or past it fits no int32 row); a, b <= 2^31.
@@ -430,7 +415,7 @@ AMDQB_DEVICE u32 warp_inclusive_sat_u32(u32 v) {
   return warp_inclusive_scan_u32(v, [](u32 a, u32 b) { return sat_add(a, b); });
 }
 
-// Exclusive saturating prefix sum over the block (block_exclusive_sum_u32 with sat_add: the
+// Exclusive saturating prefix sum over the block (block_exclusive_sum_u32's scheme with sat_add: the
 // exclusive values come from the lane / warp before, not by subtraction). Every thread calls it.
 AMDQB_DEVICE u32 block_exclusive_sat_u32(u32 v, u32* warp_sums) {
   const int lane = lane_id();
@@ -452,7 +437,7 @@ AMDQB_DEVICE u32 block_exclusive_sat_u32(u32 v, u32* warp_sums) {
 }
 
 // Compact offsets: offsets[e] = the sum of max(counters[e'], 0) over e' < e, -1 once it reaches
-// 2^31; each thread owns a contiguous run of experts (as block_exclusive_cumsum). One block.
+// 2^31; each thread owns a contiguous run of experts. One block.
 AMDQB_DEVICE void compact_offsets(int n, const int* counters, int* offsets, u32* warp_sums) {
   const int nt = (int)blockDim.x;
   const int per = (n + nt - 1) / nt;
@@ -613,7 +598,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
 
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   AMDQB_DYN_SHARED(lds);
-  AMDQB_SHARED(u32, warp_sums, 32);
+  AMDQB_SHARED(u32, warp_sums, 33);
   // chunks of 32 buckets a lane keeps from the count to the walk. The kernel runs as one block
   // for small M, where its straight-line code is fetched cold: loops stay rolled (no unrolled
   // per-expert or per-chunk copies of the walk; an unrolled build was 254 KiB of SASS on sm_90).
@@ -670,64 +655,77 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   block_sync();
 
   // 3. Each warp's first slot in each bucket relative to the bucket's padded start (earlier tiles
-  // + earlier warps of the tile), and the bucket's padded size.
+  // + earlier warps of the tile), the buckets' padded sizes and their exclusive cumsum, the padded
+  // starts. A thread owns a contiguous run of buckets, so that the block scan takes its sizes from
+  // registers: two barriers for the scan and one after, where a strided pass, a barrier and a
+  // separate scan of the sizes in LDS took five.
+  const int per = (E + nt - 1) / nt;
+  const int e0 = tid * per < E ? tid * per : E;
+  const int e1 = e0 + per < E ? e0 + per : E;
+  u32 own = 0;  // the padded sizes of this thread's buckets
 #pragma unroll 1
-  for (int e = tid; e < E; e += nt) {
-    {
-      int before = 0, total = 0;
-      if (p.tiles > 1) {
-        // the column in batches of COLS independent loads (one at a time, each add would wait
-        // for its own L2 round trip)
-        constexpr int COLS = 8;
-        for (int t0c = 0; t0c < p.tiles; t0c += COLS) {
-          int c[COLS];
+  for (int e = e0; e < e1; ++e) {
+    int before = 0, total = 0;
+    if (p.tiles > 1) {
+      // the column in batches of COLS independent loads (one at a time, each add would wait
+      // for its own L2 round trip)
+      constexpr int COLS = 8;
+      for (int t0c = 0; t0c < p.tiles; t0c += COLS) {
+        int c[COLS];
 #pragma unroll
-          for (int q = 0; q < COLS; ++q)
-            c[q] = t0c + q < p.tiles ? p.tile_counts[(i64)(t0c + q) * E + e] : 0;
+        for (int q = 0; q < COLS; ++q)
+          c[q] = t0c + q < p.tiles ? p.tile_counts[(i64)(t0c + q) * E + e] : 0;
 #pragma unroll
-          for (int q = 0; q < COLS; ++q) {
-            before += t0c + q < (int)blockIdx.x ? c[q] : 0;
-            total += c[q];
-          }
+        for (int q = 0; q < COLS; ++q) {
+          before += t0c + q < (int)blockIdx.x ? c[q] : 0;
+          total += c[q];
         }
       }
-      // the warps' counts in batches of ROWS independent loads (one at a time, each add waited
-      // for its LDS round trip); the warps are a power of two
-      constexpr int ROWS = 8;
-      int r = before;
-      const int batched = warps & ~(ROWS - 1);
-#pragma unroll 1
-      for (int v0 = 0; v0 < batched; v0 += ROWS) {
-        int c[ROWS];
-#pragma unroll
-        for (int q = 0; q < ROWS; ++q) c[q] = next[(v0 + q) * E + e];
-#pragma unroll
-        for (int q = 0; q < ROWS; ++q) {
-          next[(v0 + q) * E + e] = r;
-          r += c[q];
-        }
-      }
-#pragma unroll 1
-      for (int v = batched; v < warps; ++v) {
-        const int c = next[v * E + e];
-        next[v * E + e] = r;
-        r += c;
-      }
-      start[e] = (int)padded_count(p.tiles > 1 ? total : r, p.block_size);
     }
+    // the warps' counts in batches of ROWS independent loads (one at a time, each add waited
+    // for its LDS round trip); the warps are a power of two
+    constexpr int ROWS = 8;
+    int r = before;
+    const int batched = warps & ~(ROWS - 1);
+#pragma unroll 1
+    for (int v0 = 0; v0 < batched; v0 += ROWS) {
+      int c[ROWS];
+#pragma unroll
+      for (int q = 0; q < ROWS; ++q) c[q] = next[(v0 + q) * E + e];
+#pragma unroll
+      for (int q = 0; q < ROWS; ++q) {
+        next[(v0 + q) * E + e] = r;
+        r += c[q];
+      }
+    }
+#pragma unroll 1
+    for (int v = batched; v < warps; ++v) {
+      const int c = next[v * E + e];
+      next[v * E + e] = r;
+      r += c;
+    }
+    const u32 size = padded_count(p.tiles > 1 ? total : r, p.block_size);
+    start[e] = (int)size;  // read back below by this thread alone
+    own += size;
+  }
+  u32 padded_total;
+  u32 at = block_exclusive_sum_u32(own, warp_sums, padded_total);
+#pragma unroll 1
+  for (int e = e0; e < e1; ++e) {
+    const u32 size = (u32)start[e];
+    start[e] = (int)at;
+    at += size;
   }
   block_sync();
-  const int last = start[E - 1];  // the last bucket's padded size
-  block_sync();
-  block_exclusive_cumsum(E, [=](int e) { return (u32)start[e]; }, start, warp_sums);
-  block_sync();
-  const i64 total = (i64)start[E - 1] + last;
+  const i64 total = (i64)padded_total;
 
-  // 4. This block's slice of expert_ids, the padded total.
+  // 4. This block's slice of expert_ids, the padded total: by the warps that do not rank where
+  // there are any, so that the ranking warps go on to their walk at once.
   {
     const int j0 = (int)blockIdx.x * p.tile_blocks;
     const int j1 = j0 + p.tile_blocks < p.num_blocks ? j0 + p.tile_blocks : p.num_blocks;
-    for (int j = j0 + tid; j < j1; j += nt) {
+    const int h0 = nt > 32 * warps ? 32 * warps : 0;  // the first thread that writes
+    for (int j = j0 + tid - h0; tid >= h0 && j < j1; j += nt - h0) {
       const i64 row = (i64)j * p.block_size;
       int value;
       if (row < total) {
@@ -749,7 +747,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
       }
       p.expert_ids[j] = value;
     }
-    if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;
+    if (blockIdx.x == 0 && tid == h0) p.post_pad[0] = (int)total;
   }
 
   // 5. Ranks in flat order, 32 routes at a time: the lowest peer advances the bucket's slot. The

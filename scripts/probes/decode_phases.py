@@ -72,8 +72,8 @@ ALIGN_STAMPS = (
     [
         ("  int* mine = next + (w < warps ? w : 0) * E;\n", "  ASTAMP(0);\n", True),
         (
-            "  if (p.tiles == 1) fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, tid, nt);\n"
-            "  block_sync();\n",
+            "  if (p.tiles == 1 && !(p.flags & 4)) fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, tid, "
+            "nt);\n  block_sync();\n",
             "  ASTAMP(1);\n",
             True,
         ),
@@ -83,14 +83,10 @@ ALIGN_STAMPS = (
             "  ASTAMP(2);\n",
             True,
         ),
+        ("  u32 padded_total;\n", "  ASTAMP(3);\n", False),
+        ("  const i64 total = (i64)padded_total;\n", "  ASTAMP(4);\n", True),
         (
-            "  const int last = start[E - 1];  // the last bucket's padded size\n",
-            "  ASTAMP(3);\n",
-            True,
-        ),
-        ("  const i64 total = (i64)start[E - 1] + last;\n", "  ASTAMP(4);\n", True),
-        (
-            "    if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)total;\n  }\n",
+            "    if (blockIdx.x == 0 && tid == h0) p.post_pad[0] = (int)total;\n  }\n",
             "  ASTAMP(5);\n",
             True,
         ),

@@ -436,13 +436,23 @@ AMDQB_DEVICE u32 block_exclusive_sat_u32(u32 v, u32* warp_sums) {
   return sat_add(warp_sums[warp], excl);
 }
 
-// Compact offsets: offsets[e] = the sum of max(counters[e'], 0) over e' < e, -1 once it reaches
-// 2^31; each thread owns a contiguous run of experts. One block.
-AMDQB_DEVICE void compact_offsets(int n, const int* counters, int* offsets, u32* warp_sums) {
+// [lo, hi): the contiguous run of [0, n) this thread owns in a block scan over n entries, at most
+// ceil(n / blockDim.x) of them, in thread order.
+struct ThreadRun {
+  int lo, hi;
+};
+AMDQB_DEVICE ThreadRun thread_run(int n) {
   const int nt = (int)blockDim.x;
   const int per = (n + nt - 1) / nt;
   const int lo = (int)threadIdx.x * per < n ? (int)threadIdx.x * per : n;
-  const int hi = lo + per < n ? lo + per : n;
+  return {lo, lo + per < n ? lo + per : n};
+}
+
+// Compact offsets: offsets[e] = the sum of max(counters[e'], 0) over e' < e, -1 once it reaches
+// 2^31; each thread owns a contiguous run of experts (thread_run). One block.
+AMDQB_DEVICE void compact_offsets(int n, const int* counters, int* offsets, u32* warp_sums) {
+  const ThreadRun owned = thread_run(n);
+  const int lo = owned.lo, hi = owned.hi;
   auto value = [=](int e) -> u32 { return counters[e] > 0 ? (u32)counters[e] : 0u; };
   u32 sum = 0;
   for (int e = lo; e < hi; ++e) sum = sat_add(sum, value(e));
@@ -659,9 +669,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   // starts. A thread owns a contiguous run of buckets, so that the block scan takes its sizes from
   // registers: two barriers for the scan and one after, where a strided pass, a barrier and a
   // separate scan of the sizes in LDS took five.
-  const int per = (E + nt - 1) / nt;
-  const int e0 = tid * per < E ? tid * per : E;
-  const int e1 = e0 + per < E ? e0 + per : E;
+  const ThreadRun owned = thread_run(E);
+  const int e0 = owned.lo, e1 = owned.hi;
   u32 own = 0;  // the padded sizes of this thread's buckets
 #pragma unroll 1
   for (int e = e0; e < e1; ++e) {

@@ -14,7 +14,8 @@ It owns buffers whose addresses never change:
 * ``bin_bounds`` fp32            the histogram's axis: ``[L, U]`` for the uniform binning
   (initialised to ``[-1, 1]``), the per-expert inverse scales ``[E]`` for log_margin
   (initialised to ``2^68``: the first step sees any correction from ``2^-68`` to 1);
-* ``histogram``  int32 ``[E, B]`` counts accumulated by every routed (micro)batch since the last step;
+* ``histogram``  int32 ``[E, B]`` counts accumulated by every routed (micro)batch since the last step
+  (int64 ``[3, E, B]`` with ``moments``: the counts, then the in-bin moments);
 * ``rejected_steps`` int32 ``[1]`` steps whose candidate state was not committed.
 
 ``step()`` sums the histogram over ``process_group`` (one integer all-reduce, so the recovered
@@ -85,6 +86,14 @@ class QuantileBalancer:
         selection: ``"tie_free"`` (``b - sigmoid(-z)``: no fp32 ties once the sigmoid saturates;
             the default with log_margin) or ``"te"`` (TE's ``s + b``: the default, and the only
             choice, with uniform).
+        moments: log_margin only: the histogram also sums each fine-key bin's in-bin position
+            and its square (``histogram`` int64 ``[3, E, B]``: a pair adds up to ``255**2``),
+            and the step places the quantile inside its bin by those moments instead of
+            interpolating linearly (``docs/qb_binning.md``). At saturated logits an expert's
+            margins are atoms at the other experts' bias gaps: the moments place an atom to
+            1/256 of its bin, where the interpolation can miss it by the bin's width (41% of
+            the margin), which after a sudden shift of the router costs 2-3 steps. Runs on the
+            torch backend (the kernel backends decline it).
         ema: weight of the previous bias in ``new = ema*old + (1-ema)*recovered`` (0 = K3).
         process_group: a ``torch.distributed`` process group to all-reduce the histogram over;
             ``None`` uses the default group when torch.distributed is initialised, else no
@@ -100,6 +109,7 @@ class QuantileBalancer:
         binning: str = "log_margin",
         num_bins: Optional[int] = None,
         selection: Optional[str] = None,
+        moments: bool = False,
         ema: float = 0.0,
         process_group=None,
         device: Optional[torch.device | str] = None,
@@ -126,6 +136,9 @@ class QuantileBalancer:
                 f"num_experts * num_bins = {num_experts * num_bins} histogram counts exceed "
                 f"{MAX_HISTOGRAM} (num_experts={num_experts}, num_bins={num_bins})"
             )
+        moments = check_bool("moments", moments)
+        if moments and binning != "log_margin":
+            raise ValueError("moments=True needs binning='log_margin' (the in-bin moments)")
         ema = check_float("ema", ema)
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
@@ -136,11 +149,14 @@ class QuantileBalancer:
         self.binning = binning
         self.selection = selection
         self.num_bins = num_bins
+        self.moments = moments
         self.ema = ema
         self.process_group = process_group
         self.bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
         self.bin_bounds = self._initial_bounds(device)
-        self.histogram = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
+        shape = (3, num_experts, num_bins) if moments else (num_experts, num_bins)
+        dtype = torch.int64 if moments else torch.int32  # a pair adds up to 255^2 to a moment
+        self.histogram = torch.zeros(shape, dtype=dtype, device=device)
         self.rejected_steps = torch.zeros(1, dtype=torch.int32, device=device)
         # the last committed state: restores a bias or bounds overwritten from outside
         self._committed = torch.cat([self.bias, self.bin_bounds])

@@ -75,6 +75,8 @@ def test_call_type_is_frozen_and_checked():
         dict(num_bins=B),  # without qb_mode
         dict(write_cutoff=True),  # without QB
         dict(num_groups=4),  # without group_topk
+        dict(qb_moments=True),  # without QB
+        dict(qb_mode="two_kernel", num_bins=B, qb_moments=True),  # uniform binning
     ):
         with pytest.raises(ValueError, match="RouterCall"):
             RouterCall(E, K, **bad)
@@ -102,6 +104,15 @@ def _bounds(call):
     return torch.logspace(2, 4, call.num_experts, device=DEVICE)  # per-expert inverse scales
 
 
+def _hist(call, device):
+    """The call's zeroed QB histogram: int32 [E, B], or int64 [3, E, B] with the moments."""
+    if not call.qb:
+        return None
+    if call.qb_moments:
+        return torch.zeros(3, E, call.num_bins, dtype=torch.int64, device=device)
+    return torch.zeros(E, call.num_bins, dtype=torch.int32, device=device)
+
+
 def _run(fn, call, z, bias):
     """One direct call with poisoned outputs; the routing map read back as a bool mask."""
     probs = torch.full((T, E), 7.0, device=DEVICE)
@@ -111,7 +122,7 @@ def _run(fn, call, z, bias):
         map_out = torch.full((T, (E + 7) // 8), 0xA5, dtype=torch.uint8, device=DEVICE)
     else:
         map_out = torch.full((T, call.topk), -7, dtype=torch.int32, device=DEVICE)
-    hist = torch.zeros(E, call.num_bins, dtype=torch.int32, device=DEVICE) if call.qb else None
+    hist = _hist(call, DEVICE)
     bounds = _bounds(call) if call.qb else None
     scores = torch.full((T, E), 7.0, device=DEVICE) if call.write_scores else None
     cutoff = torch.full((T,), 7.0, device=DEVICE) if call.write_cutoff else None
@@ -141,7 +152,7 @@ def _expected(call, z, bias, s):
     elementwise = call.score_function != "softmax"
     b = bias.cpu() if elementwise else None
     comp = sigmoid_complement(zc) if call.selection == "tie_free" else None
-    hist = torch.zeros(E, call.num_bins, dtype=torch.int32) if call.qb else None
+    hist = _hist(call, "cpu")
     probs, idx, routed = ref.fused_topk_with_score_function(
         zc,
         call.topk,
@@ -178,6 +189,7 @@ SOFTMAX = RouterCall(E, K, "softmax")
 QB = RouterCall(E, K, "sigmoid", qb_mode="fused_atomic", num_bins=B)
 QB2 = dataclasses.replace(QB, qb_mode="two_kernel")
 MARGIN = dataclasses.replace(QB, selection="tie_free", qb_binning="log_margin")
+MARGIN64 = dataclasses.replace(MARGIN, num_bins=64)  # 16 fine keys a side: moments to sum
 _r = dataclasses.replace
 # (fields, base call, variant, inputs): the two calls differ in those fields alone
 VARIANTS = [
@@ -202,6 +214,7 @@ VARIANTS = [
     ("write_cutoff", QB, _r(QB, write_cutoff=True), "random"),
     ("write_cutoff", QB2, _r(QB2, write_cutoff=True), "random"),
     ("write_cutoff", MARGIN, _r(MARGIN, write_cutoff=True), "saturated"),
+    ("qb_moments", MARGIN64, _r(MARGIN64, qb_moments=True), "saturated"),
 ]
 
 
@@ -244,6 +257,15 @@ def test_every_field_is_honoured(backend, case):
             dispatch.device_info(DEVICE), variant
         )
         with pytest.raises(ValueError, match="row plan"):
+            _run(fn, variant, z, bias)
+        return
+    if backend != "torch" and variant.qb_moments:
+        # a declared capability limit of the kernel backends: the dispatcher picks torch
+        info = dispatch.device_info(DEVICE)
+        assert dispatch._backend_module(backend).LIMITS["router_fwd"](info, variant) == (
+            calls.MOMENTS_LIMIT
+        )
+        with pytest.raises(NotImplementedError, match="in-bin moments"):
             _run(fn, variant, z, bias)
         return
     oracle = [_run(_torch_fwd(), c, z, bias) for c in (base, variant)]

@@ -28,6 +28,10 @@ MAP_KINDS = ("bytemap", "bitmap", "indices")
 QB_MODES = ("two_kernel", "fused_atomic", "auto")
 
 
+# The capability limit of the kernel backends that do not accumulate the in-bin moments.
+MOMENTS_LIMIT = "the log_margin in-bin moments ([3, E, B] histogram) are not implemented"
+
+
 @dataclass(frozen=True)
 class RouterCall:
     """One call of the fused router (forward and backward share it).
@@ -42,7 +46,8 @@ class RouterCall:
     * ``approximate``: the kernels' opt-in approximate exponential (the oracle ignores it);
     * ``qb_mode``: None (no Quantile Balancing) or ``"two_kernel"`` / ``"fused_atomic"`` /
       ``"auto"``: the histogram ``qb_histogram`` [E, ``num_bins``] accumulates under bounds
-      ``qb_bin_bounds`` with ``qb_binning`` ``"uniform"`` or ``"log_margin"``;
+      ``qb_bin_bounds`` with ``qb_binning`` ``"uniform"`` or ``"log_margin"``; ``qb_moments``
+      (log_margin): the histogram is ``[3, E, num_bins]``, the counts and the in-bin moments;
     * ``write_scores``: ``scores_out`` fp32 [T, E] receives the scores the selection ranked,
       before the bias (softmax with ``use_pre_softmax``: over E; softmax without: the logits);
     * ``write_cutoff`` (QB only): ``cutoff_out`` fp32 [T] receives each token's cutoff, the
@@ -62,6 +67,7 @@ class RouterCall:
     qb_mode: Optional[str] = None
     qb_binning: str = "uniform"
     num_bins: int = 0
+    qb_moments: bool = False
     write_scores: bool = False
     write_cutoff: bool = False
 
@@ -79,6 +85,8 @@ class RouterCall:
             raise ValueError(f"RouterCall.qb_mode must be None or one of {QB_MODES}")
         if (self.qb_mode is None) != (self.num_bins == 0):
             raise ValueError("RouterCall.num_bins is the QB histogram's B (0 without qb_mode)")
+        if self.qb_moments and (self.qb_mode is None or self.qb_binning != "log_margin"):
+            raise ValueError("RouterCall.qb_moments needs qb_mode with qb_binning='log_margin'")
         if self.write_cutoff and self.qb_mode is None:
             raise ValueError("RouterCall.write_cutoff needs qb_mode (the cutoff is QB's)")
         if (self.num_groups is None) != (self.group_topk is None):
@@ -96,9 +104,17 @@ class RouterCall:
     def check_forward(self, logits, qb_histogram) -> None:
         """:meth:`check`, and the bin count against the QB histogram."""
         self.check(logits)
-        if self.qb and (qb_histogram is None or qb_histogram.shape[-1] != self.num_bins):
+        planes = 3 if self.qb_moments else 2
+        if self.qb and (
+            qb_histogram is None
+            or qb_histogram.shape[-1] != self.num_bins
+            or qb_histogram.dim() != planes
+        ):
             got = None if qb_histogram is None else tuple(qb_histogram.shape)
-            raise ValueError(f"RouterCall.num_bins={self.num_bins} but qb_histogram is {got}")
+            raise ValueError(
+                f"RouterCall.num_bins={self.num_bins}, qb_moments={self.qb_moments} but "
+                f"qb_histogram is {got}"
+            )
 
     @property
     def qb(self) -> bool:
@@ -120,7 +136,7 @@ ROUTER_FWD_TENSORS = (
     "expert_bias",  # fp32 [E] or None
     "probs_out",  # [T, E] in the logits dtype
     "map_out",  # per call.map_kind
-    "qb_histogram",  # int32 [E, B] (accumulated) or None
+    "qb_histogram",  # int32 [E, B] or, with call.qb_moments, [3, E, B] (accumulated) or None
     "qb_bin_bounds",  # fp32 [2] (uniform) or [E] (log_margin inverse scales), or None
     "scores_out",  # fp32 [T, E] when call.write_scores, else None
     "cutoff_out",  # fp32 [T] when call.write_cutoff, else None
@@ -257,6 +273,7 @@ class RouteRowsRequest:
 @dataclass(frozen=True)
 class QbRequest:
     num_bins: int = 64
+    moments: bool = False  # a [3, E, B] log_margin histogram with the in-bin moments
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ logits every step.
   ``amdqb.QuantileBalancer(E, k, binning="uniform")`` (B = 1000 bins of ``[min b - 1, max b + 1]``);
 * ``qb_default`` -- ``amdqb.QuantileBalancer(E, k)``: the tie-free selection and each expert's
   biased margin on its own log axis (B = 64);
+* ``qb_moments`` (not in the default list) -- the default with the histogram's in-bin moments,
+  ``amdqb.QuantileBalancer(E, k, moments=True)``;
 * ``qb_exact``   -- QB with the exact, bin-free quantile of the fp32 router, ``amdqb.qb_exact_bias``
   (TE's ``s + b`` selection, fp32: it ties once the sigmoid saturates);
 * ``qb_exact_tie_free`` (an ablation, not in the default list) -- the default balancer's fp32
@@ -35,6 +37,7 @@ SHORT = {
     "qb_default": "default",
     "qb_exact": "exact32",
     "qb_exact_tie_free": "exact32tf",
+    "qb_moments": "moments",
     "exact64": "exact64",
 }
 
@@ -167,8 +170,8 @@ class Reference(Method):
 def build_methods(
     names, experts, topk, device, *, uniform_bins=1000, margin_bins=64, aux_rate=1e-3
 ):
-    """The methods ``names`` (of ``METHOD_NAMES``, ``REFERENCE`` and ``qb_exact_tie_free``), in
-    that order."""
+    """The methods ``names`` (of ``METHOD_NAMES``, ``REFERENCE``, ``qb_moments`` and
+    ``qb_exact_tie_free``), in that order."""
     make = {
         "none": lambda: Method(experts, topk, device),
         "aux_free": lambda: AuxFree(experts, topk, device, rate=aux_rate),
@@ -188,6 +191,15 @@ def build_methods(
             "qb_default",
             f"QB default (log_margin B={margin_bins}, tie-free)",
             num_bins=margin_bins,
+        ),
+        "qb_moments": lambda: QBBalancer(
+            experts,
+            topk,
+            device,
+            "qb_moments",
+            f"QB default + in-bin moments (log_margin B={margin_bins}, tie-free)",
+            num_bins=margin_bins,
+            moments=True,
         ),
         "qb_exact": lambda: QBExact(experts, topk, device),
         "qb_exact_tie_free": lambda: QBExactTieFree(experts, topk, device),

@@ -116,9 +116,18 @@ def check_histogram(histogram, bin_bounds, topk, binning="uniform") -> int:
     read outside graph capture) and ``topk``."""
     from .router import check_qb_bounds_shape, validate_qb_bin_bounds
 
-    check_tensor("histogram", histogram, dtypes=(torch.int32, torch.int64), dim=2, contiguous=True)
+    check_tensor(
+        "histogram", histogram, dtypes=(torch.int32, torch.int64), min_dim=2, contiguous=True
+    )
     _check_not_meta("histogram", histogram)
-    num_experts, num_bins = histogram.shape
+    if histogram.dim() == 3 and (histogram.shape[0] != 3 or binning != "log_margin"):
+        raise ValueError(
+            "a 3-D histogram is [3, E, B] (counts and in-bin moments) with binning='log_margin', "
+            f"got shape {tuple(histogram.shape)} with binning={binning!r}"
+        )
+    if histogram.dim() > 3:
+        raise ValueError(f"histogram must be [E, B] or [3, E, B], got {tuple(histogram.shape)}")
+    num_experts, num_bins = histogram.shape[-2:]
     if num_experts < 2 or not 2 <= num_bins <= MAX_BINS:
         raise ValueError(
             f"histogram must be [E >= 2, 2 <= B <= {MAX_BINS}], got {tuple(histogram.shape)}"
@@ -136,12 +145,17 @@ def check_histogram(histogram, bin_bounds, topk, binning="uniform") -> int:
     return topk
 
 
+def _request(histogram) -> dict:
+    """The QbRequest features of a histogram: its bins, and the in-bin moments of a 3-D one."""
+    return {"num_bins": histogram.shape[-1], "moments": histogram.dim() == 3}
+
+
 def _check_bias(name, bias, histogram):
     return check_tensor(
         name,
         bias,
         dtypes=(torch.float32,),
-        shape=(histogram.shape[0],),
+        shape=(histogram.shape[-2],),
         device=histogram.device,
         contiguous=True,
     )
@@ -175,9 +189,9 @@ def qb_recover_bias(
         _check_bias("expert_bias", expert_bias, histogram)
     check_backend(backend)
     chosen_backend = dispatch.kernel_backend(
-        "qb_recover", histogram.device, backend, num_bins=histogram.shape[1]
+        "qb_recover", histogram.device, backend, **_request(histogram)
     )
-    out = torch.empty(histogram.shape[0], dtype=torch.float32, device=histogram.device)
+    out = torch.empty(histogram.shape[-2], dtype=torch.float32, device=histogram.device)
     bias = expert_bias if binning == "log_margin" else None
     _qb_recover(histogram, bin_bounds, topk, out, binning, bias, chosen_backend)
     return out
@@ -230,7 +244,7 @@ def qb_step_(
             "committed",
             committed,
             dtypes=(torch.float32,),
-            shape=(histogram.shape[0] + bin_bounds.numel(),),
+            shape=(histogram.shape[-2] + bin_bounds.numel(),),
             device=histogram.device,
             contiguous=True,
         )
@@ -239,7 +253,7 @@ def qb_step_(
             raise ValueError(f"{name} must not require grad: qb_step_ writes it in place")
     check_backend(backend)
     chosen_backend = dispatch.kernel_backend(
-        "qb_step", histogram.device, backend, num_bins=histogram.shape[1]
+        "qb_step", histogram.device, backend, **_request(histogram)
     )
     _qb_step(bias, histogram, bin_bounds, topk, ema, binning, rejected, committed, chosen_backend)
 

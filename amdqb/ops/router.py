@@ -283,7 +283,9 @@ def fused_topk_with_score_function(
         topk_indices: caller-owned ``[..., topk]`` int16/int32/int64 buffer; when given it is
             filled in place (selection order) and returned instead of a routing map. Contiguous,
             sharing no memory with the other tensor arguments.
-        qb_histogram: int32 ``[E, B]``, accumulated in place (QB).
+        qb_histogram: int32 ``[E, B]``, accumulated in place (QB); int64 ``[3, E, B]`` with
+            ``qb_binning="log_margin"`` also accumulates each bin's in-bin moments (planes 1
+            and 2, ``docs/qb_binning.md``).
         qb_bin_bounds: fp32 device tensor (QB), contiguous: ``[L, U]`` (uniform) or the
             per-expert inverse scales ``[E]`` (log_margin).
         qb_histogram_mode: ``"two_kernel"``, ``"fused_atomic"`` or ``"auto"`` (QB); TE's
@@ -369,16 +371,29 @@ def fused_topk_with_score_function(
         check_tensor(
             "qb_histogram",
             qb_histogram,
-            dtypes=(torch.int32,),
-            dim=2,
+            dtypes=(torch.int32, torch.int64),
+            min_dim=2,
             device=device,
             contiguous=True,
         )
-        if qb_histogram.shape[0] != num_experts:
+        moments = qb_histogram.dim() == 3 and qb_histogram.shape[0] == 3
+        if qb_histogram.shape[-2] != num_experts or (qb_histogram.dim() != 2 and not moments):
             raise ValueError(
-                f"qb_histogram must have shape [E={num_experts}, B], got {tuple(qb_histogram.shape)}"
+                f"qb_histogram must have shape [E={num_experts}, B] (or [3, E, B]: with the "
+                f"log_margin in-bin moments), got {tuple(qb_histogram.shape)}"
             )
-        num_bins = qb_histogram.shape[1]
+        want = torch.int64 if moments else torch.int32
+        if qb_histogram.dtype != want:
+            raise ValueError(
+                f"qb_histogram must be {want} with shape {tuple(qb_histogram.shape)}, got "
+                f"{qb_histogram.dtype}"
+            )
+        if moments and qb_binning != "log_margin":
+            raise ValueError(
+                "qb_histogram [3, E, B] (in-bin moments) needs qb_binning='log_margin', got "
+                f"{qb_binning!r}"
+            )
+        num_bins = qb_histogram.shape[-1]
         if num_bins < 2:
             raise ValueError(f"qb_histogram needs B >= 2 bins, got B={num_bins}")
         if qb_binning == "log_margin" and not (
@@ -431,7 +446,8 @@ def fused_topk_with_score_function(
         approximate=bool(approximate_activation),
         qb_mode=qb_histogram_mode if use_qb else None,
         qb_binning=qb_binning if use_qb else "uniform",
-        num_bins=static_int(qb_histogram.shape[1]) if use_qb else 0,
+        num_bins=static_int(qb_histogram.shape[-1]) if use_qb else 0,
+        qb_moments=use_qb and qb_histogram.dim() == 3,
         write_scores=raw,
         write_cutoff=raw and use_qb,
     )

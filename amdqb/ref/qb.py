@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from .ordering import ranked_indices
-from .router import MARGIN_COARSE_SHIFT, activation, margin_fine_keys
+from .router import MARGIN_COARSE_SHIFT, MARGIN_MOMENT_BITS, activation, margin_fine_keys
 
 BIAS_SPREAD_MAX = 4.0  # log_margin: max - min bias (|b| <= 2 about the median); a gap of 1 decides
 MARGIN_INV_COLD_EXP = 68  # inv = 2^68 before any step: the axis spans 2^-68 .. 2^0 (|d| < 1)
@@ -76,6 +76,38 @@ def recover_uncentred(histogram: torch.Tensor, bin_bounds: torch.Tensor, topk: i
     return bhat.float()
 
 
+def refine_in_bin(position: torch.Tensor, histogram: torch.Tensor) -> torch.Tensor:
+    """The quantile position with its fraction inside a fine-key bin taken from that bin's
+    in-bin moments (``histogram`` int64 ``[3, E, B]``, :func:`amdqb.ref.router.qb_histogram_counts`
+    with ``moments``), float64 ``[E]``.
+
+    With ``h`` the bin's count, ``f`` the fraction App. D interpolates (the share of the bin
+    below the quantile), ``S1`` and ``S2`` the bin's sums of ``u`` and ``u^2``,
+    ``mu = (S1 / h + 1/2) / 256`` the mean in-bin position and
+    ``var = max(S2 / h - (S1 / h)^2, 0) / 256^2`` its variance, the fraction is
+    ``clip(mu + (f - 1/2) * 2 sqrt(3 var), 0, 1)``: the quantile of a uniform distribution with
+    the bin's own mean and variance. Uniform counts give ``f`` back; an atom (every pair of the
+    bin at one margin, as at saturated logits, where an expert's margins sit at the other
+    experts' bias gaps) gives its position. Bins that are not fine keys, and empty ones, keep
+    ``f``."""
+    counts, s1, s2 = (histogram[i].to(torch.float64) for i in range(3))
+    b = histogram.shape[-1]
+    half, fine = b // 2, margin_fine_keys(b)
+    beta = torch.floor(position).clamp(0, b - 1).to(torch.int64)
+    frac = position - beta.double()
+    h = counts.gather(1, beta[:, None]).squeeze(1)
+    n = h.clamp(min=1.0)
+    mean = s1.gather(1, beta[:, None]).squeeze(1) / n
+    second = s2.gather(1, beta[:, None]).squeeze(1) / n
+    unit = float(1 << MARGIN_MOMENT_BITS)
+    mu = (mean + 0.5) / unit
+    var = (second - mean * mean).clamp(min=0.0) / (unit * unit)
+    refined = (mu + (frac - 0.5) * 2.0 * torch.sqrt(3.0 * var)).clamp(0.0, 1.0)
+    on_fine = ((beta >= half - fine) & (beta < half)) | ((beta > half) & (beta <= half + fine))
+    on_fine = (beta != half) & on_fine & (h > 0)
+    return beta.double() + torch.where(on_fine, refined, frac)
+
+
 def recover_margin_delta(histogram: torch.Tensor, margin_scale: torch.Tensor, topk: int):
     """The log_margin recovery: the ``k/E`` quantile of each expert's biased margin, i.e. its bias
     change ``delta``, float64 ``[E]`` (0 for an empty row).
@@ -87,11 +119,14 @@ def recover_margin_delta(histogram: torch.Tensor, margin_scale: torch.Tensor, to
     ``F + 8 (kappa - F)`` on the coarse ones, ``y = 2^o (1 + f)`` with ``o, f`` the integer and
     fractional parts of ``lam / 2`` (the float format's piecewise-linear log2, exact to invert),
     and ``|delta| = (y - 1) / inv_j``. Interpolation is linear in the level inside a bin (linear
-    in d on the fine keys), as App. D's in r."""
-    b = histogram.shape[1]
+    in d on the fine keys), as App. D's in r. A ``[3, E, B]`` histogram (counts and in-bin
+    moments) places the quantile inside a fine-key bin by :func:`refine_in_bin`."""
+    b = histogram.shape[-1]
     half = b // 2
     fine = margin_fine_keys(b)
-    position, m = quantile_position(histogram, topk)
+    position, m = quantile_position(histogram[0] if histogram.dim() == 3 else histogram, topk)
+    if histogram.dim() == 3:
+        position = refine_in_bin(position, histogram)
     offset = position - half
     up = offset >= 1.0
     kappa = torch.where(up, offset - 1.0, -offset).clamp(min=0.0)
@@ -216,9 +251,10 @@ def qb_step_update(
     Uniform: ``new = centre(ema * old + (1 - ema) * centre(recover(hist)))``, bounds
     ``[min(new) - 1, max(new) + 1]``. log_margin: ``t = fp32(old + delta)``,
     ``new = pin_median(fp32(ema * old + (1 - ema) * t))``, bounds
-    ``margin_scale_update(bounds, delta)``. An empty histogram keeps both.
+    ``margin_scale_update(bounds, delta)``; a ``[3, E, B]`` log_margin histogram carries the
+    in-bin moments (:func:`recover_margin_delta`). An empty histogram keeps both.
     """
-    total = histogram.to(torch.int64).sum()
+    total = (histogram[0] if histogram.dim() == 3 else histogram).to(torch.int64).sum()
     if binning == "uniform":
         bhat = centre(recover_uncentred(histogram, bin_bounds, topk))
         mixed = (ema * bias.double() + (1.0 - ema) * bhat.double()).float()

@@ -33,7 +33,7 @@ import torch
 
 from ... import configs
 from ...ref.router import margin_fine_keys
-from ..calls import RouterCall
+from ..calls import MOMENTS_LIMIT, RouterCall
 from . import _spec
 from ._common import cdiv, config, dev, ptr
 from ._spec import arg_i32
@@ -297,6 +297,8 @@ def router_fwd(
     call.check_forward(logits, qb_histogram)
     if call.grouped:
         raise NotImplementedError("hip router: grouped Top-k is a declared capability limit")
+    if call.qb_moments:
+        raise NotImplementedError(f"hip router: {MOMENTS_LIMIT} (a declared capability limit)")
     tokens, num_experts = logits.shape
     if tokens == 0:
         return
@@ -481,6 +483,8 @@ def router_fwd_limits(info, call: RouterCall) -> str | None:
     why = topk_limits(info, call.num_experts, call.grouped, call.num_selected)
     if why is None and call.qb and call.num_bins > MAX_QB_BINS:
         why = f"QB num_bins={call.num_bins} > {MAX_QB_BINS} (LDS row)"
+    if why is None and call.qb_moments:
+        why = MOMENTS_LIMIT
     return why
 
 

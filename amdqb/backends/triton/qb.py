@@ -15,6 +15,7 @@ import triton
 
 from ...ref import qb as R
 from ...ref.router import margin_fine_keys
+from ..calls import MOMENTS_LIMIT
 from . import _qb_kernels as K
 from ._common import on_device, pow2
 
@@ -74,4 +75,11 @@ _SCALE = dict(
 )
 
 
+def qb_limits(info, request) -> str | None:
+    if request.moments:
+        return MOMENTS_LIMIT
+    return None
+
+
 OPS = {"qb_recover": qb_recover, "qb_step": qb_step}
+LIMITS = {"qb_recover": qb_limits, "qb_step": qb_limits}

@@ -52,7 +52,7 @@ from ... import configs
 from ...devices import device_info
 from ...ref.router import margin_fine_keys
 from .. import _serving
-from ..calls import SCORE_CODES, RouterCall, TopkCall
+from ..calls import MOMENTS_LIMIT, SCORE_CODES, RouterCall, TopkCall
 from . import _router_kernels as K
 from ._common import compile_options, floor_pow2, interpreting, on_device, pow2
 
@@ -327,6 +327,8 @@ def router_fwd(
     cutoff_out,
 ):
     call.check_forward(logits, qb_histogram)
+    if call.qb_moments:
+        raise NotImplementedError(f"triton router: {MOMENTS_LIMIT} (a declared capability limit)")
     T, E = logits.shape
     if T == 0:
         return
@@ -482,6 +484,8 @@ def router_fwd_limits(info, call: RouterCall) -> str | None:
     why = _row_limit(call.num_experts)
     if why is None and call.qb and call.num_experts * call.num_bins >= 2**31:
         why = "E * B >= 2^31 histogram bins (32-bit histogram offsets)"
+    if why is None and call.qb_moments:
+        why = MOMENTS_LIMIT
     return why
 
 

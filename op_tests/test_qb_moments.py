@@ -169,11 +169,12 @@ def test_op_checks_name_the_histogram():
     bias = torch.zeros(e)
     scale = ref_qb.initial_margin_scale(e)
     call = dict(selection="tie_free", qb_binning="log_margin", expert_bias=bias)
-    for bad, match in (
-        (torch.zeros(3, e, B, dtype=torch.int32), "int64"),
-        (torch.zeros(4, e, B, dtype=torch.int64), r"\[3, E, B\]"),
+    for bad, error, match in (
+        (torch.zeros(3, e, B, dtype=torch.int32), TypeError, "int64"),
+        (torch.zeros(e, B, dtype=torch.int64), TypeError, "int32"),
+        (torch.zeros(4, e, B, dtype=torch.int64), ValueError, r"\[3, E, B\]"),
     ):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(error, match=match):
             amdqb.fused_topk_with_score_function(
                 logits, k, qb_histogram=bad, qb_bin_bounds=scale, qb_histogram_mode="auto", **call
             )

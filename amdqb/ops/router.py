@@ -384,7 +384,7 @@ def fused_topk_with_score_function(
             )
         want = torch.int64 if moments else torch.int32
         if qb_histogram.dtype != want:
-            raise ValueError(
+            raise TypeError(
                 f"qb_histogram must be {want} with shape {tuple(qb_histogram.shape)}, got "
                 f"{qb_histogram.dtype}"
             )

@@ -92,8 +92,9 @@ class QuantileBalancer:
             interpolating linearly (``docs/qb_binning.md``). At saturated logits an expert's
             margins are atoms at the other experts' bias gaps: the moments place an atom to
             1/256 of its bin, where the interpolation can miss it by the bin's width (41% of
-            the margin), which after a sudden shift of the router costs 2-3 steps. Runs on the
-            torch backend (the kernel backends decline it).
+            the margin), which after a sudden shift of the router costs 2-3 steps. The torch and
+            Triton backends run it (the router counts the moments in its own pass); hip's
+            router declines it, so the dispatcher picks Triton there.
         ema: weight of the previous bias in ``new = ema*old + (1-ema)*recovered`` (0 = K3).
         process_group: a ``torch.distributed`` process group to all-reduce the histogram over;
             ``None`` uses the default group when torch.distributed is initialised, else no

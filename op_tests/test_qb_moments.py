@@ -2,15 +2,17 @@
 position inside its bin (``ref.router.qb_margin_in_bin``) against the bits it comes from, the
 int64 ``[3, E, B]`` histogram's planes against sums taken one pair at a time, the refined
 quantile (``ref.qb.refine_in_bin``) on an atom, on uniform counts and off the fine keys, the
-op-level checks and the dispatch (the kernel backends decline the moments), and the balancer's
-recovery after a sudden shift at saturated logits."""
+op-level checks, every backend's histogram planes and step against the oracle (hip's router
+declines the moments), and the balancer's recovery after a sudden shift at saturated logits."""
+
+import dataclasses
 
 import pytest
 import torch
 
 import amdqb
-from amdqb import dispatch
-from amdqb.backends.calls import MOMENTS_LIMIT, QbRequest
+from amdqb import dispatch, ref
+from amdqb.backends.calls import MOMENTS_LIMIT, QbRequest, RouterCall
 from amdqb.ref import qb as ref_qb
 from amdqb.ref.router import (
     MARGIN_MOMENT_BITS,
@@ -20,6 +22,7 @@ from amdqb.ref.router import (
     qb_margin_in_bin,
 )
 
+from conftest import DEVICE, over_backends
 from layout_cases import gen
 
 B = 64
@@ -141,10 +144,9 @@ def test_uniform_counts_keep_the_interpolation():
             -margin,
             moments=True,
         )
-        for topk in (1,):  # q = n / 2: the middle of the bin's pairs
-            position, _ = ref_qb.quantile_position(hist[0], topk)
-            refined = ref_qb.refine_in_bin(position, hist)
-            assert torch.allclose(refined, position, atol=4 / 256), (sign, refined, position)
+        position, _ = ref_qb.quantile_position(hist[0], 1)  # q = n / 2: the middle
+        refined, _ = ref_qb.refine_in_bin(hist, 1)
+        assert torch.allclose(refined, position, atol=4 / 256), (sign, refined, position)
 
 
 def test_off_the_fine_keys_nothing_changes():
@@ -156,11 +158,11 @@ def test_off_the_fine_keys_nothing_changes():
     counts[5] = 0
     hist = torch.stack([counts, counts * 100, counts * 20000]).to(torch.int64)
     position, _ = ref_qb.quantile_position(hist[0], 2)
-    assert torch.equal(ref_qb.refine_in_bin(position, hist), position)
+    assert torch.equal(ref_qb.refine_in_bin(hist, 2)[0], position)
     zero_bin = torch.zeros(3, 2, B, dtype=torch.int64)
     zero_bin[0, :, HALF] = 10
     position, _ = ref_qb.quantile_position(zero_bin[0], 1)
-    assert torch.equal(ref_qb.refine_in_bin(position, zero_bin), position)
+    assert torch.equal(ref_qb.refine_in_bin(zero_bin, 1)[0], position)
 
 
 def test_op_checks_name_the_histogram():
@@ -194,14 +196,87 @@ def test_op_checks_name_the_histogram():
         amdqb.QuantileBalancer(e, k, binning="uniform", moments=True)
 
 
-def test_kernel_backends_decline_and_torch_serves():
+def test_hip_declines_the_moments():
     info = dispatch.device_info(torch.device("cpu"))
-    request = QbRequest(num_bins=B, moments=True)
+    call = RouterCall(
+        64, 4, qb_mode="auto", qb_binning="log_margin", selection="tie_free", num_bins=B
+    )
+    moments = dataclasses.replace(call, qb_moments=True)
     for backend in dispatch.BACKENDS:
         limits = getattr(dispatch._backend_module(backend), "LIMITS", {})
-        for op in ("qb_step", "qb_recover"):
-            why = limits[op](info, request) if op in limits else None
-            assert (why == MOMENTS_LIMIT) == (backend == "triton"), (backend, op, why)
+        check = limits.get("router_fwd", lambda info, call: None)
+        assert check(info, call) is None, backend
+        assert (check(info, moments) == MOMENTS_LIMIT) == (backend == "hip"), backend
+        for op in ("qb_step", "qb_recover"):  # the recovery is every backend's
+            qb = limits.get(op, lambda info, request: None)
+            assert qb(info, QbRequest(num_bins=B, moments=True)) is None, (backend, op)
+
+
+@over_backends("router_fwd", waves=(32,))
+def test_router_planes_match_the_oracle(backend):
+    """Counts and moments of every backend that accumulates them, bitwise the oracle's on the
+    backend's own scores, on axes where many pairs fall on the fine keys; both QB modes (the
+    moments always count in the router's pass)."""
+    if backend == "hip":
+        pytest.skip("hip declines the in-bin moments (a declared capability limit)")
+    e, k, t = 48, 4, 200
+    g = gen(8)
+    logits = (torch.randn(t, e, generator=g) * 12).to(DEVICE)
+    bias = (torch.randn(e, generator=g) * 1e-6).to(DEVICE)
+    scale = torch.exp2(torch.randint(8, 24, (e,), generator=g).float()).to(DEVICE)
+    fn = dispatch._backend_module(backend).OPS["router_fwd"]
+    for mode in ("fused_atomic", "two_kernel"):
+        call = RouterCall(
+            e, k, qb_mode=mode, qb_binning="log_margin", selection="tie_free", num_bins=B,
+            qb_moments=True, write_scores=True,
+        )  # fmt: skip
+        hist = torch.zeros(3, e, B, dtype=torch.int64, device=DEVICE)
+        scores = torch.empty(t, e, device=DEVICE)
+        probs = torch.empty(t, e, device=DEVICE)
+        routed = torch.empty(t, e, dtype=torch.bool, device=DEVICE)
+        fn(call, logits, bias, probs, routed, hist, scale, scores, None)
+        want = torch.zeros(3, e, B, dtype=torch.int64)
+        ref.fused_topk_with_score_function(
+            logits.cpu(), k, expert_bias=bias.cpu(), qb_histogram=want,
+            qb_bin_bounds=scale.cpu(), scores=scores.cpu(), selection="tie_free",
+            qb_binning="log_margin",
+        )  # fmt: skip
+        assert int(want[1].sum()) > 0, "the draw puts pairs on the fine keys"
+        assert torch.equal(hist.cpu(), want), (backend, mode)
+
+
+@over_backends("qb_step", waves=(32,))
+def test_step_matches_the_oracle(backend):
+    """The balancer step on a moments histogram, every backend against the oracle, bitwise;
+    histograms whose quantile lands inside fine-key bins, on their last count, in empty rows."""
+    e, k = 40, 3
+    g = gen(9)
+    counts = torch.randint(0, 30, (e, B), generator=g)
+    counts[:, HALF] = torch.randint(0, 3, (e,), generator=g)
+    counts[4:, : HALF - FINE] = 0  # most rows on the fine keys alone: the quantile on one
+    counts[4:, HALF + FINE + 1 :] = 0
+    counts[3] = 0  # an empty row
+    counts[5] = 0  # the quantile on the last count of a bin: q = 40 * 3 / 40 = 3
+    counts[5, HALF - 3], counts[5, HALF + 3] = 3, 37
+    s1 = counts * torch.randint(0, 256, (e, B), generator=g)
+    s2 = counts * torch.randint(0, 256 * 256, (e, B), generator=g)
+    hist = torch.stack([counts, s1, s2]).to(torch.int64)
+    scale = torch.exp2(torch.randint(30, 40, (e,), generator=g).float())
+    bias0 = torch.randn(e, generator=g) * 1e-4
+    want_bias, want_scale = ref_qb.qb_step_update(bias0, hist, scale, k, 0.0, "log_margin")
+    bias = bias0.clone().to(DEVICE)
+    bounds = scale.clone().to(DEVICE)
+    rejected = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    amdqb.qb_step_(
+        bias, hist.to(DEVICE), bounds, k, binning="log_margin", rejected=rejected, backend=backend
+    )
+    assert int(rejected) == 0
+    assert torch.equal(bias.cpu(), want_bias) and torch.equal(bounds.cpu(), want_scale), backend
+    plain_bias, _ = ref_qb.qb_step_update(bias0, hist[0], scale, k, 0.0, "log_margin")
+    assert not torch.equal(plain_bias, want_bias)  # the moments moved the quantile
+
+
+def test_balancer_routes_and_steps_with_moments():
     e, k = 32, 4
     bal = amdqb.QuantileBalancer(e, k, moments=True)
     assert bal.histogram.shape == (3, e, B) and bal.histogram.dtype == torch.int64

@@ -28,7 +28,7 @@ MAP_KINDS = ("bytemap", "bitmap", "indices")
 QB_MODES = ("two_kernel", "fused_atomic", "auto")
 
 
-# The capability limit of the kernel backends that do not accumulate the in-bin moments.
+# The capability limit of a router that does not accumulate the in-bin moments (hip's).
 MOMENTS_LIMIT = "the log_margin in-bin moments ([3, E, B] histogram) are not implemented"
 
 

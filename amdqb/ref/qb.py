@@ -51,6 +51,13 @@ def quantile_position(histogram: torch.Tensor, topk: int) -> tuple[torch.Tensor,
     and each row's count ``m``: ``beta`` = the first bin whose cumulative count reaches
     ``ceil(q)`` (``q = m*k/E``), plus ``clip((q - c) / h, 0, 1)`` with ``c`` the count before it
     and ``h`` its count."""
+    beta, frac, m = quantile_bin(histogram, topk)
+    return beta.double() + frac, m
+
+
+def quantile_bin(histogram: torch.Tensor, topk: int):
+    """``(beta int64 [E], frac float64 [E], m int64 [E])`` of :func:`quantile_position`: the
+    quantile's bin and the fraction inside it (1 where the quantile is the bin's last count)."""
     e, b = histogram.shape
     counts = histogram.to(torch.int64)
     cum = torch.cumsum(counts, dim=1)
@@ -61,7 +68,7 @@ def quantile_position(histogram: torch.Tensor, topk: int) -> tuple[torch.Tensor,
     before = torch.where(beta > 0, cum.gather(1, (beta - 1).clamp(min=0)[:, None]).squeeze(1), 0)
     h = counts.gather(1, beta[:, None]).squeeze(1)
     frac = torch.where(h > 0, (q - before.double()) / h.clamp(min=1).double(), 0.0).clamp(0.0, 1.0)
-    return beta.double() + frac, m
+    return beta, frac, m
 
 
 def recover_uncentred(histogram: torch.Tensor, bin_bounds: torch.Tensor, topk: int) -> torch.Tensor:
@@ -76,10 +83,10 @@ def recover_uncentred(histogram: torch.Tensor, bin_bounds: torch.Tensor, topk: i
     return bhat.float()
 
 
-def refine_in_bin(position: torch.Tensor, histogram: torch.Tensor) -> torch.Tensor:
-    """The quantile position with its fraction inside a fine-key bin taken from that bin's
-    in-bin moments (``histogram`` int64 ``[3, E, B]``, :func:`amdqb.ref.router.qb_histogram_counts`
-    with ``moments``), float64 ``[E]``.
+def refine_in_bin(histogram: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantile_position` of the counts of ``histogram`` (int64 ``[3, E, B]``,
+    :func:`amdqb.ref.router.qb_histogram_counts` with ``moments``) with its fraction inside a
+    fine-key bin taken from that bin's in-bin moments: ``(position float64 [E], m)``.
 
     With ``h`` the bin's count, ``f`` the fraction App. D interpolates (the share of the bin
     below the quantile), ``S1`` and ``S2`` the bin's sums of ``u`` and ``u^2``,
@@ -90,11 +97,10 @@ def refine_in_bin(position: torch.Tensor, histogram: torch.Tensor) -> torch.Tens
     bin at one margin, as at saturated logits, where an expert's margins sit at the other
     experts' bias gaps) gives its position. Bins that are not fine keys, and empty ones, keep
     ``f``."""
+    beta, frac, m = quantile_bin(histogram[0], topk)
     counts, s1, s2 = (histogram[i].to(torch.float64) for i in range(3))
     b = histogram.shape[-1]
     half, fine = b // 2, margin_fine_keys(b)
-    beta = torch.floor(position).clamp(0, b - 1).to(torch.int64)
-    frac = position - beta.double()
     h = counts.gather(1, beta[:, None]).squeeze(1)
     n = h.clamp(min=1.0)
     mean = s1.gather(1, beta[:, None]).squeeze(1) / n
@@ -104,8 +110,8 @@ def refine_in_bin(position: torch.Tensor, histogram: torch.Tensor) -> torch.Tens
     var = (second - mean * mean).clamp(min=0.0) / (unit * unit)
     refined = (mu + (frac - 0.5) * 2.0 * torch.sqrt(3.0 * var)).clamp(0.0, 1.0)
     on_fine = ((beta >= half - fine) & (beta < half)) | ((beta > half) & (beta <= half + fine))
-    on_fine = (beta != half) & on_fine & (h > 0)
-    return beta.double() + torch.where(on_fine, refined, frac)
+    on_fine = on_fine & (h > 0)
+    return beta.double() + torch.where(on_fine, refined, frac), m
 
 
 def recover_margin_delta(histogram: torch.Tensor, margin_scale: torch.Tensor, topk: int):
@@ -124,9 +130,10 @@ def recover_margin_delta(histogram: torch.Tensor, margin_scale: torch.Tensor, to
     b = histogram.shape[-1]
     half = b // 2
     fine = margin_fine_keys(b)
-    position, m = quantile_position(histogram[0] if histogram.dim() == 3 else histogram, topk)
     if histogram.dim() == 3:
-        position = refine_in_bin(position, histogram)
+        position, m = refine_in_bin(histogram, topk)
+    else:
+        position, m = quantile_position(histogram, topk)
     offset = position - half
     up = offset >= 1.0
     kappa = torch.where(up, offset - 1.0, -offset).clamp(min=0.0)

@@ -145,6 +145,7 @@ def _qb_rows_kernel(
     SINGLE: tl.constexpr,
     MARGIN: tl.constexpr,
     FINE: tl.constexpr,  # log_margin: the fine keys a side (amdqb.ref.router.margin_fine_keys)
+    MOMENTS: tl.constexpr,  # log_margin: int64 [3, E, B], the in-bin moments after the counts
     GUARD: tl.constexpr,
     ZOOM: tl.constexpr,  # log_margin scale update (amdqb.ref.qb.margin_scale_update)
     DECAY: tl.constexpr,
@@ -211,6 +212,23 @@ def _qb_rows_kernel(
     q = (m * topk).to(tl.float64) / E
     frac = tl.where(h > 0, (q - before.to(tl.float64)) / tl.maximum(h, 1).to(tl.float64), 0.0)
     frac = tl.minimum(tl.maximum(frac, 0.0), 1.0)
+    if MOMENTS:
+        # amdqb.ref.qb.refine_in_bin: the fraction inside a fine-key bin from its moments, the
+        # quantile of a uniform distribution with the bin's mean and variance
+        half = B // 2
+        on_fine = ((beta >= half - FINE) & (beta < half)) | ((beta > half) & (beta <= half + FINE))
+        on_fine = on_fine & (h > 0) & rm
+        at = hist_ptr + E * B + rbase + beta
+        s1 = tl.load(at, mask=on_fine, other=0).to(tl.float64)
+        s2 = tl.load(at + E * B, mask=on_fine, other=0).to(tl.float64)
+        n = tl.maximum(h, 1).to(tl.float64)
+        mean = s1 / n
+        second = s2 / n
+        mu = (mean + 0.5) / 256.0
+        var = tl.maximum(second - mean * mean, 0.0) / 65536.0
+        refined = mu + (frac - 0.5) * 2.0 * tl.sqrt(3.0 * var)  # f64: IEEE on both vendors
+        refined = tl.minimum(tl.maximum(refined, 0.0), 1.0)
+        frac = tl.where(on_fine, refined, frac)
     position = beta.to(tl.float64) + frac
     if MARGIN:
         # the zero bin [h, h+1) is delta = 0; kappa: the key position away from 0; level: the

@@ -192,6 +192,19 @@ def _margin_bins(d, inv, NBINS: tl.constexpr, FINE: tl.constexpr):
 
 
 @triton.jit
+def _margin_in_bin(d, inv, FINE: tl.constexpr):
+    """``(u, on)``: the margin's position inside its fine-key bin (``amdqb.ref.router.
+    qb_margin_in_bin``): the top 8 of the 22 fraction bits of ``y = 1 + |d| * inv`` below its
+    half-octave level, ``255 - u`` for ``d < 0``; ``on`` where the pair is on a fine key."""
+    bits = (1.0 + tl.abs(d) * inv).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    level = (bits >> 22) - 254
+    u = (bits >> 14) & 255
+    u = tl.where(d < 0.0, 255 - u, u)
+    on = (level >= 0) & (level < FINE) & (d != 0.0) & (d == d)
+    return u.to(tl.int64), on
+
+
+@triton.jit
 def _tie_free_values(z, b, APPROX: tl.constexpr):
     """``(s, v)``: the sigmoid and the tie-free selection value ``v = b - c``, ``c = sigmoid(-z)``
     from the sigmoid's own ``e = exp(-z)``: ``e * s`` for ``z >= 0``, ``1 - s`` below
@@ -283,6 +296,7 @@ def _router_fwd_kernel(
     TIE_FREE: tl.constexpr,  # select by b - sigmoid(-z) instead of s + b (sigmoid with a bias)
     MARGIN: tl.constexpr,  # QB binning: False uniform (r = alpha - s), True log_margin (d)
     FINE: tl.constexpr,  # log_margin: the fine keys a side (amdqb.ref.router.margin_fine_keys)
+    MOMENTS: tl.constexpr,  # log_margin: also the in-bin moments (int64 [3, E, B], QB == 1)
     SCORES: tl.constexpr,  # write the scores before the bias (scores_ptr, fp32 [T, E])
     CUTOFF: tl.constexpr,  # QB: write the cutoff alpha (cutoff_ptr, fp32 [T])
 ):
@@ -549,8 +563,14 @@ def _router_fwd_kernel(
             lower, scale = _qb_scale(bounds_ptr, NBINS)
             bins = _qb_bins(alpha[:, None] - wv, lower, scale, NBINS)
         if QB == 1:
-            ones = tl.full([BT, W], 1, dtype=tl.int32)
-            tl.atomic_add(hist_ptr + col[None, :] * NBINS + bins, ones, mask=mask2, sem="relaxed")
+            ones = tl.full([BT, W], 1, dtype=hist_ptr.dtype.element_ty)
+            slot = col[None, :] * NBINS + bins
+            tl.atomic_add(hist_ptr + slot, ones, mask=mask2, sem="relaxed")
+            if MOMENTS:  # planes 1 and 2 of the int64 [3, E, B] histogram: sums of u and u^2
+                u, on = _margin_in_bin(alpha[:, None] - sel, inv[None, :], FINE)
+                plane = hist_ptr + E * NBINS + slot
+                tl.atomic_add(plane, u, mask=mask2 & on, sem="relaxed")
+                tl.atomic_add(plane + E * NBINS, u * u, mask=mask2 & on, sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ import triton
 
 from ...ref import qb as R
 from ...ref.router import margin_fine_keys
-from ..calls import MOMENTS_LIMIT
 from . import _qb_kernels as K
 from ._common import on_device, pow2
 
@@ -30,7 +29,8 @@ def _qb_tiles(num_bins: int) -> tuple[int, int]:
 
 
 def _qb(histogram, bin_bounds, topk, bias, out, ema, step, binning, rejected=None, committed=None):
-    num_experts, num_bins = histogram.shape
+    num_experts, num_bins = histogram.shape[-2:]
+    moments = histogram.dim() == 3
     dev = histogram.device
     rows, bb = _qb_tiles(num_bins)
     rows = min(rows, pow2(num_experts))
@@ -45,7 +45,8 @@ def _qb(histogram, bin_bounds, topk, bias, out, ema, step, binning, rejected=Non
         K._qb_rows_kernel[(triton.cdiv(num_experts, rows),)](
             histogram, bin_bounds, bias if bias is not None else bhat, bhat, msum, scale,
             committed, num_experts, num_bins, topk, ROWS=rows, BB=bb, SINGLE=num_bins <= bb,
-            MARGIN=margin, FINE=margin_fine_keys(num_bins) if margin else 0, GUARD=guard,
+            MARGIN=margin, FINE=margin_fine_keys(num_bins) if margin else 0, MOMENTS=moments,
+            GUARD=guard,
             **_SCALE, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
         K._qb_finish_kernel[(1,)](
@@ -75,11 +76,4 @@ _SCALE = dict(
 )
 
 
-def qb_limits(info, request) -> str | None:
-    if request.moments:
-        return MOMENTS_LIMIT
-    return None
-
-
 OPS = {"qb_recover": qb_recover, "qb_step": qb_step}
-LIMITS = {"qb_recover": qb_limits, "qb_step": qb_limits}

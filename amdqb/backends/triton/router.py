@@ -7,7 +7,9 @@ with a correctly rounded ``B / (U - L)``). The selection is exact for every inpu
 probabilities agree with the oracle to fp32 rounding (the kernels' ``exp`` / division may differ
 from PyTorch's by an ulp), and the QB histogram is bitwise the oracle's when the oracle is evaluated
 on the kernels' own activations (``RouterCall.write_scores``). ``two_kernel`` and ``fused_atomic`` give
-bitwise-identical histograms (same jit helpers, integer counts).
+bitwise-identical histograms (same jit helpers, integer counts). With the log_margin in-bin moments
+(``RouterCall.qb_moments``, an int64 ``[3, E, B]`` histogram) the router's own pass adds counts and
+moments with 64-bit atomics whatever the mode: the counting kernel sees bins, not margins.
 
 Launch knobs are the ``triton.router.*`` entries of ``amdqb/configs`` (per architecture family):
 
@@ -52,7 +54,7 @@ from ... import configs
 from ...devices import device_info
 from ...ref.router import margin_fine_keys
 from .. import _serving
-from ..calls import MOMENTS_LIMIT, SCORE_CODES, RouterCall, TopkCall
+from ..calls import SCORE_CODES, RouterCall, TopkCall
 from . import _router_kernels as K
 from ._common import compile_options, floor_pow2, interpreting, on_device, pow2
 
@@ -256,6 +258,7 @@ def _launch_router(
     approx=False,
     tie_free=False,
     margin=False,
+    moments=False,
     scores=None,
     cutoff=None,
 ):
@@ -300,6 +303,7 @@ def _launch_router(
         TIE_FREE=bool(tie_free),
         MARGIN=bool(margin),
         FINE=margin_fine_keys(nbins) if margin else 0,
+        MOMENTS=bool(moments),
         SCORES=scores is not None,
         CUTOFF=cutoff is not None,
         num_warps=plan.num_warps,
@@ -327,8 +331,6 @@ def router_fwd(
     cutoff_out,
 ):
     call.check_forward(logits, qb_histogram)
-    if call.qb_moments:
-        raise NotImplementedError(f"triton router: {MOMENTS_LIMIT} (a declared capability limit)")
     T, E = logits.shape
     if T == 0:
         return
@@ -361,6 +363,9 @@ def router_fwd(
         margin = call.qb_binning == "log_margin"
         qb = dict(nbins=B, hist=qb_histogram, bounds=qb_bin_bounds, margin=margin)
         mode, lds_ok = _resolve_qb_mode(call.qb_mode, T, logits.device, family)
+        if call.qb_moments:  # the moments need each pair's margin: the router's own pass counts
+            _launch_router(logits, plan, **common, qb=1, cutoff=cutoff_out, moments=True, **qb)
+            return
         if mode == "fused_atomic":
             _launch_router(logits, plan, **common, qb=1, cutoff=cutoff_out, **qb)
             return
@@ -484,8 +489,8 @@ def router_fwd_limits(info, call: RouterCall) -> str | None:
     why = _row_limit(call.num_experts)
     if why is None and call.qb and call.num_experts * call.num_bins >= 2**31:
         why = "E * B >= 2^31 histogram bins (32-bit histogram offsets)"
-    if why is None and call.qb_moments:
-        why = MOMENTS_LIMIT
+    if why is None and call.qb_moments and 3 * call.num_experts * call.num_bins >= 2**31:
+        why = "3 * E * B >= 2^31 histogram entries (32-bit offsets of the moment planes)"
     return why
 
 

@@ -75,6 +75,7 @@ def test_public_signatures_match_spec():
         "binning",
         "num_bins",
         "selection",
+        "moments",
         "ema",
         "process_group",
         "device",

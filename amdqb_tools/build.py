@@ -88,6 +88,9 @@ def titled_variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
         (e, "float32", "sigmoid", {"tie_free": True}),
         # the balancer's default QB (tie-free, log_margin) in the fused mode: LDS bin counters
         (e, "float32", "sigmoid", {"tie_free": True, "margin_lds": True}),
+        # and with the in-bin moments (int64 [3, E, B]): LDS counters, and device atomics alone
+        (e, "float32", "sigmoid", {"tie_free": True, "margin_lds": True, "moments": True}),
+        (e, "float32", "sigmoid", {"tie_free": True, "moments": True}),
         (e, "float32", "sigmoid", {"approximate": True}),
         (129, "float16", "sqrtsoftplus", {}),
         (17, "float32", "softmax", {}),

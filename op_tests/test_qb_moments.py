@@ -2,8 +2,9 @@
 position inside its bin (``ref.router.qb_margin_in_bin``) against the bits it comes from, the
 int64 ``[3, E, B]`` histogram's planes against sums taken one pair at a time, the refined
 quantile (``ref.qb.refine_in_bin``) on an atom, on uniform counts and off the fine keys, the
-op-level checks, every backend's histogram planes and step against the oracle (hip's router
-declines the moments), and the balancer's recovery after a sudden shift at saturated logits."""
+op-level checks, every backend's histogram planes (hip's in each of its router kernels and counting
+modes) and step against the oracle, and the balancer's recovery after a sudden shift at saturated
+logits."""
 
 import dataclasses
 
@@ -12,7 +13,7 @@ import torch
 
 import amdqb
 from amdqb import dispatch, ref
-from amdqb.backends.calls import MOMENTS_LIMIT, QbRequest, RouterCall
+from amdqb.backends.calls import QbRequest, RouterCall
 from amdqb.ref import qb as ref_qb
 from amdqb.ref.router import (
     MARGIN_MOMENT_BITS,
@@ -22,7 +23,7 @@ from amdqb.ref.router import (
     qb_margin_in_bin,
 )
 
-from conftest import DEVICE, over_backends
+from conftest import DEVICE, over_backends, set_config
 from layout_cases import gen
 
 B = 64
@@ -196,7 +197,7 @@ def test_op_checks_name_the_histogram():
         amdqb.QuantileBalancer(e, k, binning="uniform", moments=True)
 
 
-def test_hip_declines_the_moments():
+def test_no_backend_declines_the_moments():
     info = dispatch.device_info(torch.device("cpu"))
     call = RouterCall(
         64, 4, qb_mode="auto", qb_binning="log_margin", selection="tie_free", num_bins=B
@@ -206,19 +207,31 @@ def test_hip_declines_the_moments():
         limits = getattr(dispatch._backend_module(backend), "LIMITS", {})
         check = limits.get("router_fwd", lambda info, call: None)
         assert check(info, call) is None, backend
-        assert (check(info, moments) == MOMENTS_LIMIT) == (backend == "hip"), backend
+        assert check(info, moments) is None, backend
         for op in ("qb_step", "qb_recover"):  # the recovery is every backend's
             qb = limits.get(op, lambda info, request: None)
             assert qb(info, QbRequest(num_bins=B, moments=True)) is None, (backend, op)
 
 
-@over_backends("router_fwd", waves=(32,))
-def test_router_planes_match_the_oracle(backend):
-    """Counts and moments of every backend that accumulates them, bitwise the oracle's on the
-    backend's own scores, on axes where many pairs fall on the fine keys; both QB modes (the
-    moments always count in the router's pass)."""
+# hip's router kernels and counting modes: the decode form (one block per token), the warp kernel
+# with device atomics, and the warp kernel counting the bins at or above the cutoff in LDS
+_HIP_KERNELS = {
+    "decode": {},
+    "warp": {"hip.router.decode_max_tokens_fused": 0, "hip.router.margin_lds": False},
+    "warp_lds": {"hip.router.decode_max_tokens_fused": 0, "hip.router.margin_lds": True},
+}
+
+
+@over_backends("router_fwd", waves=(32, 64), gcn=("gfx942",))
+@pytest.mark.parametrize("kernel", sorted(_HIP_KERNELS))
+def test_router_planes_match_the_oracle(backend, kernel, monkeypatch, emu_rt):
+    """Counts and moments of every backend, bitwise the oracle's on the backend's own scores, on
+    axes where many pairs fall on the fine keys; both QB modes (the moments always count in the
+    router's pass), hip in each of its kernels and counting modes."""
+    if backend != "hip" and kernel != "decode":
+        pytest.skip("hip's kernel variants: one run of every other backend")
     if backend == "hip":
-        pytest.skip("hip declines the in-bin moments (a declared capability limit)")
+        set_config(monkeypatch, _HIP_KERNELS[kernel])
     e, k, t = 48, 4, 200
     g = gen(8)
     logits = (torch.randn(t, e, generator=g) * 12).to(DEVICE)
@@ -235,6 +248,11 @@ def test_router_planes_match_the_oracle(backend):
         probs = torch.empty(t, e, device=DEVICE)
         routed = torch.empty(t, e, dtype=torch.bool, device=DEVICE)
         fn(call, logits, bias, probs, routed, hist, scale, scores, None)
+        if emu_rt is not None:  # the kernel the variant names ran, in the counting mode it names
+            routers = ("amdqb_router", "amdqb_router_decode")
+            name, _, _, smem = [x for x in emu_rt.launches if x[0] in routers][-1]
+            assert name == ("amdqb_router_decode" if kernel == "decode" else "amdqb_router")
+            assert (smem > 0) == (kernel == "warp_lds"), (kernel, smem)
         want = torch.zeros(3, e, B, dtype=torch.int64)
         ref.fused_topk_with_score_function(
             logits.cpu(), k, expert_bias=bias.cpu(), qb_histogram=want,

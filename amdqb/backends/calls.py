@@ -28,10 +28,6 @@ MAP_KINDS = ("bytemap", "bitmap", "indices")
 QB_MODES = ("two_kernel", "fused_atomic", "auto")
 
 
-# The capability limit of a router that does not accumulate the in-bin moments (hip's).
-MOMENTS_LIMIT = "the log_margin in-bin moments ([3, E, B] histogram) are not implemented"
-
-
 @dataclass(frozen=True)
 class RouterCall:
     """One call of the fused router (forward and backward share it).

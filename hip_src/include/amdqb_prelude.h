@@ -911,6 +911,16 @@ AMDQB_DEVICE int atomic_add_global(int* p, int v) {
 #endif
 }
 
+AMDQB_DEVICE u64 atomic_add_global(u64* p, u64 v) {
+#if defined(AMDQB_CUDA)
+  return atomicAdd(p, v);
+#elif defined(AMDQB_HIP) && defined(__HIP_MEMORY_SCOPE_AGENT)
+  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+#else
+  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+#endif
+}
+
 AMDQB_DEVICE int atomic_add_shared(int* p, int v) {
 #if defined(AMDQB_CUDA)
   return atomicAdd(p, v);

@@ -5,7 +5,8 @@
 //     j's own axis (inv_j, the reciprocal of its scale): the half-octave level
 //     L = ((bits(1 + |d| * inv_j) & 0x7fffffff) >> 22) - 254, the key L on the F fine keys and
 //     F + ((L - F) >> 3) beyond (4-octave coarse keys, at least 0); d > 0 counts in bin B/2 + 1 + min(key, B/2 - 2), d < 0 in
-//     B/2 - 1 - min(key, B/2 - 1), d == 0 in bin B/2; a NaN d counts in bin 0.
+//     B/2 - 1 - min(key, B/2 - 1), d == 0 in bin B/2; a NaN d counts in bin 0. A fine-key pair's
+//     position inside its bin feeds the histogram's in-bin moments (margin_bin_at).
 #pragma once
 
 #include "amdqb_activation.h"
@@ -75,19 +76,39 @@ AMDQB_DEVICE int qb_bin_of_logit(const QbCut& c, float z, float lower, float sca
 }
 
 // log_margin bin of the biased margin d: inv = 1/eps of the expert's margin axis, half = B / 2,
-// fine = F (amdqb.ref.router.margin_fine_keys). Integer arithmetic on the float bits: the same bin
-// on every device. Selects, no branches: the router bins every (token, expert) pair, and a branch
+// fine = F (amdqb.ref.router.margin_fine_keys), and the margin's position inside its bin
+// (amdqb.ref.router.qb_margin_in_bin): u, the top kMomentBits of y's 22 fraction bits below its
+// half-octave level (255 - u for d < 0: those bins descend with |d|), -1 off the fine keys (d
+// zero or NaN, a coarse or clamped key). Integer arithmetic on the float bits: the same bin on
+// every device. Selects, no branches: the router bins every (token, expert) pair, and a branch
 // per pair kept each pair's axis load behind its own test (sm_90: one L1 round trip per pair).
-AMDQB_DEVICE int margin_bin(float d, float inv, int half, int fine) {
+// Callers that do not use u leave its instructions to dead-code elimination.
+constexpr int kMomentBits = 8;  // amdqb.ref.router.MARGIN_MOMENT_BITS
+constexpr int kMomentMax = (1 << kMomentBits) - 1;
+struct MarginBin {
+  int bin;
+  int u;
+};
+AMDQB_DEVICE MarginBin margin_bin_at(float d, float inv, int half, int fine) {
   const float y = 1.0f + fabsf(d) * inv;
   // |y|'s bits: a NaN y (unchecked bounds) is the same bin on every device whatever its sign bit
-  const int level = (int)((float_bits(y) & 0x7fffffffu) >> 22) - 254;
+  const u32 bits = float_bits(y) & 0x7fffffffu;
+  const int level = (int)(bits >> 22) - 254;
   int key = level < fine ? level : fine + ((level - fine) >> 3);
   key = key < 0 ? 0 : key;  // y >= 1 for every valid scale; unchecked bounds stay in the row
   const int up = half + 1 + (key < half - 2 ? key : half - 2);
   const int down = half - 1 - (key < half - 1 ? key : half - 1);
   const int bin = d > 0.0f ? up : d == 0.0f ? half : down;  // d == 0: the token's own cutoff
-  return d != d ? 0 : bin;
+  const int pos = (int)(bits >> (22 - kMomentBits)) & kMomentMax;
+  const bool on_fine = level >= 0 && level < fine && d != 0.0f && d == d;
+  MarginBin m;
+  m.bin = d != d ? 0 : bin;
+  m.u = on_fine ? (d < 0.0f ? kMomentMax - pos : pos) : -1;
+  return m;
+}
+
+AMDQB_DEVICE int margin_bin(float d, float inv, int half, int fine) {
+  return margin_bin_at(d, inv, half, fine).bin;
 }
 
 }  // namespace amdqb

@@ -6,7 +6,8 @@
 //   AMDQB_NUM_EXPERTS (E), AMDQB_IN_DTYPE (0 fp32, 1 fp16, 2 bf16), AMDQB_SCORE (0 sigmoid,
 //   1 sqrtsoftplus, 2 softmax), AMDQB_APPROX_ACTIVATION (0 exact), AMDQB_TIE_FREE (1: rank
 //   sigmoid scores by b - sigmoid(-z) instead of s + b), AMDQB_MARGIN_LDS (1: amdqb_router
-//   counts the fused log_margin histogram in LDS, qb_mode kQbMarginLds), AMDQB_ROUTER_WARPS
+//   counts the fused log_margin histogram in LDS, qb_mode kQbMarginLds), AMDQB_MOMENTS (1: the
+//   log_margin histogram is int64 [3, E, B] with the in-bin moments), AMDQB_ROUTER_WARPS
 //   (tokens in flight per block), AMDQB_ROUTER_CAP (candidate buffer, the largest Top-n),
 //   AMDQB_ROUTER_MIN_BLOCKS (NVIDIA register cap), AMDQB_DECODE_EPW (experts per warp of the
 //   decode kernel), AMDQB_QB_HIST_BLOCK / _UNROLL / _MIN_BLOCKS (the histogram pass), and
@@ -36,7 +37,10 @@
 // margin d = alpha - value_j of every expert from its key on the expert's own axis (margin_bin;
 // bounds holds the inverse scales [E]); the fused mode adds them up with atomics (amdqb_router:
 // the bins at or above the cutoff's in 8-bit LDS counters, kQbMarginLds), the two-kernel mode
-// stores them as bytes [T, E] for amdqb_qb_hist_bins. All modes give identical histograms.
+// stores them as bytes [T, E] for amdqb_qb_hist_bins. All modes give identical histograms. The
+// AMDQB_MOMENTS build (fused modes only) counts into the int64 plane 0 of a [3, E, B] histogram and
+// adds each fine-key pair's in-bin position u and u * u to planes 1 and 2 with 64-bit device
+// atomics (amdqb.ref.router.qb_histogram_counts).
 // (QB is sigmoid-only at the op level.)
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
@@ -47,7 +51,8 @@
 using namespace amdqb;
 
 #if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_SCORE) ||            \
-    !defined(AMDQB_TIE_FREE) || !defined(AMDQB_MARGIN_LDS) || !defined(AMDQB_ROUTER_WARPS) ||      \
+    !defined(AMDQB_TIE_FREE) || !defined(AMDQB_MARGIN_LDS) || !defined(AMDQB_MOMENTS) ||           \
+    !defined(AMDQB_ROUTER_WARPS) ||                                                                \
     !defined(AMDQB_ROUTER_CAP) || !defined(AMDQB_ROUTER_MIN_BLOCKS) ||                             \
     !defined(AMDQB_DECODE_EPW) || !defined(AMDQB_QB_HIST_BLOCK) ||                                 \
     !defined(AMDQB_QB_HIST_UNROLL) || !defined(AMDQB_QB_HIST_MIN_BLOCKS)
@@ -559,9 +564,33 @@ AMDQB_DEVICE void for_margin_bins(const i32 (&key)[V], Base base, Valid valid, i
     for (int g = 0; g < MARGIN_GROUP; ++g) {
       const int j = j0 + g;
       if (j < V && valid(j))
-        out(base(j) + lane, margin_bin(alpha - key_value(key[j]), axis[g], half, fine));
+        out(base(j) + lane, margin_bin_at(alpha - key_value(key[j]), axis[g], half, fine));
     }
   }
+}
+
+// Adds c to bin i of the histogram's counts: int32 [E, B], or plane 0 of the AMDQB_MOMENTS build's
+// int64 [3, E, B].
+AMDQB_DEVICE void add_count(int* hist, i64 i, int c) {
+#if AMDQB_MOMENTS
+  atomic_add_global(reinterpret_cast<u64*>(hist) + i, (u64)c);
+#else
+  atomic_add_global(hist + i, c);
+#endif
+}
+
+// The AMDQB_MOMENTS build: a fine-key pair's in-bin position u (m.u >= 0) and u * u added to bin i
+// of planes 1 and 2 of the int64 [3, E, B] histogram (plane = E * B entries).
+AMDQB_DEVICE void add_moments(int* hist, i64 i, i64 plane, MarginBin m) {
+#if AMDQB_MOMENTS
+  if (m.u >= 0) {
+    u64* const sums = reinterpret_cast<u64*>(hist) + plane + i;
+    atomic_add_global(sums, (u64)m.u);
+    atomic_add_global(sums + plane, (u64)(m.u * m.u));
+  }
+#else
+  (void)hist, (void)i, (void)plane, (void)m;
+#endif
 }
 
 template <int V, typename Base, typename Valid>
@@ -569,20 +598,26 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
                                   float alpha, const float* inv, int num_bins, int fine,
                                   int qb_mode, int* hist, u8* bins_out, int* lds) {
   const int half = num_bins >> 1;
+  const i64 plane = (i64)E * num_bins;
   if (AMDQB_MARGIN_LDS && qb_mode == kQbMarginLds) {
-    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine, [&](int e, int bin) {
-      if (bin >= half)
-        atomic_add_shared(&lds[margin_lds_word(e, bin - half)], 1 << (8 * ((bin - half) & 3)));
+    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine, [&](int e, MarginBin m) {
+      const i64 i = (i64)e * num_bins + m.bin;
+      if (m.bin >= half)
+        atomic_add_shared(&lds[margin_lds_word(e, m.bin - half)], 1 << (8 * ((m.bin - half) & 3)));
       else
-        atomic_add_global(&hist[(i64)e * num_bins + bin], 1);
+        add_count(hist, i, 1);
+      add_moments(hist, i, plane, m);
     });
   } else if (qb_mode == kQbFused || qb_mode == kQbMarginLds) {  // the latter: a build without LDS
-    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine,
-                    [&](int e, int bin) { atomic_add_global(&hist[(i64)e * num_bins + bin], 1); });
+    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine, [&](int e, MarginBin m) {
+      const i64 i = (i64)e * num_bins + m.bin;
+      add_count(hist, i, 1);
+      add_moments(hist, i, plane, m);
+    });
   } else {
     u8* const row = bins_out + t * E;
     for_margin_bins(key, base, valid, lane, alpha, inv, half, fine,
-                    [&](int e, int bin) { row[e] = (u8)bin; });
+                    [&](int e, MarginBin m) { row[e] = (u8)m.bin; });
   }
 }
 
@@ -598,7 +633,7 @@ AMDQB_DEVICE void flush_margin_lds(const int* lds, int num_bins, int* hist) {
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
       const int c = (int)((word >> (8 * v)) & 0xffu);
-      if (c != 0) atomic_add_global(&hist[(i64)e * num_bins + b0 + v], c);
+      if (c != 0) add_count(hist, (i64)e * num_bins + b0 + v, c);
     }
   }
 }

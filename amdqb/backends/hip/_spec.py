@@ -121,13 +121,15 @@ def router_module(
     approximate: bool = False,
     tie_free: bool = False,
     margin_lds: bool = False,
+    moments: bool = False,
 ) -> ModuleSpec:
     """router.hip for one expert count, logits dtype and score function. ``min_blocks`` replaces
     the config's register cap (the launcher's few-token build); ``approximate`` builds the opt-in
     approximate activation instead of torch's exact one; ``tie_free`` the tie-free selection
     (sigmoid: ranks by ``b - sigmoid(-z)``); ``margin_lds`` the build whose amdqb_router counts
     the fused log_margin histogram in LDS (a build of its own: the other builds keep the
-    registers they had without it)."""
+    registers they had without it); ``moments`` the build whose fused log_margin histogram is
+    int64 ``[3, E, B]`` with the in-bin moments."""
     blocks = router_min_blocks(cfg, num_experts) if min_blocks is None else min_blocks
     return ModuleSpec(
         "router.hip",
@@ -138,6 +140,7 @@ def router_module(
             ("AMDQB_APPROX_ACTIVATION", "1" if approximate else "0"),
             ("AMDQB_TIE_FREE", "1" if tie_free else "0"),
             ("AMDQB_MARGIN_LDS", "1" if margin_lds else "0"),
+            ("AMDQB_MOMENTS", "1" if moments else "0"),
             ("AMDQB_ROUTER_WARPS", str(int(cfg["hip.router.warps"]))),
             ("AMDQB_ROUTER_CAP", str(int(cfg["hip.router.cap"]))),
             ("AMDQB_ROUTER_MIN_BLOCKS", str(int(blocks))),

@@ -33,7 +33,7 @@ import torch
 
 from ... import configs
 from ...ref.router import margin_fine_keys
-from ..calls import MOMENTS_LIMIT, RouterCall
+from ..calls import RouterCall
 from . import _spec
 from ._common import cdiv, config, dev, ptr
 from ._spec import arg_i32
@@ -82,6 +82,7 @@ def router_spec(
     tie_free=False,
     approximate=False,
     margin_lds=False,
+    moments=False,
 ) -> _spec.ModuleSpec:
     """The router module for these logits. On runtimes whose launch bounds cap registers by
     resident blocks (NVIDIA), up to ``hip.router.few_tokens`` tokens and 256 < E <= 1024 it is the
@@ -105,6 +106,7 @@ def router_spec(
         tie_free=tie_free,
         approximate=approximate,
         margin_lds=margin_lds,
+        moments=moments,
     )
 
 
@@ -192,6 +194,7 @@ def _launch_router(
     w_out=None,
     id_out=None,
     margin=False,
+    moments=False,
     bins_out=None,
     decode_max_tokens=0,
     tie_free=False,
@@ -213,12 +216,16 @@ def _launch_router(
     margin_lds = (
         not decode and smem > 0 and cfg["hip.router.margin_lds"] and smem <= rt.smem_budget(device)
     )
-    spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free, approximate, margin_lds)
+    spec = router_spec(
+        logits, score_function, cfg, rt, tokens, tie_free, approximate, margin_lds, moments
+    )
     if margin_lds and smem > rt.dynamic_smem_budget(rt.kernel(device, spec, "amdqb_router")):
         # with the build's static LDS (the rows' buffers, the bias) the block would exceed the
         # budget: device atomics
         margin_lds = False
-        spec = router_spec(logits, score_function, cfg, rt, tokens, tie_free, approximate, False)
+        spec = router_spec(
+            logits, score_function, cfg, rt, tokens, tie_free, approximate, False, moments
+        )
     params = _spec.RouterParams.of(
         logits=_addr(logits),
         bias=_addr(bias),
@@ -297,8 +304,6 @@ def router_fwd(
     call.check_forward(logits, qb_histogram)
     if call.grouped:
         raise NotImplementedError("hip router: grouped Top-k is a declared capability limit")
-    if call.qb_moments:
-        raise NotImplementedError(f"hip router: {MOMENTS_LIMIT} (a declared capability limit)")
     tokens, num_experts = logits.shape
     if tokens == 0:
         return
@@ -309,6 +314,10 @@ def router_fwd(
     qb_mode = call.qb_mode
     if qb_mode == "auto":
         qb_mode = auto_qb_mode(tokens, num_experts, cfg)
+    if call.qb_moments:
+        # the moments are summed where the bins are taken: in the router (the counting pass of
+        # the two-kernel mode sees bin bytes only)
+        qb_mode = "fused_atomic"
     if call.map_kind == "indices":
         kind = _INDEX_KINDS[map_out.dtype]
     else:
@@ -344,6 +353,7 @@ def router_fwd(
         num_bins=num_bins,
         alpha=alpha,
         margin=margin,
+        moments=call.qb_moments,
         bins_out=bins,
         decode_max_tokens=cfg[
             "hip.router.decode_max_tokens_fused" if fused else "hip.router.decode_max_tokens"
@@ -483,8 +493,6 @@ def router_fwd_limits(info, call: RouterCall) -> str | None:
     why = topk_limits(info, call.num_experts, call.grouped, call.num_selected)
     if why is None and call.qb and call.num_bins > MAX_QB_BINS:
         why = f"QB num_bins={call.num_bins} > {MAX_QB_BINS} (LDS row)"
-    if why is None and call.qb_moments:
-        why = MOMENTS_LIMIT
     return why
 
 

@@ -746,7 +746,7 @@ bad(
     QR,
     recover(binning="log_margin", histogram=hist(E, 65), bin_bounds=_f32([10.0] * E)),
     ValueError,
-    "even bin count",
+    "even B",
 )
 bad("recover backend", QR, recover(backend="x"), ValueError, "backend")
 good(

@@ -248,6 +248,61 @@ STRIDES: dict[str, dict[str, str]] = {
 }
 
 
+def check_qb_histogram(
+    name: str,
+    histogram,
+    binning: str,
+    *,
+    accumulated: bool,
+    num_experts: int | None = None,
+    device=None,
+    max_bins: int | None = None,
+) -> tuple[int, int, bool]:
+    """A Quantile Balancing histogram: contiguous integer ``[E, B]``, or ``[3, E, B]`` (the
+    counts and the log_margin in-bin moments); ``E == num_experts`` where given, else ``E >= 2``;
+    ``2 <= B`` (``<= max_bins`` where given) and, for log_margin, an even B in the margin axis's
+    range. ``accumulated``: the router adds into it, so its type is the kernels' (int32
+    ``[E, B]``, int64 ``[3, E, B]``); the steps read it and take either integer type. Returns
+    ``(E, B, moments)``."""
+    from ..ref.router import MAX_MARGIN_BINS, MIN_MARGIN_BINS
+
+    check_tensor(
+        name, histogram, dtypes=(torch.int32, torch.int64), min_dim=2, device=device,
+        contiguous=True,
+    )  # fmt: skip
+    shape = tuple(histogram.shape)
+    moments = histogram.dim() == 3 and shape[0] == 3
+    experts, bins = shape[-2:]
+    want_e = "E >= 2" if num_experts is None else f"E={num_experts}"
+    if (
+        (histogram.dim() != 2 and not moments)
+        or (num_experts is None and experts < 2)
+        or (num_experts is not None and experts != num_experts)
+    ):
+        raise ValueError(
+            f"{name} must be [E, B] or [3, E, B] (the counts and the log_margin in-bin "
+            f"moments) with {want_e}, got {shape}"
+        )
+    if moments and binning != "log_margin":
+        raise ValueError(
+            f"{name} [3, E, B] (the in-bin moments) needs the log_margin binning, got {binning!r}"
+        )
+    want = torch.int64 if moments else torch.int32
+    if accumulated and histogram.dtype != want:
+        raise TypeError(f"{name} must be {want} with shape {shape}, got {histogram.dtype}")
+    if bins < 2 or (max_bins is not None and bins > max_bins):
+        want_b = "B >= 2" if max_bins is None else f"2 <= B <= {max_bins}"
+        raise ValueError(f"{name} needs {want_b} bins, got B={bins}")
+    if binning == "log_margin" and not (
+        MIN_MARGIN_BINS <= bins <= MAX_MARGIN_BINS and bins % 2 == 0
+    ):
+        raise ValueError(
+            f"{name}: the log_margin binning needs an even B (bin count) in [{MIN_MARGIN_BINS}, "
+            f"{MAX_MARGIN_BINS}], got B={bins}"
+        )
+    return experts, bins, moments
+
+
 def check_contiguous(name: str, value: torch.Tensor) -> torch.Tensor:
     """A ``CONTIGUOUS`` argument (every output and in-place buffer is one, or ``STRIDED``)."""
     if not value.is_contiguous():

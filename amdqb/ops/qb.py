@@ -29,13 +29,14 @@ import torch
 
 from .. import dispatch, ref
 from .._library import impl, kernel_op
-from ..ref.router import BINNINGS, MAX_MARGIN_BINS, MIN_MARGIN_BINS
+from ..ref.router import BINNINGS
 from ._checks import (
     FLOAT_DTYPES,
     check_backend,
     check_choice,
     check_float,
     check_int,
+    check_qb_histogram,
     check_tensor,
 )
 
@@ -116,29 +117,9 @@ def check_histogram(histogram, bin_bounds, topk, binning="uniform") -> int:
     read outside graph capture) and ``topk``."""
     from .router import check_qb_bounds_shape, validate_qb_bin_bounds
 
-    check_tensor(
-        "histogram", histogram, dtypes=(torch.int32, torch.int64), min_dim=2, contiguous=True
-    )
+    check_qb_histogram("histogram", histogram, binning, accumulated=False, max_bins=MAX_BINS)
     _check_not_meta("histogram", histogram)
-    if histogram.dim() == 3 and (histogram.shape[0] != 3 or binning != "log_margin"):
-        raise ValueError(
-            "a 3-D histogram is [3, E, B] (counts and in-bin moments) with binning='log_margin', "
-            f"got shape {tuple(histogram.shape)} with binning={binning!r}"
-        )
-    if histogram.dim() > 3:
-        raise ValueError(f"histogram must be [E, B] or [3, E, B], got {tuple(histogram.shape)}")
-    num_experts, num_bins = histogram.shape[-2:]
-    if num_experts < 2 or not 2 <= num_bins <= MAX_BINS:
-        raise ValueError(
-            f"histogram must be [E >= 2, 2 <= B <= {MAX_BINS}], got {tuple(histogram.shape)}"
-        )
-    if binning == "log_margin" and not (
-        MIN_MARGIN_BINS <= num_bins <= MAX_MARGIN_BINS and num_bins % 2 == 0
-    ):
-        raise ValueError(
-            f"the log_margin histogram needs an even bin count in [{MIN_MARGIN_BINS}, "
-            f"{MAX_MARGIN_BINS}], got B={num_bins}"
-        )
+    num_experts = histogram.shape[-2]
     check_qb_bounds_shape(bin_bounds, binning, num_experts, histogram.device, "bin_bounds")
     topk = check_int("topk", topk, low=1, high=num_experts - 1)
     validate_qb_bin_bounds(bin_bounds, binning, name="bin_bounds")

@@ -45,7 +45,7 @@ from ..backends.calls import (
     RouterCall,
     TopkCall,
 )
-from ..ref.router import MAX_MARGIN_BINS, MIN_MARGIN_BINS, unpack_bitmap
+from ..ref.router import unpack_bitmap
 from ._checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -57,6 +57,7 @@ from ._checks import (
     check_groups,
     check_int,
     check_no_overlap,
+    check_qb_histogram,
     check_tensor,
     static_int,
 )
@@ -368,41 +369,10 @@ def fused_topk_with_score_function(
                 f"num_experts={num_experts}"
             )
         qb_histogram_mode = _qb_mode(qb_histogram_mode)
-        check_tensor(
-            "qb_histogram",
-            qb_histogram,
-            dtypes=(torch.int32, torch.int64),
-            min_dim=2,
+        check_qb_histogram(
+            "qb_histogram", qb_histogram, qb_binning, accumulated=True, num_experts=num_experts,
             device=device,
-            contiguous=True,
-        )
-        moments = qb_histogram.dim() == 3 and qb_histogram.shape[0] == 3
-        if qb_histogram.shape[-2] != num_experts or (qb_histogram.dim() != 2 and not moments):
-            raise ValueError(
-                f"qb_histogram must have shape [E={num_experts}, B] (or [3, E, B]: with the "
-                f"log_margin in-bin moments), got {tuple(qb_histogram.shape)}"
-            )
-        want = torch.int64 if moments else torch.int32
-        if qb_histogram.dtype != want:
-            raise TypeError(
-                f"qb_histogram must be {want} with shape {tuple(qb_histogram.shape)}, got "
-                f"{qb_histogram.dtype}"
-            )
-        if moments and qb_binning != "log_margin":
-            raise ValueError(
-                "qb_histogram [3, E, B] (in-bin moments) needs qb_binning='log_margin', got "
-                f"{qb_binning!r}"
-            )
-        num_bins = qb_histogram.shape[-1]
-        if num_bins < 2:
-            raise ValueError(f"qb_histogram needs B >= 2 bins, got B={num_bins}")
-        if qb_binning == "log_margin" and not (
-            MIN_MARGIN_BINS <= num_bins <= MAX_MARGIN_BINS and num_bins % 2 == 0
-        ):
-            raise ValueError(
-                f"qb_binning='log_margin' needs an even B in [{MIN_MARGIN_BINS}, "
-                f"{MAX_MARGIN_BINS}] (qb_histogram [E, B]), got B={num_bins}"
-            )
+        )  # fmt: skip
         if selection == "tie_free" and qb_binning != "log_margin":
             raise ValueError("selection='tie_free' under QB needs qb_binning='log_margin'")
         check_qb_bounds_shape(qb_bin_bounds, qb_binning, num_experts, device, "qb_bin_bounds")

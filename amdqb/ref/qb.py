@@ -98,13 +98,13 @@ def refine_in_bin(histogram: torch.Tensor, topk: int) -> tuple[torch.Tensor, tor
     experts' bias gaps) gives its position. Bins that are not fine keys, and empty ones, keep
     ``f``."""
     beta, frac, m = quantile_bin(histogram[0], topk)
-    counts, s1, s2 = (histogram[i].to(torch.float64) for i in range(3))
+    # the quantile bin's count and sums (exact int64, then float64)
+    h, s1, s2 = histogram.gather(2, beta.expand(3, -1)[:, :, None]).squeeze(2).to(torch.float64)
     b = histogram.shape[-1]
     half, fine = b // 2, margin_fine_keys(b)
-    h = counts.gather(1, beta[:, None]).squeeze(1)
     n = h.clamp(min=1.0)
-    mean = s1.gather(1, beta[:, None]).squeeze(1) / n
-    second = s2.gather(1, beta[:, None]).squeeze(1) / n
+    mean = s1 / n
+    second = s2 / n
     unit = float(1 << MARGIN_MOMENT_BITS)
     mu = (mean + 0.5) / unit
     var = (second - mean * mean).clamp(min=0.0) / (unit * unit)

@@ -209,6 +209,15 @@ def margin_fine_keys(num_bins: int) -> int:
     return num_bins // 2 - MARGIN_COARSE_KEYS
 
 
+def _margin_y_bits(margin: torch.Tensor, margin_scale: torch.Tensor):
+    """``(d, bits)``: the fp32 margins and the bits of ``|y|``, ``y = 1 + |d| * inv_j`` in fp32
+    (two roundings, no contraction), as int64 -- the bin and the in-bin position both come from
+    them (a NaN y from unchecked bounds: the same bits whatever its sign)."""
+    d = margin.float()
+    y = 1.0 + d.abs() * margin_scale.float()
+    return d, y.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+
+
 def qb_margin_bin_index(
     margin: torch.Tensor, margin_scale: torch.Tensor, num_bins: int
 ) -> torch.Tensor:
@@ -223,12 +232,9 @@ def qb_margin_bin_index(
     at least 0. With ``h = B/2``: ``d > 0`` counts in bin ``h + 1 + min(key, h - 2)``, ``d < 0`` in
     ``h - 1 - min(key, h - 1)`` and ``d == 0`` (the token's own cutoff expert) in bin ``h``, a bin
     of width 0. Bins ascend with d."""
-    inv = margin_scale.float()
-    d = margin.float()
-    y = 1.0 + d.abs() * inv
-    # |y|'s bits (a NaN y from unchecked bounds: the same bin whatever its sign bit), and a key
-    # clamped at 0 (y >= 1 for every valid scale)
-    level = ((y.view(torch.int32).to(torch.int64) & 0x7FFFFFFF) >> 22) - 254
+    d, bits = _margin_y_bits(margin, margin_scale)
+    # a key clamped at 0 (y >= 1 for every valid scale)
+    level = (bits >> 22) - 254
     fine = margin_fine_keys(num_bins)
     key = torch.where(level < fine, level, fine + ((level - fine) >> MARGIN_COARSE_SHIFT))
     half = num_bins // 2
@@ -246,9 +252,7 @@ def qb_margin_in_bin(
     of ``y = 1 + |d| * inv_j`` below its half-octave level; ``255 - u`` for ``d < 0``, whose bins
     descend with ``|d|``), and -1 where the pair is not on a fine key (``d`` zero or NaN, or a
     coarse or clamped key): the pairs whose moments :func:`qb_histogram_counts` adds."""
-    d = margin.float()
-    y = 1.0 + d.abs() * margin_scale.float()
-    bits = y.view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    d, bits = _margin_y_bits(margin, margin_scale)
     level = (bits >> 22) - 254
     u = (bits >> (22 - MARGIN_MOMENT_BITS)) & MARGIN_MOMENT_MAX
     u = torch.where(d < 0, MARGIN_MOMENT_MAX - u, u)

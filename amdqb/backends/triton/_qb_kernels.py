@@ -146,6 +146,7 @@ def _qb_rows_kernel(
     MARGIN: tl.constexpr,
     FINE: tl.constexpr,  # log_margin: the fine keys a side (amdqb.ref.router.margin_fine_keys)
     MOMENTS: tl.constexpr,  # log_margin: int64 [3, E, B], the in-bin moments after the counts
+    MBITS: tl.constexpr,  # the in-bin position's bits (amdqb.ref.router.MARGIN_MOMENT_BITS)
     GUARD: tl.constexpr,
     ZOOM: tl.constexpr,  # log_margin scale update (amdqb.ref.qb.margin_scale_update)
     DECAY: tl.constexpr,
@@ -224,8 +225,9 @@ def _qb_rows_kernel(
         n = tl.maximum(h, 1).to(tl.float64)
         mean = s1 / n
         second = s2 / n
-        mu = (mean + 0.5) / 256.0
-        var = tl.maximum(second - mean * mean, 0.0) / 65536.0
+        # the positions' unit, 2^MBITS (a power of two: the divisions are exact scalings)
+        mu = (mean + 0.5) / (1 << MBITS)
+        var = tl.maximum(second - mean * mean, 0.0) / ((1 << MBITS) * (1 << MBITS))
         refined = mu + (frac - 0.5) * 2.0 * tl.sqrt(3.0 * var)  # f64: IEEE on both vendors
         refined = tl.minimum(tl.maximum(refined, 0.0), 1.0)
         frac = tl.where(on_fine, refined, frac)

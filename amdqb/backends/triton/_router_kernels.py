@@ -174,34 +174,30 @@ def _qb_bins(r, lower, scale, NBINS: tl.constexpr):
 
 
 @triton.jit
-def _margin_bins(d, inv, NBINS: tl.constexpr, FINE: tl.constexpr):
-    """log_margin bin of the biased margin d (``amdqb.ref.router.qb_margin_bin_index``), ``inv``
-    the experts' inverse scales: the half-octave level
-    ``L = ((bits(1 + |d| * inv) & 0x7fffffff) >> 22) - 254``, the key ``L`` below FINE and ``FINE + ((L - FINE) >> 3)`` beyond; ``d > 0`` in bin
+def _margin_bins(d, inv, NBINS: tl.constexpr, FINE: tl.constexpr, MBITS: tl.constexpr):
+    """``(bins, u, on)``: the log_margin bin of the biased margin d
+    (``amdqb.ref.router.qb_margin_bin_index``), ``inv`` the experts' inverse scales: the
+    half-octave level ``L = ((bits(1 + |d| * inv) & 0x7fffffff) >> 22) - 254``, the key ``L``
+    below FINE and ``FINE + ((L - FINE) >> 3)`` beyond; ``d > 0`` in bin
     ``B/2 + 1 + min(key, B/2 - 2)``, ``d < 0`` in ``B/2 - 1 - min(key, B/2 - 1)``, ``d == 0`` in
-    bin ``B/2``; NaN -> 0. Integer arithmetic on the float bits, the same on every device."""
+    bin ``B/2``; NaN -> 0. Integer arithmetic on the float bits, the same on every device. And
+    from the same bits the margin's position inside its bin (``qb_margin_in_bin``): ``u``, the
+    top MBITS of y's 22 fraction bits below its level (``2^MBITS - 1 - u`` for ``d < 0``), ``on``
+    where the pair is on a fine key (unused results cost nothing: the compiler drops them)."""
     y = 1.0 + tl.abs(d) * inv
     # |y|'s bits: a NaN y (unchecked bounds) is the same bin on every device whatever its sign
-    level = ((y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >> 22) - 254
+    bits = y.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    level = (bits >> 22) - 254
     # y >= 1 for every valid scale; the clamp keeps unchecked bounds inside the row
     key = tl.maximum(tl.where(level < FINE, level, FINE + ((level - FINE) >> 3)), 0)
     up = NBINS // 2 + 1 + tl.minimum(key, NBINS // 2 - 2)
     down = NBINS // 2 - 1 - tl.minimum(key, NBINS // 2 - 1)
     bins = tl.where(d > 0.0, up, tl.where(d < 0.0, down, NBINS // 2))
-    return tl.where(d != d, 0, bins)
-
-
-@triton.jit
-def _margin_in_bin(d, inv, FINE: tl.constexpr):
-    """``(u, on)``: the margin's position inside its fine-key bin (``amdqb.ref.router.
-    qb_margin_in_bin``): the top 8 of the 22 fraction bits of ``y = 1 + |d| * inv`` below its
-    half-octave level, ``255 - u`` for ``d < 0``; ``on`` where the pair is on a fine key."""
-    bits = (1.0 + tl.abs(d) * inv).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    level = (bits >> 22) - 254
-    u = (bits >> 14) & 255
-    u = tl.where(d < 0.0, 255 - u, u)
+    top = (1 << MBITS) - 1
+    u = (bits >> (22 - MBITS)) & top
+    u = tl.where(d < 0.0, top - u, u)
     on = (level >= 0) & (level < FINE) & (d != 0.0) & (d == d)
-    return u.to(tl.int64), on
+    return tl.where(d != d, 0, bins), u.to(tl.int64), on
 
 
 @triton.jit
@@ -297,6 +293,7 @@ def _router_fwd_kernel(
     MARGIN: tl.constexpr,  # QB binning: False uniform (r = alpha - s), True log_margin (d)
     FINE: tl.constexpr,  # log_margin: the fine keys a side (amdqb.ref.router.margin_fine_keys)
     MOMENTS: tl.constexpr,  # log_margin: also the in-bin moments (int64 [3, E, B], QB == 1)
+    MBITS: tl.constexpr,  # the in-bin position's bits (amdqb.ref.router.MARGIN_MOMENT_BITS)
     SCORES: tl.constexpr,  # write the scores before the bias (scores_ptr, fp32 [T, E])
     CUTOFF: tl.constexpr,  # QB: write the cutoff alpha (cutoff_ptr, fp32 [T])
 ):
@@ -554,7 +551,7 @@ def _router_fwd_kernel(
             # expert's axis (bounds: the inverse scales [E]); the two-kernel mode stores the
             # bins ([T, E] bytes) for the counting pass
             inv = tl.load(bounds_ptr + col, mask=valid, other=1.0)
-            bins = _margin_bins(alpha[:, None] - sel, inv[None, :], NBINS, FINE)
+            bins, u, on = _margin_bins(alpha[:, None] - sel, inv[None, :], NBINS, FINE, MBITS)
             if QB == 2:
                 tl.store((cut_ptr + rbase)[:, None] + col[None, :], bins.to(tl.uint8), mask=mask2)
         elif QB == 2:
@@ -567,7 +564,6 @@ def _router_fwd_kernel(
             slot = col[None, :] * NBINS + bins
             tl.atomic_add(hist_ptr + slot, ones, mask=mask2, sem="relaxed")
             if MOMENTS:  # planes 1 and 2 of the int64 [3, E, B] histogram: sums of u and u^2
-                u, on = _margin_in_bin(alpha[:, None] - sel, inv[None, :], FINE)
                 plane = hist_ptr + E * NBINS + slot
                 tl.atomic_add(plane, u, mask=mask2 & on, sem="relaxed")
                 tl.atomic_add(plane + E * NBINS, u * u, mask=mask2 & on, sem="relaxed")

@@ -14,7 +14,7 @@ import torch
 import triton
 
 from ...ref import qb as R
-from ...ref.router import margin_fine_keys
+from ...ref.router import MARGIN_MOMENT_BITS, margin_fine_keys
 from . import _qb_kernels as K
 from ._common import on_device, pow2
 
@@ -46,7 +46,7 @@ def _qb(histogram, bin_bounds, topk, bias, out, ema, step, binning, rejected=Non
             histogram, bin_bounds, bias if bias is not None else bhat, bhat, msum, scale,
             committed, num_experts, num_bins, topk, ROWS=rows, BB=bb, SINGLE=num_bins <= bb,
             MARGIN=margin, FINE=margin_fine_keys(num_bins) if margin else 0, MOMENTS=moments,
-            GUARD=guard,
+            MBITS=MARGIN_MOMENT_BITS, GUARD=guard,
             **_SCALE, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
         K._qb_finish_kernel[(1,)](

@@ -52,7 +52,7 @@ import triton
 
 from ... import configs
 from ...devices import device_info
-from ...ref.router import margin_fine_keys
+from ...ref.router import MARGIN_MOMENT_BITS, margin_fine_keys
 from .. import _serving
 from ..calls import SCORE_CODES, RouterCall, TopkCall
 from . import _router_kernels as K
@@ -304,6 +304,7 @@ def _launch_router(
         MARGIN=bool(margin),
         FINE=margin_fine_keys(nbins) if margin else 0,
         MOMENTS=bool(moments),
+        MBITS=MARGIN_MOMENT_BITS,
         SCORES=scores is not None,
         CUTOFF=cutoff is not None,
         num_warps=plan.num_warps,

@@ -50,8 +50,9 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _pick(rows, **want):
+    """The first row with these fields (``moments`` False matches rows without the field)."""
     for r in rows:
-        if all(r.get(k) == v for k, v in want.items()):
+        if all(r.get(k, False if k == "moments" else None) == v for k, v in want.items()):
             return r
     return None
 
@@ -69,7 +70,9 @@ def router(results, arch):
         approx = _pick(rows, T=t, backend=b, mode="noqb", activation="approximate")
         uni = _pick(rows, T=t, backend=b, mode="auto", binning="uniform")
         lm = _pick(rows, T=t, backend=b, mode="auto", binning="log_margin", selection="te")
-        tf = _pick(rows, T=t, backend=b, mode="auto", binning="log_margin", selection="tie_free")
+        margin = dict(T=t, backend=b, mode="auto", binning="log_margin", selection="tie_free")
+        tf = _pick(rows, **margin, moments=False)
+        mom = _pick(rows, **margin, moments=True)
         torch_qb = _pick(rows, T=t, mode="te_style_qb")
         out.append(
             [
@@ -83,6 +86,8 @@ def router(results, arch):
                 _us(lm and lm["us"]),
                 _x(lm and lm.get("qb/noqb")),
                 _us(tf and tf["us"]),
+                _us(mom and mom["us"]),
+                _x(mom and mom.get("qb/noqb")),
                 _us(torch_qb and torch_qb["us"]),
             ]
         )
@@ -97,11 +102,13 @@ def router(results, arch):
         "QB log_margin µs",
         "log_margin / no QB",
         "+ tie_free µs",
+        "+ moments µs",
+        "moments / no QB",
         "PyTorch QB µs",
     ]
     note = (
         f'backend: `{b}`; QB columns: `qb_histogram_mode="auto"`; uniform B=1000, log_margin '
-        "B=64; approx. activation: no QB with `approximate_activation=True`; copy floor: a device "
+        "B=64; + moments: tie_free with the in-bin moments (the balancer's default); approx. activation: no QB with `approximate_activation=True`; copy floor: a device "
         "copy of the router's own bytes (logits in, probs and byte map out) in the same run"
     )
     return note + "\n\n" + _table(header, out)

@@ -5,7 +5,7 @@ mode, per backend, next to a TE-style pure-PyTorch QB baseline; and the serving 
 Shapes follow docs/targets.md: E=896, k=16, fp32 logits, T in {256, 1024, 4096, 8192, 16384}; QB with
 ``qb_binning="uniform"`` (K3's histogram, B=1000) and ``"log_margin"`` (B=64, the balancer's
 default), each in ``two_kernel`` / ``fused_atomic`` / ``auto``, and log_margin with the tie-free
-selection. Rows carry ``qb/noqb`` (over the same backend's exact no-QB router), the histogram's
+selection, with and without the in-bin moments (int64 ``[3, E, B]``: the balancer's default). Rows carry ``qb/noqb`` (over the same backend's exact no-QB router), the histogram's
 all-reduce volume per balancer step, and ``floor_us`` / ``x_floor``: a device copy of the
 router's own traffic (logits in, probs and byte map out) timed in the same alternation, and the
 row's ratio to it. ``biased_topk``'s rows carry the launch floor (a one-element add) the same
@@ -36,12 +36,14 @@ from .common import (
     time_alternating,
 )
 
-# (binning, selection, bins): the QB variants timed. uniform is K3's (TE-exact) histogram;
-# log_margin with B=64 is the balancer's default; tie_free needs log_margin.
+# (binning, selection, bins, moments): the QB variants timed. uniform is K3's (TE-exact)
+# histogram; log_margin with B=64, tie_free and the in-bin moments is the balancer's default;
+# tie_free needs log_margin.
 QB_VARIANTS = (
-    ("uniform", "te", 1000),
-    ("log_margin", "te", 64),
-    ("log_margin", "tie_free", 64),
+    ("uniform", "te", 1000, False),
+    ("log_margin", "te", 64, False),
+    ("log_margin", "tie_free", 64, False),
+    ("log_margin", "tie_free", 64, True),
 )
 HIST_MODES = ("two_kernel", "fused_atomic", "auto")
 
@@ -79,20 +81,27 @@ def _qb_call(logits, topk, bias, hist, bounds, binning, selection, mode, backend
     )
 
 
-def _check_router(backend, logits, bias, topk, bounds, binning, selection, num_bins):
+def _histogram(num_experts, num_bins, moments, device):
+    """A zeroed QB histogram: int32 ``[E, B]``, or int64 ``[3, E, B]`` with the moments."""
+    if moments:
+        return torch.zeros(3, num_experts, num_bins, dtype=torch.int64, device=device)
+    return torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
+
+
+def _check_router(backend, logits, bias, topk, bounds, binning, selection, num_bins, moments):
     """Routes, probs and histograms of ``backend`` against the oracle; raises on a mismatch."""
     t, e = logits.shape
     hists, outs = {}, {}
     for mode in HIST_MODES:
-        hist = torch.zeros(e, num_bins, dtype=torch.int32, device=logits.device)
+        hist = _histogram(e, num_bins, moments, logits.device)
         outs[mode] = _qb_call(logits, topk, bias, hist, bounds, binning, selection, mode, backend)
         hists[mode] = hist
-    what = f"{backend} {binning}/{selection}"
+    what = f"{backend} {binning}/{selection}" + (" moments" if moments else "")
     interpreted = backend == "triton" and interpreting()
     for mode in HIST_MODES[1:]:
         if not torch.equal(hists["two_kernel"], hists[mode]):
             raise AssertionError(f"{what}: two_kernel and {mode} histograms differ")
-    if not torch.all(hists["two_kernel"].sum(1) == t):
+    if not torch.all(hists["two_kernel"].reshape(-1, e, num_bins)[0].sum(1) == t):
         raise AssertionError(f"{what}: histogram rows do not sum to T={t}")
     hist_ref = torch.zeros_like(hists["two_kernel"])
     probs_ref, _, rmap_ref = ref.fused_topk_with_score_function(
@@ -138,14 +147,14 @@ def run(
     bw, _ = copy_bandwidth(device, cfg=cfg) if device.type == "cuda" else (float("nan"), 0)
     env["copy_GBps"] = bw
     backends = backends_for("router_fwd", device)
-    bins = {f"{b}/{s}": n for b, s, n in QB_VARIANTS}
+    bins = {f"{b}/{s}": n for b, s, n, _ in QB_VARIANTS}
     shape = dict(E=num_experts, k=topk, B=bins, dtype="fp32", bias="randn*0.05")
     report = Report("router", env, shape=shape)
     serving = Report("biased_topk", env, shape=dict(E=num_experts, k=topk, dtype="fp32"))
     g = torch.Generator(device="cpu").manual_seed(0)
     progress = Progress(len(tokens) + len(decode_tokens), "router")
     bias = (torch.randn(num_experts, generator=g) * 0.05).to(device)
-    bounds = {binning: _bounds(binning, bias) for binning, _, _ in QB_VARIANTS}
+    bounds = {binning: _bounds(binning, bias) for binning, _, _, _ in QB_VARIANTS}
     for t in tokens:
         logits = torch.randn(t, num_experts, generator=g).to(device)
         impls, meta = {}, {}
@@ -156,12 +165,12 @@ def run(
                     logits, topk, expert_bias=bias, approximate_activation=a, backend=n
                 )
                 meta[key] = dict(backend=name, mode="noqb", activation=_act(approximate))
-            for binning, selection, num_bins in QB_VARIANTS:
+            for binning, selection, num_bins, moments in QB_VARIANTS:
                 lim = bounds[binning]
-                _check_router(name, logits, bias, topk, lim, binning, selection, num_bins)
-                hist = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
+                _check_router(name, logits, bias, topk, lim, binning, selection, num_bins, moments)
+                hist = _histogram(num_experts, num_bins, moments, device)
                 for mode in HIST_MODES:
-                    key = f"{name}:{binning}:{selection}:{mode}"
+                    key = f"{name}:{binning}:{selection}{':moments' if moments else ''}:{mode}"
                     impls[key] = lambda n=name, b=binning, s=selection, m=mode, h=hist, lim=lim: (
                         _qb_call(logits, topk, bias, h, lim, b, s, m, n)
                     )
@@ -171,6 +180,7 @@ def run(
                         binning=binning,
                         selection=selection,
                         B=num_bins,
+                        moments=moments,
                         activation="exact",
                     )
         hist = torch.zeros(num_experts, 1000, dtype=torch.int32, device=device)
@@ -194,7 +204,9 @@ def run(
                 row["%copy"] = 100 * row["GB/s"] / bw
             noqb = times.get(f"{row['backend']}:noqb")
             if "binning" in row:
-                row["allreduce_bytes"] = num_experts * row["B"] * 4  # int32 histogram per step
+                # the histogram per step: int32 [E, B], or int64 [3, E, B] with the moments
+                planes = 3 * 8 if row.get("moments") else 4
+                row["allreduce_bytes"] = num_experts * row["B"] * planes
                 if noqb:
                     row["qb/noqb"] = us / noqb
             report.add(**row)

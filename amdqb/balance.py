@@ -4,7 +4,8 @@ aux-loss-free baseline and the load metrics.
 ``QuantileBalancer(num_experts, topk)`` balances from its first step, at any logit scale: it
 routes by the tie-free selection ``b - sigmoid(-z)`` (no fp32 ties once the sigmoid saturates)
 and recovers each expert's bias change from a 64-bin histogram of its biased margin on the
-expert's own log axis (``binning="log_margin"``, ``docs/qb_binning.md``). K3's uniform histogram
+expert's own log axis (``binning="log_margin"``, ``docs/qb_binning.md``), placing the quantile
+inside its bin by the bin's own mean and variance (the in-bin moments). K3's uniform histogram
 with TransformerEngine's selection is the explicit TE-exact option:
 ``QuantileBalancer(num_experts, topk, binning="uniform")``.
 
@@ -14,8 +15,9 @@ It owns buffers whose addresses never change:
 * ``bin_bounds`` fp32            the histogram's axis: ``[L, U]`` for the uniform binning
   (initialised to ``[-1, 1]``), the per-expert inverse scales ``[E]`` for log_margin
   (initialised to ``2^68``: the first step sees any correction from ``2^-68`` to 1);
-* ``histogram``  int32 ``[E, B]`` counts accumulated by every routed (micro)batch since the last step
-  (int64 ``[3, E, B]`` with ``moments``: the counts, then the in-bin moments);
+* ``histogram``  accumulated by every routed (micro)batch since the last step: int64
+  ``[3, E, B]`` with ``moments`` (log_margin's default: the counts, then the in-bin moments),
+  else int32 ``[E, B]`` counts;
 * ``rejected_steps`` int32 ``[1]`` steps whose candidate state was not committed.
 
 ``step()`` sums the histogram over ``process_group`` (one integer all-reduce, so the recovered
@@ -29,7 +31,7 @@ commits nothing and counts in ``rejected_steps``; a bias or bounds overwritten w
 values from outside are restored from the last committed state before the update.
 
 Capacity: the int32 histogram holds at most ``2**31 - 1`` tokens per bin and step, summed over the
-ranks of the process group. ``route`` refuses a batch that would pass ``2**31 - 1`` tokens since
+ranks of the process group (the int64 planes of the moments keep the same bound). ``route`` refuses a batch that would pass ``2**31 - 1`` tokens since
 the last ``step`` (a host count, no device read). The count also runs while a graph is captured,
 so a captured sequence is checked once, at capture; its replays are not seen by the host. A
 graph that routes and steps starts every replay from a zeroed histogram; one replayed without a
@@ -86,15 +88,16 @@ class QuantileBalancer:
         selection: ``"tie_free"`` (``b - sigmoid(-z)``: no fp32 ties once the sigmoid saturates;
             the default with log_margin) or ``"te"`` (TE's ``s + b``: the default, and the only
             choice, with uniform).
-        moments: log_margin only: the histogram also sums each fine-key bin's in-bin position
-            and its square (``histogram`` int64 ``[3, E, B]``: a pair adds up to ``255**2``),
-            and the step places the quantile inside its bin by those moments instead of
-            interpolating linearly (``docs/qb_binning.md``). At saturated logits an expert's
-            margins are atoms at the other experts' bias gaps: the moments place an atom to
-            1/256 of its bin, where the interpolation can miss it by the bin's width (41% of
-            the margin), which after a sudden shift of the router costs 2-3 steps. The torch and
-            Triton backends run it (the router counts the moments in its own pass); hip's
-            router declines it, so the dispatcher picks Triton there.
+        moments: log_margin: the histogram also sums each fine-key bin's in-bin position and
+            its square (``histogram`` int64 ``[3, E, B]``: a pair adds up to ``255**2``), and
+            the step places the quantile inside its bin by those moments instead of
+            interpolating linearly (``docs/qb_binning.md``). ``None`` (default): on with
+            log_margin, off with uniform (which has none); ``False`` keeps the int32 ``[E, B]``
+            counts alone. At saturated logits an expert's margins are atoms at the other
+            experts' bias gaps: the moments place an atom to 1/256 of its bin, where the
+            interpolation can miss it by the bin's width (41% of the margin), which after a
+            sudden shift of the router costs 2-3 steps. Every backend's router counts them in
+            its own pass.
         ema: weight of the previous bias in ``new = ema*old + (1-ema)*recovered`` (0 = K3).
         process_group: a ``torch.distributed`` process group to all-reduce the histogram over;
             ``None`` uses the default group when torch.distributed is initialised, else no
@@ -110,7 +113,7 @@ class QuantileBalancer:
         binning: str = "log_margin",
         num_bins: Optional[int] = None,
         selection: Optional[str] = None,
-        moments: bool = False,
+        moments: Optional[bool] = None,
         ema: float = 0.0,
         process_group=None,
         device: Optional[torch.device | str] = None,
@@ -137,7 +140,7 @@ class QuantileBalancer:
                 f"num_experts * num_bins = {num_experts * num_bins} histogram counts exceed "
                 f"{MAX_HISTOGRAM} (num_experts={num_experts}, num_bins={num_bins})"
             )
-        moments = check_bool("moments", moments)
+        moments = binning == "log_margin" if moments is None else check_bool("moments", moments)
         if moments and binning != "log_margin":
             raise ValueError("moments=True needs binning='log_margin' (the in-bin moments)")
         ema = check_float("ema", ema)

@@ -113,7 +113,7 @@ def test_study_slice(kind, std):
     finally:
         torch.set_num_threads(threads)
     ref, k3 = (cell["metrics"][n] for n in ("exact64", "qb_uniform"))
-    for name in ("qb_default", "qb_moments"):
+    for name in ("qb_default", "qb_no_moments"):
         row = cell["metrics"][name]
         assert row["late_ratio"] <= 1.10, (name, row)
         assert row["first_hit"] is not None and row["first_hit"] <= 3, (name, row)

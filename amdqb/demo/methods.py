@@ -6,9 +6,10 @@ logits every step.
 * ``qb_uniform`` -- K3 Quantile Balancing with TransformerEngine's histogram and selection,
   ``amdqb.QuantileBalancer(E, k, binning="uniform")`` (B = 1000 bins of ``[min b - 1, max b + 1]``);
 * ``qb_default`` -- ``amdqb.QuantileBalancer(E, k)``: the tie-free selection and each expert's
-  biased margin on its own log axis (B = 64);
-* ``qb_moments`` (not in the default list) -- the default with the histogram's in-bin moments,
-  ``amdqb.QuantileBalancer(E, k, moments=True)``;
+  biased margin on its own log axis (B = 64), the quantile placed inside its bin by the bin's
+  in-bin moments;
+* ``qb_no_moments`` (not in the default list) -- the default without the in-bin moments (linear
+  interpolation inside the bin), ``amdqb.QuantileBalancer(E, k, moments=False)``;
 * ``qb_exact``   -- QB with the exact, bin-free quantile of the fp32 router, ``amdqb.qb_exact_bias``
   (TE's ``s + b`` selection, fp32: it ties once the sigmoid saturates);
 * ``qb_exact_tie_free`` (an ablation, not in the default list) -- the default balancer's fp32
@@ -37,7 +38,7 @@ SHORT = {
     "qb_default": "default",
     "qb_exact": "exact32",
     "qb_exact_tie_free": "exact32tf",
-    "qb_moments": "moments",
+    "qb_no_moments": "no_moments",
     "exact64": "exact64",
 }
 
@@ -170,7 +171,7 @@ class Reference(Method):
 def build_methods(
     names, experts, topk, device, *, uniform_bins=1000, margin_bins=64, aux_rate=1e-3
 ):
-    """The methods ``names`` (of ``METHOD_NAMES``, ``REFERENCE``, ``qb_moments`` and
+    """The methods ``names`` (of ``METHOD_NAMES``, ``REFERENCE``, ``qb_no_moments`` and
     ``qb_exact_tie_free``), in that order."""
     make = {
         "none": lambda: Method(experts, topk, device),
@@ -189,17 +190,17 @@ def build_methods(
             topk,
             device,
             "qb_default",
-            f"QB default (log_margin B={margin_bins}, tie-free)",
+            f"QB default (log_margin B={margin_bins}, tie-free, in-bin moments)",
             num_bins=margin_bins,
         ),
-        "qb_moments": lambda: QBBalancer(
+        "qb_no_moments": lambda: QBBalancer(
             experts,
             topk,
             device,
-            "qb_moments",
-            f"QB default + in-bin moments (log_margin B={margin_bins}, tie-free)",
+            "qb_no_moments",
+            f"QB log_margin B={margin_bins}, tie-free, no in-bin moments",
             num_bins=margin_bins,
-            moments=True,
+            moments=False,
         ),
         "qb_exact": lambda: QBExact(experts, topk, device),
         "qb_exact_tie_free": lambda: QBExactTieFree(experts, topk, device),

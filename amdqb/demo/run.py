@@ -130,7 +130,7 @@ def balance_metrics(series: dict, window: int, shift_at: int | None = None) -> d
     return out
 
 
-STUDY_METHODS = ("qb_default", "qb_moments", "qb_uniform")
+STUDY_METHODS = ("qb_default", "qb_no_moments", "qb_uniform")
 
 
 def suite_case(

@@ -78,7 +78,8 @@ def _hit(value) -> str:
 
 
 def table(results: dict) -> str:
-    """Markdown: one row per cell, the reference's numbers next to each method's."""
+    """Markdown: one row per cell, the reference's numbers next to each method's ("-" where a
+    cell has no series of a method)."""
     head = (
         "| shape | stream | std | ref late | ref first | default late x | default first | "
         "no-moments late x | no-moments first | K3 late x | K3 first |"
@@ -87,8 +88,6 @@ def table(results: dict) -> str:
     for key, cell in results["cells"].items():
         shape, kind, std, _ = key.split("/")
         m = cell["metrics"]
-        ref, d, u = m["exact64"], m["qb_default"], m["qb_uniform"]
-        x = m.get("qb_no_moments")  # cells measured before the moments existed have none
 
         def first(row, shifted=cell["shift_at"] is not None):
             text = _hit(row["first_hit"])
@@ -96,11 +95,14 @@ def table(results: dict) -> str:
                 text += f" / {_hit(row['first_hit_after_shift'])} (peak {row['recovery_peak']:.2f})"
             return text
 
-        moments = f"{x['late_ratio']:.3f} | {first(x)}" if x else "- | -"
+        def cols(name, digits=3, m=m):
+            row = m.get(name)
+            return f"{row['late_ratio']:.{digits}f} | {first(row)}" if row else "- | -"
+
+        ref = m["exact64"]
         lines.append(
             f"| {shape} | {kind} | {std[3:]} | {ref['late']:.3f} | {first(ref)} | "
-            f"{d['late_ratio']:.3f} | {first(d)} | {moments} | {u['late_ratio']:.2f} | "
-            f"{first(u)} |"
+            f"{cols('qb_default')} | {cols('qb_no_moments')} | {cols('qb_uniform', 2)} |"
         )
     return "\n".join(lines)
 

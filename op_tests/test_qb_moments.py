@@ -14,6 +14,7 @@ import torch
 import amdqb
 from amdqb import dispatch, ref
 from amdqb.backends.calls import QbRequest, RouterCall
+from amdqb.backends.hip import router as hip_router
 from amdqb.ref import qb as ref_qb
 from amdqb.ref.router import (
     MARGIN_MOMENT_BITS,
@@ -214,11 +215,13 @@ def test_no_backend_declines_the_moments():
 
 
 # hip's router kernels and counting modes: the decode form (one block per token), the warp kernel
-# with device atomics, and the warp kernel counting the bins at or above the cutoff in LDS
+# with device atomics, and the warp kernel counting the bins at or above the cutoff in LDS (the
+# fused mode; the two-kernel mode's router writes bins and positions for amdqb_qb_hist_bins)
+_WARP = {"hip.router.decode_max_tokens": 0, "hip.router.decode_max_tokens_fused": 0}
 _HIP_KERNELS = {
     "decode": {},
-    "warp": {"hip.router.decode_max_tokens_fused": 0, "hip.router.margin_lds": False},
-    "warp_lds": {"hip.router.decode_max_tokens_fused": 0, "hip.router.margin_lds": True},
+    "warp": {**_WARP, "hip.router.margin_lds": False},
+    "warp_lds": {**_WARP, "hip.router.margin_lds": True},
 }
 
 
@@ -226,13 +229,17 @@ _HIP_KERNELS = {
 @pytest.mark.parametrize("kernel", sorted(_HIP_KERNELS))
 def test_router_planes_match_the_oracle(backend, kernel, monkeypatch, emu_rt):
     """Counts and moments of every backend, bitwise the oracle's on the backend's own scores, on
-    axes where many pairs fall on the fine keys; both QB modes (the moments always count in the
-    router's pass), hip in each of its kernels and counting modes."""
+    axes where many pairs fall on the fine keys; both QB modes (Triton's always count in the
+    router's pass, hip's two-kernel mode in its counting kernel), hip in each of its kernels and
+    counting modes."""
     if backend != "hip" and kernel != "decode":
         pytest.skip("hip's kernel variants: one run of every other backend")
     if backend == "hip":
         set_config(monkeypatch, _HIP_KERNELS[kernel])
-    e, k, t = 48, 4, 200
+        if kernel == "warp":  # slices of at most 16 tokens: the bound of the int32 LDS sums
+            monkeypatch.setattr(hip_router, "MOMENTS_MAX_SLICE", 16)
+    # E=45 on the warp kernel: the counting kernel's one-byte reads (vec 1), else 4 at once
+    e, k, t = 45 if kernel == "warp" else 48, 4, 200
     g = gen(8)
     logits = (torch.randn(t, e, generator=g) * 12).to(DEVICE)
     bias = (torch.randn(e, generator=g) * 1e-6).to(DEVICE)
@@ -252,7 +259,12 @@ def test_router_planes_match_the_oracle(backend, kernel, monkeypatch, emu_rt):
             routers = ("amdqb_router", "amdqb_router_decode")
             name, _, _, smem = [x for x in emu_rt.launches if x[0] in routers][-1]
             assert name == ("amdqb_router_decode" if kernel == "decode" else "amdqb_router")
-            assert (smem > 0) == (kernel == "warp_lds"), (kernel, smem)
+            lds = kernel == "warp_lds" and mode == "fused_atomic"
+            assert (smem > 0) == lds, (kernel, mode, smem)
+            counted, grid = emu_rt.launches[-1][:2]  # the last: after amdqb_router_scores
+            assert (counted == "amdqb_qb_hist_bins") == (mode == "two_kernel"), (kernel, mode)
+            if counted == "amdqb_qb_hist_bins" and kernel == "warp":
+                assert grid[1] >= -(-t // 16), grid
         want = torch.zeros(3, e, B, dtype=torch.int64)
         ref.fused_topk_with_score_function(
             logits.cpu(), k, expert_bias=bias.cpu(), qb_histogram=want,

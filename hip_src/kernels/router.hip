@@ -38,9 +38,10 @@
 // bounds holds the inverse scales [E]); the fused mode adds them up with atomics (amdqb_router:
 // the bins at or above the cutoff's in 8-bit LDS counters, kQbMarginLds), the two-kernel mode
 // stores them as bytes [T, E] for amdqb_qb_hist_bins. All modes give identical histograms. The
-// AMDQB_MOMENTS build (fused modes only) counts into the int64 plane 0 of a [3, E, B] histogram and
-// adds each fine-key pair's in-bin position u and u * u to planes 1 and 2 with 64-bit device
-// atomics (amdqb.ref.router.qb_histogram_counts).
+// AMDQB_MOMENTS build counts into the int64 plane 0 of a [3, E, B] histogram and adds each
+// fine-key pair's in-bin position u and u * u to planes 1 and 2 (amdqb.ref.router.
+// qb_histogram_counts): the fused modes with 64-bit device atomics, the two-kernel mode through a
+// byte of each position beside the bins, summed by amdqb_qb_hist_bins in LDS.
 // (QB is sigmoid-only at the op level.)
 #include "amdqb_prelude.h"
 #include "amdqb_activation.h"
@@ -52,10 +53,10 @@ using namespace amdqb;
 
 #if !defined(AMDQB_NUM_EXPERTS) || !defined(AMDQB_IN_DTYPE) || !defined(AMDQB_SCORE) ||            \
     !defined(AMDQB_TIE_FREE) || !defined(AMDQB_MARGIN_LDS) || !defined(AMDQB_MOMENTS) ||           \
-    !defined(AMDQB_ROUTER_WARPS) ||                                                                \
-    !defined(AMDQB_ROUTER_CAP) || !defined(AMDQB_ROUTER_MIN_BLOCKS) ||                             \
-    !defined(AMDQB_DECODE_EPW) || !defined(AMDQB_QB_HIST_BLOCK) ||                                 \
-    !defined(AMDQB_QB_HIST_UNROLL) || !defined(AMDQB_QB_HIST_MIN_BLOCKS)
+    !defined(AMDQB_ROUTER_WARPS) || !defined(AMDQB_ROUTER_CAP) ||                                  \
+    !defined(AMDQB_ROUTER_MIN_BLOCKS) || !defined(AMDQB_DECODE_EPW) ||                             \
+    !defined(AMDQB_QB_HIST_BLOCK) || !defined(AMDQB_QB_HIST_UNROLL) ||                             \
+    !defined(AMDQB_QB_HIST_MIN_BLOCKS)
 #error "router.hip needs its -D constants (amdqb.backends.hip._spec.router_module)"
 #endif
 #if AMDQB_ROUTER_CAP % 32 != 0 || AMDQB_ROUTER_WARPS * 32 > 1024
@@ -593,9 +594,13 @@ AMDQB_DEVICE void add_moments(int* hist, i64 i, i64 plane, MarginBin m) {
 #endif
 }
 
+// The two-kernel mode writes each pair's bin as a byte of bins_out [T, E]; the AMDQB_MOMENTS build
+// also its in-bin position, max(u, 0), as a byte of the plane after it (bins_out [2, T, E]; tokens
+// = T): amdqb_qb_hist_bins sums both, and a pair off the fine keys adds 0 to the moments, as in
+// the oracle.
 template <int V, typename Base, typename Valid>
 AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, int lane, i64 t,
-                                  float alpha, const float* inv, int num_bins, int fine,
+                                  i64 tokens, float alpha, const float* inv, int num_bins, int fine,
                                   int qb_mode, int* hist, u8* bins_out, int* lds) {
   const int half = num_bins >> 1;
   const i64 plane = (i64)E * num_bins;
@@ -616,8 +621,11 @@ AMDQB_DEVICE void margin_bins_out(const i32 (&key)[V], Base base, Valid valid, i
     });
   } else {
     u8* const row = bins_out + t * E;
-    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine,
-                    [&](int e, MarginBin m) { row[e] = (u8)m.bin; });
+    for_margin_bins(key, base, valid, lane, alpha, inv, half, fine, [&](int e, MarginBin m) {
+      row[e] = (u8)m.bin;
+      if (AMDQB_MOMENTS) row[tokens * E + e] = (u8)(m.u > 0 ? m.u : 0);
+    });
+    (void)tokens;
   }
 }
 
@@ -837,8 +845,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
         const float alpha = key_value(b.skey[topk]);  // the (k+1)-th selection value
         if (alpha_out != nullptr && lane == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
         if (qb_binning == kLogMargin) {
-          margin_bins_out(key, base, valid, l32, t, alpha, bounds, num_bins, margin_fine, qb_mode,
-                          hist, bins_out, margin_lds);
+          margin_bins_out(key, base, valid, l32, t, num_tokens, alpha, bounds, num_bins,
+                          margin_fine, qb_mode, hist, bins_out, margin_lds);
         } else if (qb_mode == kQbFused) {
           const QbCut cut = qb_cut(alpha, qb_lower, qb_scale);
           // QB is sigmoid-only: the bin needs the logit alone
@@ -1050,8 +1058,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) AMDQB_DECODE_WAVES
     const float alpha = key_value(sh_topkey[topk]);              // the (k+1)-th: the cutoff alpha
     if (alpha_out != nullptr && tid == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
     if (qb_binning == kLogMargin) {
-      margin_bins_out(key, base, valid, lane, t, alpha, bounds, num_bins, margin_fine, qb_mode,
-                      hist, bins_out, nullptr);
+      margin_bins_out(key, base, valid, lane, t, num_tokens, alpha, bounds, num_bins, margin_fine,
+                      qb_mode, hist, bins_out, nullptr);
     } else if (qb_mode == kQbFused) {
       const float lower = bounds[0];
       const float qscale = (float)num_bins / (bounds[1] - lower);
@@ -1204,7 +1212,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(AMDQB_QB_HIST_BLOCK, AMDQB_QB_HIST_MIN
 // row padding puts the same bin of neighbouring experts in different banks: with B a multiple of
 // 32 the near-cutoff bins every expert counts would otherwise serialise a warp's atomics. vec = 4:
 // each thread reads 4 consecutive experts' bins with one 32-bit load (E and experts_per_block
-// multiples of 4), else 1. Dynamic shared memory: experts_per_block * (num_bins + 1) ints.
+// multiples of 4), else 1. Dynamic shared memory: experts_per_block * (num_bins + 1) ints. The
+// AMDQB_MOMENTS build reads the positions' plane after the bins (bins [2, T, E]) and adds u and
+// u * u into two more LDS planes of that size (int32: the launcher keeps a slice at most
+// MOMENTS_MAX_SLICE tokens, 32768 * 255^2 < 2^31), flushed into planes 1 and 2 of the int64
+// [3, E, B] histogram with the counts in plane 0.
+constexpr int kPlanes = AMDQB_MOMENTS ? 3 : 1;
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
     amdqb_qb_hist_bins(const u8* bins, int num_tokens, int num_bins, int experts_per_block,
                        int tokens_per_slice, int vec, int* hist) {
@@ -1213,35 +1226,65 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(AMDQB_QB_HIST_BLOCK)
   const int nt = (int)blockDim.x;
   const int epb = experts_per_block;
   const int stride = num_bins + 1;
+  const int lds_plane = epb * stride;
   const int e0 = (int)blockIdx.x * epb;
   const int ne = E - e0 < epb ? E - e0 : epb;
   const i64 t0 = (i64)blockIdx.y * tokens_per_slice;
   const i64 t1 = t0 + tokens_per_slice < num_tokens ? t0 + tokens_per_slice : (i64)num_tokens;
-  for (int i = tid; i < epb * stride; i += nt) lh[i] = 0;
+  for (int i = tid; i < kPlanes * lds_plane; i += nt) lh[i] = 0;
   block_sync();
   wait_for_prior_grid();  // the bins are the router's output
   const int per_row = epb / vec;
   const int sub = tid % per_row;
   const int rows_per_pass = nt / per_row;
+  [[maybe_unused]] const i64 positions = (i64)num_tokens * E;  // the positions' plane (moments)
   if (tid / per_row < rows_per_pass && sub * vec < ne) {
     int* h = lh + sub * vec * stride;
     for (i64 t = t0 + tid / per_row; t < t1; t += rows_per_pass) {
       const u8* p = bins + t * E + e0 + sub * vec;
       if (vec == 4) {
         const u32 word = *reinterpret_cast<const u32*>(p);
+#if AMDQB_MOMENTS
+        const u32 pos = *reinterpret_cast<const u32*>(p + positions);
+#endif
 #pragma unroll
-        for (int v = 0; v < 4; ++v)
-          atomic_add_shared(&h[v * stride + ((word >> (8 * v)) & 0xffu)], 1);
+        for (int v = 0; v < 4; ++v) {
+          int* const slot = &h[v * stride + ((word >> (8 * v)) & 0xffu)];
+          atomic_add_shared(slot, 1);
+#if AMDQB_MOMENTS
+          const int u = (int)((pos >> (8 * v)) & 0xffu);
+          if (u != 0) {
+            atomic_add_shared(slot + lds_plane, u);
+            atomic_add_shared(slot + 2 * lds_plane, u * u);
+          }
+#endif
+        }
       } else {
-        atomic_add_shared(&h[*p], 1);
+        int* const slot = &h[*p];
+        atomic_add_shared(slot, 1);
+#if AMDQB_MOMENTS
+        const int u = p[positions];
+        if (u != 0) {
+          atomic_add_shared(slot + lds_plane, u);
+          atomic_add_shared(slot + 2 * lds_plane, u * u);
+        }
+#endif
       }
     }
   }
   block_sync();
-  int* block_hist = hist + (i64)e0 * num_bins;
+  const i64 first = (i64)e0 * num_bins;
   for (int i = tid; i < ne * num_bins; i += nt) {
-    const int c = lh[(i / num_bins) * stride + i % num_bins];
-    if (c != 0) atomic_add_global(block_hist + i, c);
+    const int at = (i / num_bins) * stride + i % num_bins;
+    const int c = lh[at];
+    if (c != 0) add_count(hist, first + i, c);
+#if AMDQB_MOMENTS
+    const i64 plane = (i64)E * num_bins;
+    u64* const sums = reinterpret_cast<u64*>(hist) + plane + first + i;
+    const u32 s1 = (u32)lh[at + lds_plane], s2 = (u32)lh[at + 2 * lds_plane];
+    if (s1 != 0u) atomic_add_global(sums, (u64)s1);
+    if (s2 != 0u) atomic_add_global(sums + plane, (u64)s2);
+#endif
   }
 }
 

@@ -314,10 +314,6 @@ def router_fwd(
     qb_mode = call.qb_mode
     if qb_mode == "auto":
         qb_mode = auto_qb_mode(tokens, num_experts, cfg)
-    if call.qb_moments:
-        # the moments are summed where the bins are taken: in the router (the counting pass of
-        # the two-kernel mode sees bin bytes only)
-        qb_mode = "fused_atomic"
     if call.map_kind == "indices":
         kind = _INDEX_KINDS[map_out.dtype]
     else:
@@ -327,8 +323,9 @@ def router_fwd(
     margin = qb and call.qb_binning == "log_margin"
     alpha, bins = cutoff_out, None
     if qb and qb_mode == "two_kernel":
-        if margin:  # the router's bin of every (token, expert)
-            bins = torch.empty(tokens, num_experts, dtype=torch.uint8, device=logits.device)
+        if margin:  # the router's bin of every (token, expert) (and, with moments, its position)
+            planes = 2 if call.qb_moments else 1
+            bins = torch.empty(planes, tokens, num_experts, dtype=torch.uint8, device=logits.device)
         elif alpha is None:  # the router's cutoff alpha of every token
             alpha = torch.empty(tokens, dtype=torch.float32, device=logits.device)
     fused = qb and qb_mode == "fused_atomic"
@@ -371,7 +368,7 @@ def router_fwd(
             [ptr(logits), arg_i32(tokens), ptr(scores_out), arg_i32(softmax_pre)],
         )
     if bins is not None:
-        _count_margin_bins(rt, cfg, spec, bins, num_bins, qb_histogram)
+        _count_margin_bins(rt, cfg, spec, bins, num_bins, qb_histogram, call.qb_moments)
     elif qb and qb_mode == "two_kernel":
         device = dev(logits)
         epb, slices, per = qb_hist_config(
@@ -398,14 +395,21 @@ def router_fwd(
         )
 
 
-def _count_margin_bins(rt, cfg, spec, bins, num_bins, hist):
+# Tokens per slice of amdqb_qb_hist_bins with the in-bin moments: its int32 LDS sums of u * u
+# (at most 255^2 a pair) stay below 2^31.
+MOMENTS_MAX_SLICE = 32768
+
+
+def _count_margin_bins(rt, cfg, spec, bins, num_bins, hist, moments=False):
     """The second kernel of the log_margin two-kernel mode: amdqb_qb_hist_bins over the router's
-    bin bytes, expert groups of ``hip.qb_hist.margin_experts_per_block`` and token slices aimed at
+    bin bytes (``bins`` ``[1, T, E]``; ``[2, T, E]`` with the positions of the in-bin moments),
+    expert groups of ``hip.qb_hist.margin_experts_per_block`` and token slices aimed at
     ``hip.qb_hist.margin_blocks_per_cu`` blocks per CU."""
-    tokens, num_experts = bins.shape
+    _, tokens, num_experts = bins.shape
     device = dev(bins)
     epb = cfg["hip.qb_hist.margin_experts_per_block"]
-    row = num_bins + 1  # the kernel pads each expert's LDS row by one int (bank spread)
+    # the kernel pads each expert's LDS row by one int (bank spread); 3 planes with the moments
+    row = (num_bins + 1) * (3 if moments else 1)
     while epb > 1 and epb * row * 4 > rt.smem_budget(device):
         epb //= 2
     groups = cdiv(num_experts, epb)
@@ -416,6 +420,8 @@ def _count_margin_bins(rt, cfg, spec, bins, num_bins, hist):
             cdiv(tokens, 64),
         ),
     )
+    if moments:
+        slices = max(slices, cdiv(tokens, MOMENTS_MAX_SLICE))
     per = cdiv(tokens, slices)
     vec = 4 if num_experts % 4 == 0 and epb % 4 == 0 else 1
     k = rt.kernel(device, spec, "amdqb_qb_hist_bins")

@@ -107,8 +107,4 @@ AMDQB_DEVICE MarginBin margin_bin_at(float d, float inv, int half, int fine) {
   return m;
 }
 
-AMDQB_DEVICE int margin_bin(float d, float inv, int half, int fine) {
-  return margin_bin_at(d, inv, half, fine).bin;
-}
-
 }  // namespace amdqb

@@ -34,7 +34,7 @@
 // the fused mode adds 1 to hist[j * B + bin] with a device atomic in the epilogue (bins through
 // qb_bin_of_logit, bit for bit the exact formula), the two-kernel mode writes alpha and
 // amdqb_qb_hist recomputes the bins from the logits. log_margin binning: the router bins the
-// margin d = alpha - value_j of every expert from its key on the expert's own axis (margin_bin;
+// margin d = alpha - value_j of every expert from its key on the expert's own axis (margin_bin_at;
 // bounds holds the inverse scales [E]); the fused mode adds them up with atomics (amdqb_router:
 // the bins at or above the cutoff's in 8-bit LDS counters, kQbMarginLds), the two-kernel mode
 // stores them as bytes [T, E] for amdqb_qb_hist_bins. All modes give identical histograms. The

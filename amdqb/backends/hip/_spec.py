@@ -128,8 +128,8 @@ def router_module(
     approximate activation instead of torch's exact one; ``tie_free`` the tie-free selection
     (sigmoid: ranks by ``b - sigmoid(-z)``); ``margin_lds`` the build whose amdqb_router counts
     the fused log_margin histogram in LDS (a build of its own: the other builds keep the
-    registers they had without it); ``moments`` the build whose fused log_margin histogram is
-    int64 ``[3, E, B]`` with the in-bin moments."""
+    registers they had without it); ``moments`` the build whose log_margin histogram is int64
+    ``[3, E, B]`` with the in-bin moments (both QB modes)."""
     blocks = router_min_blocks(cfg, num_experts) if min_blocks is None else min_blocks
     return ModuleSpec(
         "router.hip",

@@ -31,13 +31,13 @@ commits nothing and counts in ``rejected_steps``; a bias or bounds overwritten w
 values from outside are restored from the last committed state before the update.
 
 Capacity: the int32 histogram holds at most ``2**31 - 1`` tokens per bin and step, summed over the
-ranks of the process group (the int64 planes of the moments keep the same bound). ``route`` refuses a batch that would pass ``2**31 - 1`` tokens since
-the last ``step`` (a host count, no device read). The count also runs while a graph is captured,
-so a captured sequence is checked once, at capture; its replays are not seen by the host. A
-graph that routes and steps starts every replay from a zeroed histogram; one replayed without a
-step in between accumulates, and the device-side check takes over: a bin past ``2**31 - 1`` wraps
-negative and the step rejects that histogram (exact while fewer than ``2**32`` tokens are routed
-between two steps).
+ranks of the process group (the int64 planes of the moments keep the same bound). ``route``
+refuses a batch that would pass ``2**31 - 1`` tokens since the last ``step`` (a host count, no
+device read). The count also runs while a graph is captured, so a captured sequence is checked
+once, at capture; its replays are not seen by the host. A graph that routes and steps starts
+every replay from a zeroed histogram; one replayed without a step in between accumulates, and the
+device-side check takes over: an int32 bin past ``2**31 - 1`` wraps negative and the step rejects
+that histogram (exact while fewer than ``2**32`` tokens are routed between two steps).
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ class QuantileBalancer:
             counts alone. At saturated logits an expert's margins are atoms at the other
             experts' bias gaps: the moments place an atom to 1/256 of its bin, where the
             interpolation can miss it by the bin's width (41% of the margin), which after a
-            sudden shift of the router costs 2-3 steps. Every backend's router counts them in
-            its own pass.
+            sudden shift of the router costs 2-3 steps. Every backend's router counts them, in
+            both histogram modes.
         ema: weight of the previous bias in ``new = ema*old + (1-ema)*recovered`` (0 = K3).
         process_group: a ``torch.distributed`` process group to all-reduce the histogram over;
             ``None`` uses the default group when torch.distributed is initialised, else no

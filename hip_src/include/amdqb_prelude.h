@@ -901,17 +901,9 @@ constexpr int kWarpLanes = 32;
 // ------------------------------------------------------------------------------------------------
 // Atomics (relaxed; device scope for global memory, workgroup scope for shared memory)
 // ------------------------------------------------------------------------------------------------
-AMDQB_DEVICE int atomic_add_global(int* p, int v) {
-#if defined(AMDQB_CUDA)
-  return atomicAdd(p, v);
-#elif defined(AMDQB_HIP) && defined(__HIP_MEMORY_SCOPE_AGENT)
-  return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
-#else
-  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
-#endif
-}
-
-AMDQB_DEVICE u64 atomic_add_global(u64* p, u64 v) {
+// T: int, or u64 (the int64 planes of the QB histogram's in-bin moments)
+template <typename T>
+AMDQB_DEVICE T atomic_add_global(T* p, T v) {
 #if defined(AMDQB_CUDA)
   return atomicAdd(p, v);
 #elif defined(AMDQB_HIP) && defined(__HIP_MEMORY_SCOPE_AGENT)

@@ -158,9 +158,7 @@ class QuantileBalancer:
         self.process_group = process_group
         self.bias = torch.zeros(num_experts, dtype=torch.float32, device=device)
         self.bin_bounds = self._initial_bounds(device)
-        shape = (3, num_experts, num_bins) if moments else (num_experts, num_bins)
-        dtype = torch.int64 if moments else torch.int32  # a pair adds up to 255^2 to a moment
-        self.histogram = torch.zeros(shape, dtype=dtype, device=device)
+        self.histogram = _ref_qb.new_histogram(num_experts, num_bins, moments, device)
         self.rejected_steps = torch.zeros(1, dtype=torch.int32, device=device)
         # the last committed state: restores a bias or bounds overwritten from outside
         self._committed = torch.cat([self.bias, self.bin_bounds])

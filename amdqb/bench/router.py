@@ -24,7 +24,7 @@ import torch
 import amdqb
 from amdqb import dispatch, ref
 from amdqb.backends.triton._common import interpreting
-from amdqb.ref.qb import margin_scale
+from amdqb.ref.qb import margin_scale, new_histogram
 
 from .common import (
     Progress,
@@ -81,19 +81,12 @@ def _qb_call(logits, topk, bias, hist, bounds, binning, selection, mode, backend
     )
 
 
-def _histogram(num_experts, num_bins, moments, device):
-    """A zeroed QB histogram: int32 ``[E, B]``, or int64 ``[3, E, B]`` with the moments."""
-    if moments:
-        return torch.zeros(3, num_experts, num_bins, dtype=torch.int64, device=device)
-    return torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
-
-
 def _check_router(backend, logits, bias, topk, bounds, binning, selection, num_bins, moments):
     """Routes, probs and histograms of ``backend`` against the oracle; raises on a mismatch."""
     t, e = logits.shape
     hists, outs = {}, {}
     for mode in HIST_MODES:
-        hist = _histogram(e, num_bins, moments, logits.device)
+        hist = new_histogram(e, num_bins, moments, logits.device)
         outs[mode] = _qb_call(logits, topk, bias, hist, bounds, binning, selection, mode, backend)
         hists[mode] = hist
     what = f"{backend} {binning}/{selection}" + (" moments" if moments else "")
@@ -168,7 +161,7 @@ def run(
             for binning, selection, num_bins, moments in QB_VARIANTS:
                 lim = bounds[binning]
                 _check_router(name, logits, bias, topk, lim, binning, selection, num_bins, moments)
-                hist = _histogram(num_experts, num_bins, moments, device)
+                hist = new_histogram(num_experts, num_bins, moments, device)
                 for mode in HIST_MODES:
                     key = f"{name}:{binning}:{selection}{':moments' if moments else ''}:{mode}"
                     impls[key] = lambda n=name, b=binning, s=selection, m=mode, h=hist, lim=lim: (

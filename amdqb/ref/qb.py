@@ -46,6 +46,14 @@ MARGIN_ZOOM_EXP = 4
 MARGIN_DECAY_EXP = 3
 
 
+def new_histogram(num_experts: int, num_bins: int, moments: bool, device=None) -> torch.Tensor:
+    """A zeroed QB histogram: int32 ``[E, B]``, or int64 ``[3, E, B]`` with the in-bin moments
+    (the counts, then each bin's sums of ``u`` and ``u^2``: a pair adds up to ``255^2``)."""
+    if moments:
+        return torch.zeros(3, num_experts, num_bins, dtype=torch.int64, device=device)
+    return torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
+
+
 def quantile_position(histogram: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """App. D's position of the ``k/E`` quantile in bin units, float64 ``[E]`` in ``[0, B]``,
     and each row's count ``m``: ``beta`` = the first bin whose cumulative count reaches

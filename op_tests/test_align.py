@@ -13,7 +13,6 @@ import torch
 import amdqb
 from amdqb import ref
 from amdqb.backends.hip import layout as hip_layout
-from amdqb.ref.layout import align_buffer_sizes
 
 from conftest import DEVICE, GCN, HAS_GPU, device_config, expect_declined, over_backends, set_config
 from hip_emu.checks import make_ids as emu_ids
@@ -70,35 +69,22 @@ def test_align_beyond_4096_experts(backend, e):
 
 @over_backends("align_block_size", emulator=True, waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("form", ["one_block", "tiled", "replicated", "spread_fill"])
-def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, form):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, tiled):
     """moe_align_block_size: sorted ids, expert ids and the padded total equal the oracle's bitwise
-    (ascending flat order inside each expert), in one block (one launch), over tiles that split
-    experts' routes (the histogram pass, then the rank pass as its dependent), over replicated
-    tiles in one launch (every block counts the others' routes; the sentinel only where no route
-    goes, shared among the blocks), or with the one block's sentinel spread over more blocks, with
-    partial last tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and
-    pad_sorted_ids."""
+    (ascending flat order inside each expert), in one block (one launch) or over tiles that split
+    experts' routes (the histogram pass, then the rank pass as its dependent), with partial last
+    tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and pad_sorted_ids."""
     rt = emu_rt
-    # tiled forms: tiles of 64 routes (or sqrt(n) rounded up to a power of two) from 65 routes on
-    tiles_of_64 = {
-        "hip.align.single_block_routes": 64,
-        "hip.align.min_tile_routes": 64,
-        "hip.align.tile_scale": 1,
-    }
-    values = {
-        "one_block": {"hip.align.single_block_routes": 1 << 20, "hip.align.replicated_routes": 0},
-        "tiled": {**tiles_of_64, "hip.align.replicated_routes": 0},
-        "replicated": {**tiles_of_64, "hip.align.replicated_routes": 1 << 20},
-        "spread_fill": {  # one tile by the routes, up to 8 blocks by 100 sentinel rows each
-            "hip.align.single_block_routes": 1 << 20,
-            "hip.align.replicated_routes": 1 << 20,
-            "hip.align.fill_rows_per_block": 100,
-            "hip.align.max_tiles": 8,
-        },
-    }[form]
+    if tiled:  # tiles of 64 routes (or sqrt(n) rounded up to a power of two) from 65 routes on
+        values = {
+            "hip.align.single_block_routes": 64,
+            "hip.align.min_tile_routes": 64,
+            "hip.align.tile_scale": 1,
+        }
+    else:  # every case in one block
+        values = {"hip.align.single_block_routes": 1 << 20}
     set_config(monkeypatch, values, torch.device("cpu"))
-    cfg = device_config(torch.device("cpu"))
     cases = [
         (7, 900, 3, "dropped", 4, False),
         (896, 300, 16, "uniform", 64, False),  # 8 ranking warps, many empty blocks of rows
@@ -119,30 +105,15 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
         for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
             assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist}, bs={bs})"
         names = [n for n, *_ in rt.launches]
-        rows = align_buffer_sizes(ids.numel(), e, bs, pad)[0]  # the op's sorted_ids
-        plan = hip_layout.align_plan(ids.numel(), e, cfg, rows - ids.numel())
-        if plan.tiles > 1 and not plan.replicated:
+        if tiled and ids.numel() > 64:
             assert names == ["amdqb_align_hist", "amdqb_align"], (e, m, k)
             assert rt.dependent_launches == ["amdqb_align"]
-            assert plan.tiles == rt.launches[0][1][0] == rt.launches[1][1][0], (e, m, k)
+            tiles = hip_layout.align_plan(ids.numel(), e, device_config(torch.device("cpu")))[0]
+            assert 1 < tiles == rt.launches[0][1][0] == rt.launches[1][1][0], (e, m, k)
         else:
-            assert names == ["amdqb_align"] and not rt.dependent_launches, (e, m, k)
-            assert plan.tiles == rt.launches[0][1][0], (e, m, k)
-        # the form each case takes: replicated where its LDS rows fit (E = 4096 does not)
-        fits = hip_layout.align_lds_bytes(e, 1, True) + 128 <= 48 * 1024
-        spread = rows - ids.numel() > 100 and ids.numel() > 1
-        replicable = form in ("replicated", "spread_fill") and fits
-        assert plan.replicated == (replicable and plan.tiles > 1), (e, m, k)
-        if form == "tiled" or form == "replicated" and fits:
-            assert (plan.tiles > 1) == (ids.numel() > 64), (e, m, k)
-        if form == "spread_fill" and fits:
-            assert (plan.tiles > 1) == spread, (e, m, k)
-        if form == "one_block":
-            assert plan.tiles == 1, (e, m, k)
+            assert names == ["amdqb_align"], (e, m, k)
     assert hip_layout.align_rank_warps(896) == 8 and hip_layout.align_rank_warps(2048) == 4
     assert hip_layout.align_rank_warps(4096) == 1 and hip_layout.align_rank_warps(256) == 32
-    assert hip_layout.align_rank_warps(256, replicated=True) == 32
-    assert hip_layout.align_rank_warps(896, replicated=True) == 8
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
 ``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
 
-    python -m amdqb.bench.tune --parts route,gate,align,align_launch,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
+    python -m amdqb.bench.tune --parts route,gate,align,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
 
 A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
 config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
@@ -14,8 +14,6 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
   ``route.lds_gate_scale``;
 * ``align``  -- amdqb_align's single-block crossover and tile shape (tile scale, smallest tile,
   most tiles; E=256, k=8, block 64);
-* ``align_launch`` -- amdqb_align in one launch (replicated tiles, the sentinel spread over
-  blocks) against the two-launch form: ``hip.align.replicated_routes``, ``fill_rows_per_block``;
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
 * ``topk_lanes`` -- amdqb_topk's experts per lane (decode and wide) and the switch between them;
 * ``topk_rounds`` -- amdqb_topk's row Top-k by list merges or by rounds of a butterfly max, over T;
@@ -132,7 +130,6 @@ def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)
             "hip.align.tile_scale": sc,
             "hip.align.max_tiles": mt,
             "hip.align.min_tile_routes": mr,
-            "hip.align.replicated_routes": 0,  # the two-launch form (align_launch tunes the other)
         }
         for sc in (4, 8, 16)
         for mr in (256, 512)
@@ -175,58 +172,6 @@ def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)
         "hip.align.max_tiles": (values["hip.align.max_tiles"], why_tiles),
         "hip.align.min_tile_routes": (values["hip.align.min_tile_routes"], why_tiles),
     }
-
-
-def align_launch(dev, cfg, tokens=(8, 64, 256, 512, 1024, 2048, 4096, 8192), blocks=(64, 128)):
-    """amdqb_align's one-launch forms against the two-launch form at the tile shape in the config
-    (E=256, k=8, vLLM's buffers with the sentinel): the most routes for which every block counts
-    the other tiles itself (``hip.align.replicated_routes``) and the sentinel rows one block
-    writes before more blocks share them (``hip.align.fill_rows_per_block``); the variant with
-    the least summed time ratio to the best at each M and block size wins."""
-    e, k = 256, 8
-    off = 1 << 30
-    report = Report("tune_align_launch", environment(dev), shape=dict(E=e, k=k))
-    g = torch.Generator().manual_seed(0)
-    variants = {"two_launch": {"hip.align.replicated_routes": 0}}
-    for rep in (4096, 16384, 65536):
-        for fill in (off, 4096, 8192, 16384):
-            variants[f"rep{rep}_fill{'off' if fill == off else fill}"] = {
-                "hip.align.replicated_routes": rep,
-                "hip.align.fill_rows_per_block": fill,
-            }
-    ratios = {name: 0.0 for name in variants}
-    at_512 = {}
-    for m in tokens:
-        ids = make_ids(m, k, e, "uniform", g).to(dev)
-        for bs in blocks:
-            want = ref.moe_align_block_size(ids.cpu(), bs, e)
-            impls = {
-                name: _with(
-                    values, lambda bs=bs: amdqb.moe_align_block_size(ids, bs, e, backend="hip")
-                )
-                for name, values in variants.items()
-            }
-            for name, fn in impls.items():
-                assert _same([x.cpu() for x in fn()], want), f"align {name} M={m} differs"
-            times = time_alternating(impls, dev, cfg)
-            fastest = min(times.values())
-            for name, us in times.items():
-                report.add(M=m, routes=m * k, block=bs, variant=name, us=us)
-                ratios[name] += us / fastest
-            if m == 512 and bs == 64:
-                at_512 = times
-    best = min(ratios, key=ratios.get)
-    values = variants[best]
-    cases = len(tokens) * len(blocks)
-    why = (
-        f"{best}: {ratios[best] / cases:.3f}x the best variant on average over M = "
-        f"{tokens[0]}..{tokens[-1]}, blocks {'/'.join(map(str, blocks))} (E=256, k=8); "
-        f"{at_512[best]:.2f} vs {at_512['two_launch']:.2f} us two-launch at M=512, block 64"
-    )
-    chosen = {"hip.align.replicated_routes": (values["hip.align.replicated_routes"], why)}
-    if "hip.align.fill_rows_per_block" in values:
-        chosen["hip.align.fill_rows_per_block"] = (values["hip.align.fill_rows_per_block"], why)
-    return report, chosen
 
 
 def _topk_shape(e, score_function, groups, g, dev):
@@ -544,7 +489,6 @@ PARTS = {
     "route": route_tiles,
     "gate": route_gate,
     "align": align_tiles,
-    "align_launch": align_launch,
     "topk": topk_blocks,
     "topk_lanes": topk_lanes,
     "topk_rounds": topk_rounds,

@@ -496,22 +496,15 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024)
 // Bucket of a route with id v: v + id_shift (SGLang's -1 .. E - 2 ids in buckets 0 .. E - 1), or
 // expert_map[v] (map_mode 1: vLLM's global -> local filter); outside [0, E) it is skipped.
 //
-// amdqb_align: one block per tile of routes, in one of three forms.
-// - tiles == 1 (small M): the block counts the buckets itself; the whole op is one launch.
-// - tiles > 1: amdqb_align_hist counts every tile first (tile_counts [tiles, E]) and each rank
-//   block sums the columns for the totals and its tile's base (launched as the histogram's
-//   dependent).
-// - tiles > 1, replicated (flags bit 3, up to mid M): one launch; every block counts the other
-//   tiles' routes itself (before its tile and past it), so no block waits for another.
-// The sentinel goes over all of sorted_ids first (the single block before its barriers; else
-// amdqb_align_hist, which the rank pass waits for), so the route slots overwrite it; replicated
-// blocks write it only where no route goes (the buckets' padding and the tail past the padded
-// total, shared out among the blocks), since no barrier orders one block's stores after
-// another's. With flags bit 2 the caller's padding stays (no sentinel). The block then scans the
-// padded counts, writes its slice of expert_ids, and ranks its tile's routes: warp w owns a
-// contiguous run of chunks of 32 routes, counts them per bucket, and walks them in flat order
-// claiming slots (warp_claim_slot). Dynamic shared memory: (1 + warps) * E ints, one row more
-// when replicated.
+// amdqb_align: one block per tile of routes. tiles == 1 (small M): the block counts the buckets
+// itself -- the whole op is one launch. tiles > 1: amdqb_align_hist counts every tile first
+// (tile_counts [tiles, E]) and each rank block sums the columns for the totals and its tile's
+// base (launched as the histogram's dependent). The sentinel goes over all of sorted_ids first
+// (the single block before its barriers; else amdqb_align_hist, which the rank pass waits for),
+// so the route slots overwrite it; with flags bit 2 the caller's padding stays (no sentinel). The
+// block then scans the padded counts, writes its slice of expert_ids, and ranks its tile's routes:
+// warp w owns a contiguous run of chunks of 32 routes, counts them per bucket, and walks them in
+// flat order claiming slots (warp_claim_slot). Dynamic shared memory: (1 + warps) * E ints.
 //
 // ceil(count / block_size) * block_size in u32 (the op checked that the padded total fits int32),
 // a mask for the usual power-of-two block sizes: the rank pass computes it for every expert, and
@@ -541,8 +534,7 @@ struct AlignParams {
   i32 map_mode;  // 0 none, 1 filter ids through the map, 2 map the blocks' experts
   i32 owner_shift;
   i32 tail_value;
-  i32 flags;        // bit 0, 1: int64 ids, map; bit 2: no sentinel (the caller's padding stays);
-                    // bit 3: replicated (tiles > 1, no amdqb_align_hist: every block counts all)
+  i32 flags;        // bit 0, 1: int64 ids, map; bit 2: no sentinel (the caller's padding stays)
   i32 rank_warps;   // warps that rank (the first ones); the others help count and fill
   i32 warp_run;     // routes per ranking warp: whole chunks of 32, rank_warps of them cover a tile
   i32 tile_blocks;  // entries of expert_ids each block writes, ceil(num_blocks / tiles)
@@ -628,11 +620,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   const int warps = p.rank_warps;  // the first ones rank; the others help count and fill
   const int E = p.num_experts;
   const int bits = bucket_bits(E);
-  const bool replicated = p.flags & 8;
-  // [E]: padded start of each bucket (replicated: first the routes before the tile)
-  int* start = lds;
+  int* start = lds;     // [E]: padded start of each bucket
   int* next = lds + E;  // [warps][E]: per-warp counts, then each warp's running slot (relative)
-  int* past = next + warps * E;  // [E], replicated: the routes past the tile, then the totals
   const i64 t0 = (i64)blockIdx.x * p.tile;
   const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
   const i64 run = p.warp_run;
@@ -644,7 +633,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   // (their buckets are taken after the barrier). Several blocks keep the later loads: loading
   // early in both kernels of the two-launch path took 5.68 -> 6.33 us at 2048 routes (H100,
   // E=256, k=8, block 64), where one block gains 0.07-0.32 us at 64-8192 routes.
-  const bool early = p.tiles == 1 || replicated;  // no other kernel's output to wait for
+  const bool early = p.tiles == 1;
   i64 first[CACHED];
 #pragma unroll
   for (int c = 0; c < CACHED; ++c) {
@@ -654,8 +643,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   // Zeroed per-warp rows; one block: the sentinel over sorted_ids, written before the barriers
   // that order it before the route slots (several: amdqb_align_hist wrote it).
   for (int i = tid; i < warps * E; i += nt) next[i] = 0;
-  if (replicated)
-    for (int e = tid; e < E; e += nt) start[e] = past[e] = 0;
   if (p.tiles == 1 && !(p.flags & 4)) fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, tid, nt);
   block_sync();
 
@@ -674,24 +661,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
     const int b = bucket_of(p, i);
     if (b >= 0) atomic_add_shared(&mine[b], 1);
   }
-  if (replicated) {
-    // the other tiles' routes by every thread, BATCH ids loaded before any is counted (as in
-    // amdqb_align_hist): those before the tile into start[], those past it into past[]
-    constexpr int BATCH = 8;
-    for (i64 k0 = tid; k0 < p.n; k0 += (i64)BATCH * nt) {
-      int b[BATCH];
-#pragma unroll
-      for (int u = 0; u < BATCH; ++u) {
-        const i64 i = k0 + (i64)u * nt;
-        b[u] = i < p.n && (i < t0 || i >= t1) ? bucket_of(p, i) : -1;
-      }
-#pragma unroll
-      for (int u = 0; u < BATCH; ++u)
-        if (b[u] >= 0) atomic_add_shared(k0 + (i64)u * nt < t0 ? &start[b[u]] : &past[b[u]], 1);
-    }
-  } else if (p.tiles > 1) {
-    wait_for_prior_grid();  // tile_counts (and the sentinel fill): amdqb_align_hist
-  }
+  if (p.tiles > 1) wait_for_prior_grid();  // tile_counts (and the sentinel fill): amdqb_align_hist
   block_sync();
 
   // 3. Each warp's first slot in each bucket relative to the bucket's padded start (earlier tiles
@@ -705,9 +675,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
 #pragma unroll 1
   for (int e = e0; e < e1; ++e) {
     int before = 0, total = 0;
-    if (replicated) {
-      before = start[e];
-    } else if (p.tiles > 1) {
+    if (p.tiles > 1) {
       // the column in batches of COLS independent loads (one at a time, each add would wait
       // for its own L2 round trip)
       constexpr int COLS = 8;
@@ -744,10 +712,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
       const int c = next[v * E + e];
       next[v * E + e] = r;
       r += c;
-    }
-    if (replicated) {
-      total = r + past[e];
-      past[e] = total;  // for the sentinel below
     }
     const u32 size = padded_count(p.tiles > 1 ? total : r, p.block_size);
     start[e] = (int)size;  // read back below by this thread alone
@@ -793,22 +757,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
       p.expert_ids[j] = value;
     }
     if (blockIdx.x == 0 && tid == h0) p.post_pad[0] = (int)total;
-  }
-
-  // 4b. Replicated: the sentinel where no route goes, shared out among the blocks' groups of 32
-  // threads: bucket e's padding [start[e] + count, end of its rows) by group e of the grid, then
-  // the tail past the padded total by every thread.
-  if (replicated && !(p.flags & 4)) {
-    const int groups = nt >> 5;
-    const int value = (int)p.n;
-    for (int e = (int)blockIdx.x * groups + (tid >> 5); e < E; e += p.tiles * groups) {
-      const i64 end = e + 1 < E ? (i64)start[e + 1] : total;
-      for (i64 j = (i64)start[e] + past[e] + (tid & 31); j < end && j < p.sorted_len; j += 32)
-        p.sorted_ids[j] = value;
-    }
-    if (p.sorted_len > total)
-      fill_i32(p.sorted_ids + total, p.sorted_len - total, value, (i64)blockIdx.x * nt + tid,
-               (i64)p.tiles * nt);
   }
 
   // 5. Ranks in flat order, 32 routes at a time: the lowest peer advances the bucket's slot. The

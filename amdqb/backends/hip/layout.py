@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import NamedTuple
 
 import torch
 
@@ -192,45 +191,29 @@ _BASES_PER_THREAD = (
 )
 
 
-def align_rank_warps(num_experts: int, replicated: bool = False) -> int:
+def align_rank_warps(num_experts: int) -> int:
     """Warps that rank in amdqb_align: the most (<= 32, a power of two) whose per-warp slot rows
     fit the LDS of a launch without an opt-in (align_lds_bytes)."""
     warps = 32
-    while warps > 1 and align_lds_bytes(num_experts, warps, replicated) + 128 > _STATIC_LDS_LIMIT:
+    while warps > 1 and align_lds_bytes(num_experts, warps) + 128 > _STATIC_LDS_LIMIT:
         warps //= 2
     return warps
 
 
-def align_lds_bytes(num_experts: int, warps: int, replicated: bool = False) -> int:
-    """amdqb_align's dynamic LDS: the buckets' starts, one row per ranking warp and, replicated,
-    the routes past the tile."""
-    return 4 * (1 + warps + int(replicated)) * num_experts
+def align_lds_bytes(num_experts: int, warps: int) -> int:
+    """amdqb_align's dynamic LDS: the buckets' starts and one row per ranking warp."""
+    return 4 * (1 + warps) * num_experts
 
 
-class AlignPlan(NamedTuple):
-    tiles: int
-    per: int  # routes per tile
-    threads: int
-    warps: int  # ranking warps
-    replicated: bool  # tiles > 1 in one launch: every block counts the other tiles itself
-
-
-def align_plan(n: int, num_experts: int, cfg, fill_rows: int = 0) -> AlignPlan:
-    """How an align call of ``n`` routes runs (``fill_rows``: the sentinel rows past the routes,
-    0 without the sentinel). Up to ``hip.align.single_block_routes`` routes one block does
-    everything (one launch); beyond, tiles of ``hip.align.tile_scale * sqrt(n)`` routes rounded up
-    to a power of two (at least ``hip.align.min_tile_routes``; at most ``hip.align.max_tiles``
-    tiles and ``hip.align.colsum_budget`` column entries tiles * E for every rank block to sum;
-    one tile is the one-block form): the column sums grow with the tiles, the serial walk with
-    the routes per tile. Up to ``hip.align.replicated_routes`` routes the tiles run in one launch
-    (every block counts the others' routes itself), and there one block's sentinel rows beyond
-    ``hip.align.fill_rows_per_block`` go to more blocks. Either way as many ranking warps as give
-    each two or more chunks of 32 routes."""
-    replicated = (
-        n <= cfg["hip.align.replicated_routes"]
-        and align_lds_bytes(num_experts, 1, True) + 128 <= _STATIC_LDS_LIMIT
-    )
-    lds_warps = align_rank_warps(num_experts, replicated)
+def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
+    """(tiles, routes per tile, threads, ranking warps) of an align call. Up to
+    ``hip.align.single_block_routes`` routes one block does everything (one launch); beyond,
+    tiles of ``hip.align.tile_scale * sqrt(n)`` routes rounded up to a power of two (at least
+    ``hip.align.min_tile_routes``; at most ``hip.align.max_tiles`` tiles and
+    ``hip.align.colsum_budget`` column entries tiles * E for every rank block to sum; one tile
+    is the one-block form): the column sums grow with the tiles, the serial walk with the routes
+    per tile. Either way as many ranking warps as give each two or more chunks of 32 routes."""
+    lds_warps = align_rank_warps(num_experts)
 
     def warps_for(routes: int) -> int:
         warps = 1
@@ -238,7 +221,6 @@ def align_plan(n: int, num_experts: int, cfg, fill_rows: int = 0) -> AlignPlan:
             warps *= 2
         return warps
 
-    tiles = 1
     if n > cfg["hip.align.single_block_routes"]:
         tile = 1 << max(0, math.ceil(math.log2(cfg["hip.align.tile_scale"] * math.sqrt(n))))
         tiles = min(
@@ -246,22 +228,17 @@ def align_plan(n: int, num_experts: int, cfg, fill_rows: int = 0) -> AlignPlan:
             max(1, cfg["hip.align.colsum_budget"] // num_experts),
             cdiv(n, max(tile, cfg["hip.align.min_tile_routes"])),
         )
-    if replicated:
-        fill_blocks = cdiv(fill_rows, max(1, cfg["hip.align.fill_rows_per_block"]))
-        tiles = max(tiles, min(cfg["hip.align.max_tiles"], fill_blocks, n))
-    if tiles > 1:
-        per = cdiv(n, tiles)
-        warps = warps_for(per)
-        threads = 32 * warps
-        if replicated:  # the other tiles' routes: 32 per thread at most, 256 threads at least
-            threads = max(threads, 256, min(1024, 1 << math.ceil(math.log2(cdiv(n, 32)))))
-        while threads * _BASES_PER_THREAD < num_experts:  # each thread: its experts' bases
-            threads *= 2
-        return AlignPlan(cdiv(n, per), per, threads, warps, replicated)
+        if tiles > 1:
+            per = cdiv(n, tiles)
+            warps = warps_for(per)
+            threads = 32 * warps
+            while threads * _BASES_PER_THREAD < num_experts:  # each thread: its experts' bases
+                threads *= 2
+            return cdiv(n, per), per, threads, warps
     # one block: also the threads that fill sorted_ids; 256 at least (512 / 1024 took 4.28 / 4.88
     # against 4.22 us at M=8, E=256, k=8, block 64 on an H100: one CU's store bandwidth bounds it)
     warps = warps_for(n)
-    return AlignPlan(1, max(n, 1), max(256, 32 * warps), warps, False)
+    return 1, max(n, 1), max(256, 32 * warps), warps
 
 
 def align_hist_threads(per: int) -> int:
@@ -277,8 +254,8 @@ def align_hist_threads(per: int) -> int:
 def align_block_size(
     rt, call: AlignCall, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
-    """amdqb_align (one launch: one block, or replicated tiles up to
-    hip.align.replicated_routes routes), else amdqb_align_hist + amdqb_align (its dependent)."""
+    """amdqb_align (one launch up to hip.align.single_block_routes routes), else
+    amdqb_align_hist + amdqb_align (its dependent)."""
     n = topk_ids.numel()
     num_experts = call.num_experts
     if num_experts > MAX_ALIGN_EXPERTS:
@@ -288,16 +265,14 @@ def align_block_size(
     cfg = config(topk_ids)
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
-    fill_rows = max(0, sorted_ids_out.numel() - n) if call.fill_sentinel else 0
-    tiles, per, threads, warps, replicated = align_plan(n, num_experts, cfg, fill_rows)
+    tiles, per, threads, warps = align_plan(n, num_experts, cfg)
     tile_counts = None
-    if tiles > 1 and not replicated:
+    if tiles > 1:
         tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
     flags = (
         (1 if topk_ids.dtype == torch.int64 else 0)
         | (2 if expert_map is not None and expert_map.dtype == torch.int64 else 0)
         | (0 if call.fill_sentinel else 4)
-        | (8 if replicated else 0)
     )
     params = AlignParams(
         topk_ids.data_ptr() if n else None,
@@ -323,8 +298,8 @@ def align_block_size(
         cdiv(cdiv(per, warps), 32) * 32,
         cdiv(expert_ids_out.numel(), tiles),
     )
-    smem = align_lds_bytes(num_experts, warps, replicated)
-    if tiles > 1 and not replicated:
+    smem = align_lds_bytes(num_experts, warps)
+    if tiles > 1:
         k = rt.kernel(device, spec, "amdqb_align_hist")
         rt.launch(k, tiles, align_hist_threads(per), 4 * num_experts, [params])
         launch = rt.launch_dependent if cfg["hip.route.det_dependent_launch"] else rt.launch

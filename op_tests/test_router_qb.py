@@ -622,17 +622,23 @@ def test_qb_hist_config_fits_the_budget(arch):
 
 @pytest.mark.parametrize("arch", configs.available())
 def test_auto_qb_mode_follows_the_update_threshold(arch):
-    """``auto``: the fused mode while T*E <= hip.router.qb_auto_fused_max_updates, two-kernel
-    beyond; at the seed's E = 896 every size auto sends to the fused mode runs its block-per-token
-    form (hip.router.decode_max_tokens_fused)."""
+    """``auto``: the fused mode while T*E <= hip.router.qb_auto_fused_max_updates (its
+    ``_moments`` twin with the in-bin moments), two-kernel beyond; without the moments, at the
+    seed's E = 896 every size auto sends to the fused mode runs its block-per-token form
+    (hip.router.decode_max_tokens_fused)."""
     cfg = configs.load(arch)
     limit = cfg["hip.router.qb_auto_fused_max_updates"]
-    for e in (64, 896, 4096):
-        t = limit // e
-        assert hip_router.auto_qb_mode(t, e, cfg) == "fused_atomic"
-        assert hip_router.auto_qb_mode(t + 1, e, cfg) == "two_kernel"
-        assert hip_router.auto_qb_mode(1, e, cfg) == "fused_atomic"
-    assert cfg["hip.router.decode_max_tokens_fused"] * 896 >= limit
+    for moments, key in ((False, ""), (True, "_moments")):
+        limit = cfg["hip.router.qb_auto_fused_max_updates" + key]
+        for e in (64, 896, 4096):
+            t = limit // e
+            assert hip_router.auto_qb_mode(t, e, cfg, moments) == "fused_atomic"
+            assert hip_router.auto_qb_mode(t + 1, e, cfg, moments) == "two_kernel"
+            assert hip_router.auto_qb_mode(1, e, cfg, moments) == "fused_atomic"
+    assert (
+        cfg["hip.router.decode_max_tokens_fused"] * 896
+        >= cfg["hip.router.qb_auto_fused_max_updates"]
+    )
 
 
 # ----------------------------------------------------------------------------------------------

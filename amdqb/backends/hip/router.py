@@ -138,11 +138,15 @@ def _margin_lds_grid(grid: int, tokens: int, rows: int) -> int:
     return max(grid, cdiv(tokens, rows * per_row))
 
 
-def auto_qb_mode(tokens: int, num_experts: int, cfg) -> str:
+def auto_qb_mode(tokens: int, num_experts: int, cfg, moments: bool = False) -> str:
     """``qb_histogram_mode="auto"``: fused atomics while T*E is at most
-    ``hip.router.qb_auto_fused_max_updates``, LDS-privatised two-kernel histograms beyond."""
-    fused = tokens * num_experts <= cfg["hip.router.qb_auto_fused_max_updates"]
-    return "fused_atomic" if fused else "two_kernel"
+    ``hip.router.qb_auto_fused_max_updates`` (``..._moments`` with the in-bin moments, whose
+    two-kernel form moves a second byte per pair), LDS-privatised two-kernel histograms beyond."""
+    if moments:
+        limit = cfg["hip.router.qb_auto_fused_max_updates_moments"]
+    else:
+        limit = cfg["hip.router.qb_auto_fused_max_updates"]
+    return "fused_atomic" if tokens * num_experts <= limit else "two_kernel"
 
 
 def _check_selection(topk: int, nsel: int, num_experts: int, cfg) -> None:
@@ -313,7 +317,7 @@ def router_fwd(
         raise ValueError(f"hip router: QB supports sigmoid only, got {call.score_function!r}")
     qb_mode = call.qb_mode
     if qb_mode == "auto":
-        qb_mode = auto_qb_mode(tokens, num_experts, cfg)
+        qb_mode = auto_qb_mode(tokens, num_experts, cfg, call.qb_moments)
     if call.map_kind == "indices":
         kind = _INDEX_KINDS[map_out.dtype]
     else:

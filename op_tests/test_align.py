@@ -69,18 +69,21 @@ def test_align_beyond_4096_experts(backend, e):
 
 @over_backends("align_block_size", emulator=True, waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("tiled", [False, True, "wide"])
 def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, tiled):
     """moe_align_block_size: sorted ids, expert ids and the padded total equal the oracle's bitwise
     (ascending flat order inside each expert), in one block (one launch) or over tiles that split
     experts' routes (the histogram pass, then the rank pass as its dependent), with partial last
-    tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and pad_sorted_ids."""
+    tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and pad_sorted_ids;
+    "wide": rank blocks of one bucket per thread (up to 1024 threads, the warps past the ranking
+    ones idle in the walk)."""
     rt = emu_rt
     if tiled:  # tiles of 64 routes (or sqrt(n) rounded up to a power of two) from 65 routes on
         values = {
             "hip.align.single_block_routes": 64,
             "hip.align.min_tile_routes": 64,
             "hip.align.tile_scale": 1,
+            "hip.align.rank_buckets_per_thread": 1 if tiled == "wide" else 16,
         }
     else:  # every case in one block
         values = {"hip.align.single_block_routes": 1 << 20}
@@ -108,8 +111,12 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
         if tiled and ids.numel() > 64:
             assert names == ["amdqb_align_hist", "amdqb_align"], (e, m, k)
             assert rt.dependent_launches == ["amdqb_align"]
-            tiles = hip_layout.align_plan(ids.numel(), e, device_config(torch.device("cpu")))[0]
+            tiles, _, threads, _ = hip_layout.align_plan(
+                ids.numel(), e, device_config(torch.device("cpu"))
+            )
             assert 1 < tiles == rt.launches[0][1][0] == rt.launches[1][1][0], (e, m, k)
+            if tiled == "wide":
+                assert threads >= min(e, 1024), (e, m, k, threads)
         else:
             assert names == ["amdqb_align"], (e, m, k)
     assert hip_layout.align_rank_warps(896) == 8 and hip_layout.align_rank_warps(2048) == 4

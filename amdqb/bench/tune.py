@@ -1,7 +1,7 @@
 """Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
 ``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
 
-    python -m amdqb.bench.tune --parts route,gate,align,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
+    python -m amdqb.bench.tune --parts route,gate,align,align_threads,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
 
 A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
 config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
@@ -14,6 +14,7 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
   ``route.lds_gate_scale``;
 * ``align``  -- amdqb_align's single-block crossover and tile shape (tile scale, smallest tile,
   most tiles; E=256, k=8, block 64);
+* ``align_threads`` -- the tiled align's rank-block threads (buckets per thread);
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
 * ``topk_lanes`` -- amdqb_topk's experts per lane (decode and wide) and the switch between them;
 * ``topk_rounds`` -- amdqb_topk's row Top-k by list merges or by rounds of a butterfly max, over T;
@@ -171,6 +172,51 @@ def align_tiles(dev, cfg, tokens=(64, 256, 512, 1024, 2048, 8192, 32768, 131072)
         "hip.align.tile_scale": (values["hip.align.tile_scale"], why_tiles),
         "hip.align.max_tiles": (values["hip.align.max_tiles"], why_tiles),
         "hip.align.min_tile_routes": (values["hip.align.min_tile_routes"], why_tiles),
+    }
+
+
+def align_rank_threads(
+    dev, cfg, shapes=((256, 8), (257, 8), (896, 16)), tokens=(512, 2048, 8192), blocks=(1, 2, 4, 16)
+):
+    """The tiled align's rank-block threads: at most ``hip.align.rank_buckets_per_thread``
+    buckets a thread (each sums its buckets' tile columns in turn), block 64, at E = 256 (vLLM's
+    DeepSeek-V3 form), 257 (SGLang's, one bucket more) and 896 (k=16); the value with the least
+    summed time ratio to the best at each shape wins."""
+    report = Report("tune_align_rank_threads", environment(dev), shape=dict(block=64))
+    g = torch.Generator().manual_seed(0)
+    variants = {f"buckets{b}": {"hip.align.rank_buckets_per_thread": b} for b in blocks}
+    ratios = {name: 0.0 for name in variants}
+    seen = {}
+    for e, k in shapes:
+        for m in tokens:
+            ids = make_ids(m, k, e, "uniform", g).to(dev)
+            want = ref.moe_align_block_size(ids.cpu(), 64, e)
+            impls = {
+                name: _with(
+                    values, lambda e=e: amdqb.moe_align_block_size(ids, 64, e, backend="hip")
+                )
+                for name, values in variants.items()
+            }
+            for name, fn in impls.items():
+                assert _same([x.cpu() for x in fn()], want), f"align {name} E={e} M={m} differs"
+            times = time_alternating(impls, dev, cfg)
+            fastest = min(times.values())
+            for name, us in times.items():
+                report.add(E=e, k=k, M=m, variant=name, us=us)
+                ratios[name] += us / fastest
+            seen[(e, m)] = times
+    best = min(ratios, key=ratios.get)
+    cases = len(shapes) * len(tokens)
+    a, b = seen[(257, 2048)][best], seen[(257, 2048)]["buckets16"]
+    why = (
+        f"{best}: {ratios[best] / cases:.3f}x the best on average over E = 256 / 257 / 896, "
+        f"M = 512 / 2048 / 8192 (block 64); {a:.2f} vs {b:.2f} us with 16 at E=257, M=2048"
+    )
+    return report, {
+        "hip.align.rank_buckets_per_thread": (
+            variants[best]["hip.align.rank_buckets_per_thread"],
+            why,
+        )
     }
 
 
@@ -489,6 +535,7 @@ PARTS = {
     "route": route_tiles,
     "gate": route_gate,
     "align": align_tiles,
+    "align_threads": align_rank_threads,
     "topk": topk_blocks,
     "topk_lanes": topk_lanes,
     "topk_rounds": topk_rounds,

@@ -212,7 +212,9 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
     ``hip.align.min_tile_routes``; at most ``hip.align.max_tiles`` tiles and
     ``hip.align.colsum_budget`` column entries tiles * E for every rank block to sum; one tile
     is the one-block form): the column sums grow with the tiles, the serial walk with the routes
-    per tile. Either way as many ranking warps as give each two or more chunks of 32 routes."""
+    per tile. Either way as many ranking warps as give each two or more chunks of 32 routes;
+    a rank block of the tiled form has threads enough for ``hip.align.rank_buckets_per_thread``
+    buckets each (up to 1024), as each sums its buckets' columns in turn."""
     lds_warps = align_rank_warps(num_experts)
 
     def warps_for(routes: int) -> int:
@@ -232,7 +234,9 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
             per = cdiv(n, tiles)
             warps = warps_for(per)
             threads = 32 * warps
-            while threads * _BASES_PER_THREAD < num_experts:  # each thread: its experts' bases
+            # each thread sums the tile columns of its run of buckets, one bucket after another
+            per_thread = min(_BASES_PER_THREAD, cfg["hip.align.rank_buckets_per_thread"])
+            while threads < 1024 and threads * per_thread < num_experts:
                 threads *= 2
             return cdiv(n, per), per, threads, warps
     # one block: also the threads that fill sorted_ids; 256 at least (512 / 1024 took 4.28 / 4.88

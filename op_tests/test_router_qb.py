@@ -627,7 +627,6 @@ def test_auto_qb_mode_follows_the_update_threshold(arch):
     seed's E = 896 every size auto sends to the fused mode runs its block-per-token form
     (hip.router.decode_max_tokens_fused)."""
     cfg = configs.load(arch)
-    limit = cfg["hip.router.qb_auto_fused_max_updates"]
     for moments, key in ((False, ""), (True, "_moments")):
         limit = cfg["hip.router.qb_auto_fused_max_updates" + key]
         for e in (64, 896, 4096):

@@ -69,21 +69,23 @@ def test_align_beyond_4096_experts(backend, e):
 
 @over_backends("align_block_size", emulator=True, waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("tiled", [False, True, "wide"])
+@pytest.mark.parametrize("tiled", [False, True, "wide", "planned"])
 def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, tiled):
     """moe_align_block_size: sorted ids, expert ids and the padded total equal the oracle's bitwise
     (ascending flat order inside each expert), in one block (one launch) or over tiles that split
     experts' routes (the histogram pass, then the rank pass as its dependent), with partial last
     tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and pad_sorted_ids;
     "wide": rank blocks of one bucket per thread (up to 1024 threads, the warps past the ranking
-    ones idle in the walk)."""
+    ones idle in the walk); "planned": one block plans the tiles (amdqb_align_plan) and the place
+    pass ranks before it waits, where the [tiles, E] counts fit its LDS (the others tiled)."""
     rt = emu_rt
     if tiled:  # tiles of 64 routes (or sqrt(n) rounded up to a power of two) from 65 routes on
         values = {
             "hip.align.single_block_routes": 64,
             "hip.align.min_tile_routes": 64,
-            "hip.align.tile_scale": 1,
+            "hip.align.tile_scale": 8 if tiled == "planned" else 1,  # planned: fewer tiles
             "hip.align.rank_buckets_per_thread": 1 if tiled == "wide" else 16,
+            "hip.align.plan_max_routes": 1 << 20 if tiled == "planned" else 0,
         }
     else:  # every case in one block
         values = {"hip.align.single_block_routes": 1 << 20}
@@ -98,6 +100,7 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
         (33, 1, 1, "uniform", 8, False),  # a single route
         (300, 200, 6, "shared", 12, True),  # a block size that is not a power of two
     ]
+    planned = 0
     for e, m, k, dist, bs, pad in cases:
         ids = emu_ids(m, k, e, dist, e + m, dtype)
         want = ref.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad)
@@ -108,17 +111,22 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
         for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
             assert torch.equal(g, w), f"{name} differs (E={e}, m={m}, k={k}, {dist}, bs={bs})"
         names = [n for n, *_ in rt.launches]
-        if tiled and ids.numel() > 64:
+        cfg = device_config(torch.device("cpu"))
+        tiles, per, threads, warps = hip_layout.align_plan(ids.numel(), e, cfg)
+        if tiles > 1 and hip_layout.align_planned(ids.numel(), e, tiles, per, warps, cfg):
+            planned += 1
+            assert names == ["amdqb_align_plan", "amdqb_align_place"], (e, m, k)
+            assert rt.dependent_launches == ["amdqb_align_place"]
+            assert rt.launches[1][1][0] == tiles, (e, m, k)
+        elif tiled and ids.numel() > 64:
             assert names == ["amdqb_align_hist", "amdqb_align"], (e, m, k)
             assert rt.dependent_launches == ["amdqb_align"]
-            tiles, _, threads, _ = hip_layout.align_plan(
-                ids.numel(), e, device_config(torch.device("cpu"))
-            )
             assert 1 < tiles == rt.launches[0][1][0] == rt.launches[1][1][0], (e, m, k)
             if tiled == "wide":
                 assert threads >= min(e, 1024), (e, m, k, threads)
         else:
             assert names == ["amdqb_align"], (e, m, k)
+    assert (planned >= 4) == (tiled == "planned"), planned
     assert hip_layout.align_rank_warps(896) == 8 and hip_layout.align_rank_warps(2048) == 4
     assert hip_layout.align_rank_warps(4096) == 1 and hip_layout.align_rank_warps(256) == 32
 

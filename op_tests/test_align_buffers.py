@@ -198,7 +198,7 @@ def test_into_without_sentinel_keeps_the_callers_padding(backend, dist, m, k, e,
 @pytest.mark.parametrize("routes", [40, 4800])
 def test_hip_kernels_leave_the_padding_to_the_caller_on_the_emulator(routes):
     """flags bit 2 (AlignCall.fill_sentinel=False) on the emulator: neither the one-block kernel
-    (40 routes) nor amdqb_align_hist (4800 routes, two launches) writes the sentinel."""
+    (40 routes) nor amdqb_align_plan (4800 routes, two launches) writes the sentinel."""
     from amdqb.backends.calls import AlignCall
     from amdqb.backends.hip import layout as hip_layout
 
@@ -213,9 +213,8 @@ def test_hip_kernels_leave_the_padding_to_the_caller_on_the_emulator(routes):
     )
     call = AlignCall(e, bs, fill_sentinel=False)
     hip_layout.align_block_size(rt, call, ids.reshape(-1), None, *got)
-    assert {x[0] for x in rt.launches} >= (
-        {"amdqb_align_hist"} if routes > 1000 else {"amdqb_align"}
-    )
+    names = {x[0] for x in rt.launches}
+    assert names == ({"amdqb_align_plan", "amdqb_align_place"} if routes > 1000 else {"amdqb_align"})
     want_sorted, want_blocks, want_post = ref.moe_align_block_size(ids, bs, e)
     assert torch.equal(got[2], want_post) and torch.equal(got[1], want_blocks[: rows // bs])
     _check_padding_kept(got[0], want_sorted[:rows], ids.numel(), -5)

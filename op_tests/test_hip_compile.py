@@ -273,15 +273,17 @@ def _record_launches():
 
     rt = RecordingRuntime()
     ids = torch.zeros(8, 4, dtype=torch.int32)
-    # past hip.align.single_block_routes: the two-phase align (hist + its dependent)
+    # past hip.align.single_block_routes: the planned align (plan + its dependent); past
+    # hip.align.plan_max_routes: the tiled one (hist + its dependent)
     many = torch.zeros(int(CFG["hip.align.single_block_routes"]) + 1, dtype=torch.int32)
+    most = torch.zeros(int(CFG["hip.align.plan_max_routes"]) + 1, dtype=torch.int32)
     for dtype in (torch.int32, torch.int64):
         for det, impl, cap in ((False, "atomic", None), (False, "lds", 4), (True, "lds", None)):
             c = torch.zeros(16, dtype=torch.int32)
             hip_layout.route_rows(
                 rt, ids.to(dtype), 16, cap, c, torch.empty_like(ids), c.clone(), det, impl
             )
-        for routes in (ids, many):
+        for routes in (ids, many, most):
             n = routes.numel()
             hip_layout.align_block_size(
                 rt,

@@ -780,3 +780,177 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
     warp_sync();  // mine[] updates visible to the next chunk's leaders
   }
 }
+
+// The planned form (tiles > 1 up to hip.align.plan_max_routes routes): the scan moves out of the
+// rank blocks' critical path. amdqb_align_plan's block 0 counts every tile ([tiles, E] in LDS),
+// scans the padded totals and writes each tile's absolute first slot per bucket to tile_counts,
+// every expert_ids entry and the padded total; its other blocks write the sentinel over
+// sorted_ids. amdqb_align_place, its dependent, ranks its tile's routes among the tile's (per-warp
+// counts, their prefix, the walk) before it waits for the plan, so that after the wait a route's
+// slot is one load of its tile's base and a store. Dynamic shared memory: (tiles + 1) * E ints for
+// the plan, warps * E for the place blocks; a ranking warp walks at most ALIGN_CACHED chunks.
+constexpr int ALIGN_CACHED = 4;
+
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_plan(AlignParams p) {
+  AMDQB_DYN_SHARED(lds);
+  AMDQB_SHARED(u32, warp_sums, 33);
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  allow_dependent_launch();  // the place blocks rank their tiles meanwhile
+  if (blockIdx.x > 0) {  // the sentinel; the place pass, which waits for this grid, writes the routes
+    if (!(p.flags & 4))
+      fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, (i64)(blockIdx.x - 1) * nt + tid,
+               (i64)(gridDim.x - 1) * nt);
+    return;
+  }
+  const int E = p.num_experts;
+  const int tiles = p.tiles;
+  int* hist = lds;                      // [tiles][E]: counts, then each tile's exclusive prefix
+  int* start = lds + (i64)tiles * E;    // [E]: padded start of each bucket
+  for (int i = tid; i < tiles * E; i += nt) hist[i] = 0;
+  block_sync();
+
+  // 1. Every tile's counts: 8 ids per thread in flight before any is counted (n < 2^31: 32-bit
+  // tile arithmetic).
+  constexpr int BATCH = 8;
+  const u32 tile = (u32)p.tile;
+  for (i64 k0 = tid; k0 < p.n; k0 += (i64)BATCH * nt) {
+    int b[BATCH];
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const i64 i = k0 + (i64)u * nt;
+      b[u] = i < p.n ? bucket_of(p, i) : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < BATCH; ++u) {
+      const u32 i = (u32)(k0 + (i64)u * nt);
+      if (b[u] >= 0) atomic_add_shared(&hist[(i / tile) * (u32)E + (u32)b[u]], 1);
+    }
+  }
+  block_sync();
+
+  // 2. Per bucket, each tile's exclusive prefix over the tiles (8 LDS loads at a time) and the
+  // padded size; the block scan of the sizes (a thread owns a contiguous run of buckets).
+  const ThreadRun owned = thread_run(E);
+  u32 own = 0;
+#pragma unroll 1
+  for (int e = owned.lo; e < owned.hi; ++e) {
+    constexpr int ROWS = 8;
+    int r = 0;
+#pragma unroll 1
+    for (int t0 = 0; t0 < tiles; t0 += ROWS) {
+      int c[ROWS];
+#pragma unroll
+      for (int q = 0; q < ROWS; ++q) c[q] = t0 + q < tiles ? hist[(t0 + q) * E + e] : 0;
+#pragma unroll
+      for (int q = 0; q < ROWS; ++q) {
+        if (t0 + q < tiles) hist[(t0 + q) * E + e] = r;
+        r += c[q];
+      }
+    }
+    const u32 size = padded_count(r, p.block_size);
+    start[e] = (int)size;  // read back below by this thread alone
+    own += size;
+  }
+  u32 padded_total;
+  u32 at = block_exclusive_sum_u32(own, warp_sums, padded_total);
+#pragma unroll 1
+  for (int e = owned.lo; e < owned.hi; ++e) {
+    const u32 size = (u32)start[e];
+    start[e] = (int)at;
+#pragma unroll 1
+    for (int t = 0; t < tiles; ++t) p.tile_counts[(i64)t * E + e] = (int)at + hist[t * E + e];
+    at += size;
+  }
+  block_sync();
+  const i64 total = (i64)padded_total;
+
+  // 3. expert_ids (the owner of each block of rows by a binary search of the padded starts) and
+  // the padded total.
+  for (int j = tid; j < p.num_blocks; j += nt) {
+    const i64 row = (i64)j * p.block_size;
+    int value;
+    if (row < total) {
+      int a = 0, b = E - 1;  // start[0] == 0 <= row: the owner lies in [a, b]
+      while (a < b) {
+        const int mid = (a + b + 1) >> 1;
+        if (start[mid] <= row)
+          a = mid;
+        else
+          b = mid - 1;
+      }
+      value = p.map_mode == 2 ? (int)load_id(p.expert_map, a, p.flags & 2) : a - p.owner_shift;
+    } else {
+      value = p.tail_value;
+      if (p.map_mode == 2) {  // the map read at the tail value, PyTorch's negative indexing
+        const int at2 = value < 0 ? value + p.map_len : value;
+        if (at2 >= 0 && at2 < p.map_len) value = (int)load_id(p.expert_map, at2, p.flags & 2);
+      }
+    }
+    p.expert_ids[j] = value;
+  }
+  if (tid == 0) p.post_pad[0] = (int)total;
+}
+
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_place(AlignParams p) {
+  AMDQB_DYN_SHARED(next);  // [warps][E]: per-warp counts, then each warp's running slot in the tile
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  const int lane = lane_id();
+  const int w = warp_in_block();
+  const int warps = p.rank_warps;  // every warp of the block ranks
+  const int E = p.num_experts;
+  const int bits = bucket_bits(E);
+  const i64 t0 = (i64)blockIdx.x * p.tile;
+  const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
+  const i64 r0 = t0 + (i64)w * p.warp_run;
+  const i64 r1 = r0 + p.warp_run < t1 ? r0 + p.warp_run : t1;
+  int* mine = next + w * E;
+
+  int b[ALIGN_CACHED];
+#pragma unroll
+  for (int c = 0; c < ALIGN_CACHED; ++c) {
+    const i64 i = r0 + (i64)c * 32 + lane;
+    b[c] = i < r1 ? bucket_of(p, i) : -1;
+  }
+  for (int i = tid; i < warps * E; i += nt) next[i] = 0;
+  block_sync();
+#pragma unroll
+  for (int c = 0; c < ALIGN_CACHED; ++c)
+    if (b[c] >= 0) atomic_add_shared(&mine[b[c]], 1);
+  block_sync();
+  // each warp's first slot in each bucket among the tile's routes (a thread owns a run of buckets)
+  const ThreadRun owned = thread_run(E);
+#pragma unroll 1
+  for (int e = owned.lo; e < owned.hi; ++e) {
+    int r = 0;
+#pragma unroll 1
+    for (int v = 0; v < warps; ++v) {
+      const int c = next[v * E + e];
+      next[v * E + e] = r;
+      r += c;
+    }
+  }
+  block_sync();
+  // ranks in flat order, a chunk of 32 routes at a time (the lowest peer advances the slot)
+  int slot[ALIGN_CACHED];
+#pragma unroll
+  for (int c = 0; c < ALIGN_CACHED; ++c) {
+    slot[c] = 0;
+    if (r0 + (i64)c * 32 < r1) {  // uniform across the warp
+      slot[c] = warp_claim_slot(mine, b[c], lane, bits);
+      warp_sync();  // mine[] updates visible to the next chunk's leaders
+    }
+  }
+
+  wait_for_prior_grid();  // tile_counts (the bases) and the sentinel: amdqb_align_plan
+  const int* base = p.tile_counts + (i64)blockIdx.x * E;
+  int at[ALIGN_CACHED];
+#pragma unroll
+  for (int c = 0; c < ALIGN_CACHED; ++c) at[c] = b[c] >= 0 ? base[b[c]] : 0;
+#pragma unroll
+  for (int c = 0; c < ALIGN_CACHED; ++c) {
+    const i64 s = (i64)at[c] + slot[c];
+    if (b[c] >= 0 && s < p.sorted_len) p.sorted_ids[s] = (int)(r0 + (i64)c * 32 + lane);
+  }
+}

@@ -43,6 +43,8 @@ AMDQB_EMU_REGISTER(amdqb_route_det_scan)
 AMDQB_EMU_REGISTER(amdqb_route_finalize)
 AMDQB_EMU_REGISTER(amdqb_align_hist)
 AMDQB_EMU_REGISTER(amdqb_align)
+AMDQB_EMU_REGISTER(amdqb_align_plan)
+AMDQB_EMU_REGISTER(amdqb_align_place)
 #elif defined(AMDQB_EMU_CONVERT)
 // The prelude's scalar helpers, called directly from Python.
 #include "amdqb_prelude.h"

@@ -245,6 +245,24 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
     return 1, max(n, 1), max(256, 32 * warps), warps
 
 
+_ALIGN_CACHED = 4  # ALIGN_CACHED of layout.hip: chunks of 32 routes a place warp ranks at most
+_PLAN_THREADS = 1024  # amdqb_align_plan's block: block 0 counts every route, the others fill
+_FILL_PER_BLOCK = 16384  # sorted_ids slots per fill block of amdqb_align_plan (4 x 16 B a thread)
+
+
+def align_planned(n: int, num_experts: int, tiles: int, per: int, warps: int, cfg) -> bool:
+    """Whether a tiled align takes the planned form (amdqb_align_plan + amdqb_align_place): up to
+    ``hip.align.plan_max_routes`` routes, where one block counts them all, its [tiles, E] counts
+    fit the LDS of a launch without an opt-in, and each place warp ranks at most _ALIGN_CACHED
+    chunks of 32 routes."""
+    return (
+        tiles > 1
+        and n <= cfg["hip.align.plan_max_routes"]
+        and 4 * (tiles + 1) * num_experts + 4 * 33 <= _STATIC_LDS_LIMIT
+        and cdiv(cdiv(per, warps), 32) <= _ALIGN_CACHED
+    )
+
+
 def align_hist_threads(per: int) -> int:
     """Threads of an amdqb_align_hist block counting ``per`` routes: one batch of 8 ids per
     thread, 256 to 1024 (on sm_90, 256 threads in place of 1024 took 5.94 -> 5.55 / 7.36 -> 6.61
@@ -259,7 +277,8 @@ def align_block_size(
     rt, call: AlignCall, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
     """amdqb_align (one launch up to hip.align.single_block_routes routes), else
-    amdqb_align_hist + amdqb_align (its dependent)."""
+    amdqb_align_plan + amdqb_align_place (its dependent; align_planned), else amdqb_align_hist +
+    amdqb_align (its dependent)."""
     n = topk_ids.numel()
     num_experts = call.num_experts
     if num_experts > MAX_ALIGN_EXPERTS:
@@ -302,6 +321,14 @@ def align_block_size(
         cdiv(cdiv(per, warps), 32) * 32,
         cdiv(expert_ids_out.numel(), tiles),
     )
+    if align_planned(n, num_experts, tiles, per, warps, cfg):
+        fill_blocks = cdiv(sorted_ids_out.numel(), _FILL_PER_BLOCK) if call.fill_sentinel else 0
+        plan = rt.kernel(device, spec, "amdqb_align_plan")
+        rt.launch(plan, 1 + fill_blocks, _PLAN_THREADS, 4 * (tiles + 1) * num_experts, [params])
+        launch = rt.launch_dependent if cfg["hip.route.det_dependent_launch"] else rt.launch
+        place = rt.kernel(device, spec, "amdqb_align_place")
+        launch(place, tiles, 32 * warps, 4 * warps * num_experts, [params])
+        return
     smem = align_lds_bytes(num_experts, warps)
     if tiles > 1:
         k = rt.kernel(device, spec, "amdqb_align_hist")

@@ -214,7 +214,9 @@ def test_hip_kernels_leave_the_padding_to_the_caller_on_the_emulator(routes):
     call = AlignCall(e, bs, fill_sentinel=False)
     hip_layout.align_block_size(rt, call, ids.reshape(-1), None, *got)
     names = {x[0] for x in rt.launches}
-    assert names == ({"amdqb_align_plan", "amdqb_align_place"} if routes > 1000 else {"amdqb_align"})
+    assert names == (
+        {"amdqb_align_plan", "amdqb_align_place"} if routes > 1000 else {"amdqb_align"}
+    )
     want_sorted, want_blocks, want_post = ref.moe_align_block_size(ids, bs, e)
     assert torch.equal(got[2], want_post) and torch.equal(got[1], want_blocks[: rows // bs])
     _check_padding_kept(got[0], want_sorted[:rows], ids.numel(), -5)

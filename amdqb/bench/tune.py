@@ -1,7 +1,7 @@
 """Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
 ``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
 
-    python -m amdqb.bench.tune --parts route,gate,align,align_threads,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
+    python -m amdqb.bench.tune --parts route,gate,align,align_threads,align_plan,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
 
 A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
 config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
@@ -15,6 +15,8 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
 * ``align``  -- amdqb_align's single-block crossover and tile shape (tile scale, smallest tile,
   most tiles; E=256, k=8, block 64);
 * ``align_threads`` -- the tiled align's rank-block threads (buckets per thread);
+* ``align_plan`` -- the planned align (one block scans, its dependent places) against the tiled
+  form: the routes up to which it is taken (``hip.align.plan_max_routes``);
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
 * ``topk_lanes`` -- amdqb_topk's experts per lane (decode and wide) and the switch between them;
 * ``topk_rounds`` -- amdqb_topk's row Top-k by list merges or by rounds of a butterfly max, over T;
@@ -220,6 +222,56 @@ def align_rank_threads(
             why,
         )
     }
+
+
+def align_plan_routes(
+    dev,
+    cfg,
+    shapes=((256, 8, 16), (256, 8, 64), (256, 8, 128), (257, 8, 64), (896, 16, 64)),
+    tokens=(128, 256, 512, 1024, 2048, 4096),
+):
+    """The planned align (amdqb_align_plan + amdqb_align_place) against the tiled form
+    (amdqb_align_hist + amdqb_align) at E = 256 (vLLM's DeepSeek-V3 form, blocks 16 / 64 / 128),
+    257 (SGLang's buckets) and 896 (k=16), M tokens: ``hip.align.plan_max_routes`` is the most
+    routes up to which the planned form is within 1% of the tiled one at every shape."""
+    report = Report("tune_align_plan", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    variants = {
+        "tiled": {"hip.align.plan_max_routes": 0},
+        "planned": {"hip.align.plan_max_routes": 1 << 30},
+    }
+    wins: dict = {}
+    for e, k, bs in shapes:
+        for m in tokens:
+            ids = make_ids(m, k, e, "uniform", g).to(dev)
+            want = ref.moe_align_block_size(ids.cpu(), bs, e)
+            impls = {
+                name: _with(
+                    values,
+                    lambda e=e, bs=bs: amdqb.moe_align_block_size(ids, bs, e, backend="hip"),
+                )
+                for name, values in variants.items()
+            }
+            for name, fn in impls.items():
+                assert _same([x.cpu() for x in fn()], want), f"align {name} E={e} M={m} differs"
+            t = time_alternating(impls, dev, cfg)
+            report.add(
+                E=e, k=k, block=bs, M=m, routes=m * k, tiled_us=t["tiled"], planned_us=t["planned"]
+            )
+            wins.setdefault(m * k, []).append(t["planned"] <= 1.01 * t["tiled"])
+    most = 0
+    for routes in sorted(wins):
+        if not all(wins[routes]):
+            break
+        most = routes
+    rows = [r for r in report.rows if r["routes"] <= most and r["block"] == 64 and r["E"] == 256]
+    gain = max(rows, key=lambda r: r["tiled_us"] / r["planned_us"], default=None)
+    why = f"planned within 1% of tiled or faster at every shape up to {most} routes" + (
+        f" (E=256 block 64 M={gain['M']}: {gain['planned_us']:.2f} vs {gain['tiled_us']:.2f} us)"
+        if gain
+        else ""
+    )
+    return report, {"hip.align.plan_max_routes": (most, why)}
 
 
 def _topk_shape(e, score_function, groups, g, dev):
@@ -538,6 +590,7 @@ PARTS = {
     "gate": route_gate,
     "align": align_tiles,
     "align_threads": align_rank_threads,
+    "align_plan": align_plan_routes,
     "topk": topk_blocks,
     "topk_lanes": topk_lanes,
     "topk_rounds": topk_rounds,

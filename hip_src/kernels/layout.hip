@@ -797,7 +797,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_plan(AlignParams p) {
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   allow_dependent_launch();  // the place blocks rank their tiles meanwhile
-  if (blockIdx.x > 0) {  // the sentinel; the place pass, which waits for this grid, writes the routes
+  // blocks past the first: the sentinel (the place pass, which waits for this grid, writes the
+  // route slots over it)
+  if (blockIdx.x > 0) {
     if (!(p.flags & 4))
       fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, (i64)(blockIdx.x - 1) * nt + tid,
                (i64)(gridDim.x - 1) * nt);
@@ -805,8 +807,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_plan(AlignParams p) {
   }
   const int E = p.num_experts;
   const int tiles = p.tiles;
-  int* hist = lds;                      // [tiles][E]: counts, then each tile's exclusive prefix
-  int* start = lds + (i64)tiles * E;    // [E]: padded start of each bucket
+  int* hist = lds;                    // [tiles][E]: counts, then each tile's exclusive prefix
+  int* start = lds + (i64)tiles * E;  // [E]: padded start of each bucket
   for (int i = tid; i < tiles * E; i += nt) hist[i] = 0;
   block_sync();
 

@@ -15,7 +15,9 @@ from amdqb import ref
 from amdqb.backends.hip import layout as hip_layout
 
 from conftest import DEVICE, GCN, HAS_GPU, device_config, expect_declined, over_backends, set_config
+from hip_emu.backend import runtime as emu_runtime
 from hip_emu.checks import make_ids as emu_ids
+from hip_emu.runtime import compiler
 from layout_cases import check_align, make_ids, oracle_ids
 
 
@@ -113,11 +115,13 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
         names = [n for n, *_ in rt.launches]
         cfg = device_config(torch.device("cpu"))
         tiles, per, threads, warps = hip_layout.align_plan(ids.numel(), e, cfg)
-        if tiles > 1 and hip_layout.align_planned(ids.numel(), e, tiles, per, warps, cfg):
+        shape = hip_layout.align_planned(ids.numel(), e, tiles, per, cfg)
+        if shape is not None:
             planned += 1
             assert names == ["amdqb_align_plan", "amdqb_align_place"], (e, m, k)
             assert rt.dependent_launches == ["amdqb_align_place"]
-            assert rt.launches[1][1][0] == tiles, (e, m, k)
+            assert rt.launches[1][1][0] == shape[0] > 1, (e, m, k)
+            assert shape[1] & (shape[1] - 1) == 0 and shape[0] * shape[1] >= ids.numel()
         elif tiled and ids.numel() > 64:
             assert names == ["amdqb_align_hist", "amdqb_align"], (e, m, k)
             assert rt.dependent_launches == ["amdqb_align"]
@@ -171,3 +175,57 @@ def test_align_expert_map_applies_to_all_blocks():
 
     _, mapped, _ = moe_align_block_size(ids, 2, 4, expert_map=emap)
     assert torch.equal(mapped, emap[expert_ids.long()])
+
+
+_FORMS = {  # AlignCall keywords, the map (mode "filter" / "output"), the ids' element offset
+    "vllm": (dict(), None, 0),
+    "vllm_unaligned_ids": (dict(), None, 1),  # not at a 16-byte boundary: the one-id loads
+    "sglang_ep": (dict(id_shift=1, owner_shift=1, tail_value=-1), None, 0),
+    "filter_map": (dict(map_mode="filter"), "filter", 0),
+    "output_map": (dict(map_mode="output", tail_value=-1), "output", 0),
+    "caller_sentinel": (dict(fill_sentinel=False), None, 0),
+}
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) for the hip kernel emulator")
+@pytest.mark.parametrize("wave", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("form", sorted(_FORMS))
+def test_planned_align_equals_the_tiled_form_in_every_convention(monkeypatch, form, dtype, wave):
+    """amdqb_align_plan + amdqb_align_place write what amdqb_align_hist + amdqb_align write
+    (bitwise, every output, the caller's padding kept alike) for vLLM's and SGLang's conventions,
+    both maps, int32 ids off a 16-byte boundary and int64 ids (the plan's one-id loads) and ids
+    out of range, over tiles that split experts' routes and a partial last tile."""
+    from amdqb.backends.calls import AlignCall
+
+    emu_rt = emu_runtime(wave)
+    kw, map_mode, offset = _FORMS[form]
+    e, bs, m, k = 48, 16, 333, 8  # 2664 routes: tiles of 512, the last one partial
+    call = AlignCall(e + kw.get("id_shift", 0), bs, **kw)
+    ids = emu_ids(m, k, e, "dropped", 7, dtype).reshape(-1)
+    ids = torch.cat([torch.zeros(offset, dtype=dtype), ids])[offset:]
+    g = torch.Generator().manual_seed(3)
+    emap = None
+    if map_mode == "filter":  # 60 global ids onto the 48 local buckets, a fifth remote (-1)
+        emap = torch.randperm(60, generator=g).to(torch.int32)
+        emap = torch.where(emap < e, emap, torch.full_like(emap, -1))
+    elif map_mode == "output":
+        emap = torch.randperm(e, generator=g).to(torch.int32)
+    rows = ids.numel() + call.num_experts * (bs - 1)
+    outs = {}
+    for name, most in (("tiled", 0), ("planned", 1 << 20)):
+        values = {"hip.align.single_block_routes": 256, "hip.align.plan_max_routes": most}
+        set_config(monkeypatch, values, torch.device("cpu"))
+        got = (
+            torch.full((rows,), -5, dtype=torch.int32),
+            torch.full((rows // bs + 1,), -7, dtype=torch.int32),
+            torch.full((1,), -7, dtype=torch.int32),
+        )
+        emu_rt.launches.clear()
+        hip_layout.align_block_size(emu_rt, call, ids, emap, *got)
+        want = {"tiled": "amdqb_align_hist", "planned": "amdqb_align_plan"}[name]
+        assert emu_rt.launches[0][0] == want, (name, emu_rt.launches)
+        outs[name] = got
+    for a, b, what in zip(outs["tiled"], outs["planned"], ("sorted_ids", "expert_ids", "post_pad")):
+        assert torch.equal(a, b), f"{what} differs ({form}, {dtype})"
+    assert (outs["planned"][0] == -5).any() != call.fill_sentinel  # the caller's padding kept

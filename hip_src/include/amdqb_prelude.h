@@ -212,6 +212,20 @@ AMDQB_DEVICE void store_i32x4(int* p, int v) {
 #endif
 }
 
+// Four int32 from p, 16-byte aligned, in one 16-byte load.
+AMDQB_DEVICE void load_i32x4(const int* p, int (&v)[4]) {
+#if defined(AMDQB_CUDA)
+  const int4 x = *reinterpret_cast<const int4*>(p);
+  v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+#elif defined(AMDQB_HIP)
+  typedef int i32x4 __attribute__((ext_vector_type(4)));
+  const i32x4 x = *reinterpret_cast<const i32x4*>(p);
+  v[0] = x[0], v[1] = x[1], v[2] = x[2], v[3] = x[3];
+#else
+  for (int i = 0; i < 4; ++i) v[i] = p[i];
+#endif
+}
+
 // Pins a loaded value at this point of the program: every load feeding the values passed here is
 // issued before any code that follows. NVIDIA only, where ptxas never moves a load across the
 // CALL of an IEEE division's slow path (see load_row in router.hip); the AMD compiler batches loads

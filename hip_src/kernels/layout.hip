@@ -781,14 +781,15 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   }
 }
 
-// The planned form (tiles > 1 up to hip.align.plan_max_routes routes): the scan moves out of the
-// rank blocks' critical path. amdqb_align_plan's block 0 counts every tile ([tiles, E] in LDS),
-// scans the padded totals and writes each tile's absolute first slot per bucket to tile_counts,
-// every expert_ids entry and the padded total; its other blocks write the sentinel over
-// sorted_ids. amdqb_align_place, its dependent, ranks its tile's routes among the tile's (per-warp
-// counts, their prefix, the walk) before it waits for the plan, so that after the wait a route's
-// slot is one load of its tile's base and a store. Dynamic shared memory: (tiles + 1) * E ints for
-// the plan, warps * E for the place blocks; a ranking warp walks at most ALIGN_CACHED chunks.
+// The planned form (tiles > 1 up to hip.align.plan_max_routes routes, a power of two routes, 4 or
+// more, to a tile): the scan moves out of the rank blocks' critical path. amdqb_align_plan's block
+// 0 counts every tile ([tiles, E] in LDS), scans the padded totals and writes each tile's absolute
+// first slot per bucket to tile_counts, every expert_ids entry and the padded total; its other
+// blocks write the sentinel over sorted_ids. amdqb_align_place, its dependent, ranks its tile's
+// routes among the tile's (per-warp counts, their prefix, the walk) before it waits for the plan,
+// so that after the wait a route's slot is one load of its tile's base and a store. Dynamic shared
+// memory: (tiles + 1) * E ints for the plan, warps * E for the place blocks; a ranking warp walks
+// at most ALIGN_CACHED chunks.
 constexpr int ALIGN_CACHED = 4;
 
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_plan(AlignParams p) {
@@ -812,21 +813,53 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_plan(AlignParams p) {
   for (int i = tid; i < tiles * E; i += nt) hist[i] = 0;
   block_sync();
 
-  // 1. Every tile's counts: 8 ids per thread in flight before any is counted (n < 2^31: 32-bit
-  // tile arithmetic).
+  // 1. Every tile's counts (tiles of a power of two routes; n < 2^31: 32-bit indices). int32 ids
+  // without a map at a 16-byte boundary: 8 per thread in flight, four to a load (one block counts
+  // them all, so its instructions per route bound it); else 8 at a time, one to a load.
+  int shift = 0;
+  while ((1 << shift) < p.tile) ++shift;
+  const u32 n = (u32)p.n;
+  const u32 nbuckets = (u32)E, id_shift = (u32)p.id_shift;
+  u32 done = 0;
+  if (!(p.flags & 1) && p.map_mode != 1 && (reinterpret_cast<u64>(p.ids) & 15) == 0) {
+    const int* ids = static_cast<const int*>(p.ids);
+    constexpr int VECS = 2;
+    done = n & ~3u;
+    for (u32 q0 = 4 * (u32)tid; q0 < done; q0 += 4 * VECS * (u32)nt) {
+      int v[VECS][4];
+#pragma unroll
+      for (int u = 0; u < VECS; ++u) {
+        const u32 q = q0 + 4 * (u32)u * (u32)nt;
+        if (q < done) {
+          load_i32x4(ids + q, v[u]);
+        } else {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) v[u][c] = -1 - p.id_shift;  // no bucket
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < VECS; ++u) {
+        int* row = hist + ((q0 + 4 * (u32)u * (u32)nt) >> shift) * nbuckets;  // 4 | tile
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const u32 b = (u32)v[u][c] + id_shift;  // wraps past [0, E) for ids out of range
+          if (b < nbuckets) atomic_add_shared(&row[b], 1);
+        }
+      }
+    }
+  }
   constexpr int BATCH = 8;
-  const u32 tile = (u32)p.tile;
-  for (i64 k0 = tid; k0 < p.n; k0 += (i64)BATCH * nt) {
+  for (u32 k0 = done + (u32)tid; k0 < n; k0 += (u32)(BATCH * nt)) {
     int b[BATCH];
 #pragma unroll
     for (int u = 0; u < BATCH; ++u) {
-      const i64 i = k0 + (i64)u * nt;
-      b[u] = i < p.n ? bucket_of(p, i) : -1;
+      const u32 i = k0 + (u32)(u * nt);
+      b[u] = i < n ? bucket_of(p, i) : -1;
     }
 #pragma unroll
     for (int u = 0; u < BATCH; ++u) {
-      const u32 i = (u32)(k0 + (i64)u * nt);
-      if (b[u] >= 0) atomic_add_shared(&hist[(i / tile) * (u32)E + (u32)b[u]], 1);
+      const u32 i = k0 + (u32)(u * nt);
+      if (b[u] >= 0) atomic_add_shared(&hist[(i >> shift) * nbuckets + (u32)b[u]], 1);
     }
   }
   block_sync();
@@ -925,12 +958,18 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_place(AlignParams p) {
   const ThreadRun owned = thread_run(E);
 #pragma unroll 1
   for (int e = owned.lo; e < owned.hi; ++e) {
+    constexpr int ROWS = 8;  // independent LDS loads at a time
     int r = 0;
 #pragma unroll 1
-    for (int v = 0; v < warps; ++v) {
-      const int c = next[v * E + e];
-      next[v * E + e] = r;
-      r += c;
+    for (int v0 = 0; v0 < warps; v0 += ROWS) {
+      int c[ROWS];
+#pragma unroll
+      for (int q = 0; q < ROWS; ++q) c[q] = v0 + q < warps ? next[(v0 + q) * E + e] : 0;
+#pragma unroll
+      for (int q = 0; q < ROWS; ++q) {
+        if (v0 + q < warps) next[(v0 + q) * E + e] = r;
+        r += c[q];
+      }
     }
   }
   block_sync();

@@ -250,17 +250,26 @@ _PLAN_THREADS = 1024  # amdqb_align_plan's block: block 0 counts every route, th
 _FILL_PER_BLOCK = 16384  # sorted_ids slots per fill block of amdqb_align_plan (4 x 16 B a thread)
 
 
-def align_planned(n: int, num_experts: int, tiles: int, per: int, warps: int, cfg) -> bool:
-    """Whether a tiled align takes the planned form (amdqb_align_plan + amdqb_align_place): up to
-    ``hip.align.plan_max_routes`` routes, where one block counts them all, its [tiles, E] counts
-    fit the LDS of a launch without an opt-in, and each place warp ranks at most _ALIGN_CACHED
-    chunks of 32 routes."""
-    return (
-        tiles > 1
-        and n <= cfg["hip.align.plan_max_routes"]
-        and 4 * (tiles + 1) * num_experts + 4 * 33 <= _STATIC_LDS_LIMIT
-        and cdiv(cdiv(per, warps), 32) <= _ALIGN_CACHED
-    )
+def align_planned(n: int, num_experts: int, tiles: int, per: int, cfg):
+    """(tiles, routes per tile, warps) of the planned form of a tiled align (amdqb_align_plan +
+    amdqb_align_place), or None: up to ``hip.align.plan_max_routes`` routes, in tiles of a power
+    of two routes (``per`` rounded up), where the plan's [tiles, E] counts and the place blocks'
+    per-warp rows fit the LDS of a launch without an opt-in and each place warp ranks at most
+    _ALIGN_CACHED chunks of 32 routes (a warp per 64 routes, up to 32)."""
+    if tiles <= 1 or n > cfg["hip.align.plan_max_routes"]:
+        return None
+    tile = 1 << max(2, math.ceil(math.log2(per)))
+    tiles = cdiv(n, tile)
+    warps = 1
+    while warps < 32 and 64 * warps < tile:
+        warps *= 2
+    if (
+        4 * (tiles + 1) * num_experts + 4 * 33 > _STATIC_LDS_LIMIT
+        or 4 * warps * num_experts > _STATIC_LDS_LIMIT
+        or cdiv(cdiv(tile, warps), 32) > _ALIGN_CACHED
+    ):
+        return None
+    return tiles, tile, warps
 
 
 def align_hist_threads(per: int) -> int:
@@ -289,6 +298,9 @@ def align_block_size(
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
     tiles, per, threads, warps = align_plan(n, num_experts, cfg)
+    planned = align_planned(n, num_experts, tiles, per, cfg)
+    if planned is not None:
+        tiles, per, warps = planned
     tile_counts = None
     if tiles > 1:
         tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
@@ -321,7 +333,7 @@ def align_block_size(
         cdiv(cdiv(per, warps), 32) * 32,
         cdiv(expert_ids_out.numel(), tiles),
     )
-    if align_planned(n, num_experts, tiles, per, warps, cfg):
+    if planned is not None:
         fill_blocks = cdiv(sorted_ids_out.numel(), _FILL_PER_BLOCK) if call.fill_sentinel else 0
         plan = rt.kernel(device, spec, "amdqb_align_plan")
         rt.launch(plan, 1 + fill_blocks, _PLAN_THREADS, 4 * (tiles + 1) * num_experts, [params])

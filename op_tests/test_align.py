@@ -85,9 +85,10 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
         values = {
             "hip.align.single_block_routes": 64,
             "hip.align.min_tile_routes": 64,
-            "hip.align.tile_scale": 8 if tiled == "planned" else 1,  # planned: fewer tiles
+            "hip.align.tile_scale": 1,
             "hip.align.rank_buckets_per_thread": 1 if tiled == "wide" else 16,
             "hip.align.plan_max_routes": 1 << 20 if tiled == "planned" else 0,
+            "hip.align.plan_tile_routes": 256,
         }
     else:  # every case in one block
         values = {"hip.align.single_block_routes": 1 << 20}
@@ -115,7 +116,7 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
         names = [n for n, *_ in rt.launches]
         cfg = device_config(torch.device("cpu"))
         tiles, per, threads, warps = hip_layout.align_plan(ids.numel(), e, cfg)
-        shape = hip_layout.align_planned(ids.numel(), e, tiles, per, cfg)
+        shape = hip_layout.align_planned(ids.numel(), e, cfg)
         if shape is not None:
             planned += 1
             assert names == ["amdqb_align_plan", "amdqb_align_place"], (e, m, k)
@@ -214,7 +215,11 @@ def test_planned_align_equals_the_tiled_form_in_every_convention(monkeypatch, fo
     rows = ids.numel() + call.num_experts * (bs - 1)
     outs = {}
     for name, most in (("tiled", 0), ("planned", 1 << 20)):
-        values = {"hip.align.single_block_routes": 256, "hip.align.plan_max_routes": most}
+        values = {
+            "hip.align.single_block_routes": 256,
+            "hip.align.plan_max_routes": most,
+            "hip.align.plan_tile_routes": 512,
+        }
         set_config(monkeypatch, values, torch.device("cpu"))
         got = (
             torch.full((rows,), -5, dtype=torch.int32),

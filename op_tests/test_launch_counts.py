@@ -191,9 +191,9 @@ def test_aligns_launch_one_or_two_kernels_on_the_gpu(monkeypatch, tokens):
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
     dispatch._select.cache_clear()
     cfg = device_config()
-    tiles, per, _, _ = hip_layout.align_plan(tokens * 8, 256, cfg)
+    tiles = hip_layout.align_plan(tokens * 8, 256, cfg)[0]
     want = ["amdqb_align"] if tiles == 1 else ["amdqb_align_hist", "amdqb_align"]
-    if hip_layout.align_planned(tokens * 8, 256, tiles, per, cfg) is not None:
+    if hip_layout.align_planned(tokens * 8, 256, cfg) is not None:
         want = ["amdqb_align_plan", "amdqb_align_place"]
     for name, fn in _aligns(tokens).items():
         kernels = _profiled_kernels(fn)

@@ -15,8 +15,8 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
 * ``align``  -- amdqb_align's single-block crossover and tile shape (tile scale, smallest tile,
   most tiles; E=256, k=8, block 64);
 * ``align_threads`` -- the tiled align's rank-block threads (buckets per thread);
-* ``align_plan`` -- the planned align (one block scans, its dependent places) against the tiled
-  form: the routes up to which it is taken (``hip.align.plan_max_routes``);
+* ``align_plan`` -- the one-block, planned (one block scans, its dependent places) and tiled
+  aligns side by side: the routes where each is taken and the planned form's tile;
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
 * ``topk_lanes`` -- amdqb_topk's experts per lane (decode and wide) and the switch between them;
 * ``topk_rounds`` -- amdqb_topk's row Top-k by list merges or by rounds of a butterfly max, over T;
@@ -228,19 +228,27 @@ def align_plan_routes(
     dev,
     cfg,
     shapes=((256, 8, 16), (256, 8, 64), (256, 8, 128), (257, 8, 64), (896, 16, 64)),
-    tokens=(128, 256, 512, 1024, 2048, 4096),
+    tokens=(8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+    tiles=(128, 256, 512, 1024),
 ):
-    """The planned align (amdqb_align_plan + amdqb_align_place) against the tiled form
-    (amdqb_align_hist + amdqb_align) at E = 256 (vLLM's DeepSeek-V3 form, blocks 16 / 64 / 128),
-    257 (SGLang's buckets) and 896 (k=16), M tokens: ``hip.align.plan_max_routes`` is the most
-    routes up to which the planned form is within 1% of the tiled one at every shape."""
+    """The three align forms side by side -- one block, planned (amdqb_align_plan +
+    amdqb_align_place, over its tile of ``tiles`` routes) and tiled (amdqb_align_hist +
+    amdqb_align) -- at E = 256 (vLLM's DeepSeek-V3 form, blocks 16 / 64 / 128), 257 (SGLang's
+    buckets) and 896 (k=16), M tokens. ``hip.align.single_block_routes``: the most routes up to
+    which one block is within 1% of the best at every shape; ``hip.align.plan_tile_routes``: the
+    planned tile with the least summed time ratio to the best planned one; ``plan_max_routes``:
+    the most routes up to which that planned form is within 1% of the tiled one at every shape."""
     report = Report("tune_align_plan", environment(dev))
     g = torch.Generator().manual_seed(0)
-    variants = {
-        "tiled": {"hip.align.plan_max_routes": 0},
-        "planned": {"hip.align.plan_max_routes": 1 << 30},
-    }
-    wins: dict = {}
+    tiled = {"hip.align.single_block_routes": 0, "hip.align.plan_max_routes": 0}
+    variants = {"single": {"hip.align.single_block_routes": 1 << 30}, "tiled": tiled}
+    for t in tiles:
+        variants[f"planned{t}"] = {
+            "hip.align.single_block_routes": 0,
+            "hip.align.plan_max_routes": 1 << 30,
+            "hip.align.plan_tile_routes": t,
+        }
+    seen = []  # (routes, times)
     for e, k, bs in shapes:
         for m in tokens:
             ids = make_ids(m, k, e, "uniform", g).to(dev)
@@ -251,27 +259,46 @@ def align_plan_routes(
                     lambda e=e, bs=bs: amdqb.moe_align_block_size(ids, bs, e, backend="hip"),
                 )
                 for name, values in variants.items()
+                if name != "single" or m * k <= 8192  # one block for everything: small inputs
             }
             for name, fn in impls.items():
                 assert _same([x.cpu() for x in fn()], want), f"align {name} E={e} M={m} differs"
             t = time_alternating(impls, dev, cfg)
-            report.add(
-                E=e, k=k, block=bs, M=m, routes=m * k, tiled_us=t["tiled"], planned_us=t["planned"]
-            )
-            wins.setdefault(m * k, []).append(t["planned"] <= 1.01 * t["tiled"])
-    most = 0
-    for routes in sorted(wins):
-        if not all(wins[routes]):
-            break
-        most = routes
-    rows = [r for r in report.rows if r["routes"] <= most and r["block"] == 64 and r["E"] == 256]
-    gain = max(rows, key=lambda r: r["tiled_us"] / r["planned_us"], default=None)
-    why = f"planned within 1% of tiled or faster at every shape up to {most} routes" + (
-        f" (E=256 block 64 M={gain['M']}: {gain['planned_us']:.2f} vs {gain['tiled_us']:.2f} us)"
-        if gain
-        else ""
-    )
-    return report, {"hip.align.plan_max_routes": (most, why)}
+            for name, us in t.items():
+                report.add(E=e, k=k, block=bs, M=m, routes=m * k, variant=name, us=us)
+            seen.append((m * k, t))
+
+    def most_routes(wins, above=0) -> int:  # the most routes up to which every shape wins
+        most = above
+        for routes in sorted({r for r, _ in seen if r > above}):
+            if not all(wins(t) for r, t in seen if r == routes):
+                break
+            most = routes
+        return most
+
+    best_of = lambda t: min(us for name, us in t.items() if name != "single")  # noqa: E731
+    single = most_routes(lambda t: "single" in t and t["single"] <= 1.01 * best_of(t))
+    ratios = {t: 0.0 for t in tiles}
+    for routes, times in seen:
+        if routes > single:
+            fastest = min(times[f"planned{t}"] for t in tiles)
+            for t in tiles:
+                ratios[t] += times[f"planned{t}"] / fastest
+    tile = min(ratios, key=ratios.get)
+    name = f"planned{tile}"
+    most = most_routes(lambda t: t[name] <= 1.01 * t["tiled"], above=single)
+    gains = [(t["tiled"] / t[name], r, t) for r, t in seen if single < r <= most]
+    why_single = f"one block within 1% of the best up to {single} routes (E = 256 / 257 / 896)"
+    why_tile = f"{ratios[tile] / max(1, sum(r > single for r, _ in seen)):.3f}x the best planned tile on average"
+    why_most = f"planned ({tile}-route tiles) within 1% of tiled or faster up to {most} routes"
+    if gains:
+        x, r, t = max(gains, key=lambda g: g[0])
+        why_most += f" ({r} routes: {t[name]:.2f} vs {t['tiled']:.2f} us)"
+    return report, {
+        "hip.align.single_block_routes": (single, why_single),
+        "hip.align.plan_tile_routes": (tile, why_tile),
+        "hip.align.plan_max_routes": (most, why_most),
+    }
 
 
 def _topk_shape(e, score_function, groups, g, dev):

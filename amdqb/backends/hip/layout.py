@@ -250,15 +250,17 @@ _PLAN_THREADS = 1024  # amdqb_align_plan's block: block 0 counts every route, th
 _FILL_PER_BLOCK = 16384  # sorted_ids slots per fill block of amdqb_align_plan (4 x 16 B a thread)
 
 
-def align_planned(n: int, num_experts: int, tiles: int, per: int, cfg):
-    """(tiles, routes per tile, warps) of the planned form of a tiled align (amdqb_align_plan +
-    amdqb_align_place), or None: up to ``hip.align.plan_max_routes`` routes, in tiles of a power
-    of two routes (``per`` rounded up), where the plan's [tiles, E] counts and the place blocks'
-    per-warp rows fit the LDS of a launch without an opt-in and each place warp ranks at most
-    _ALIGN_CACHED chunks of 32 routes (a warp per 64 routes, up to 32)."""
-    if tiles <= 1 or n > cfg["hip.align.plan_max_routes"]:
+def align_planned(n: int, num_experts: int, cfg):
+    """(tiles, routes per tile, warps) of the planned align (amdqb_align_plan +
+    amdqb_align_place), or None: past ``hip.align.single_block_routes`` and up to
+    ``hip.align.plan_max_routes`` routes, in tiles of ``hip.align.plan_tile_routes`` (a power of
+    two; doubled until the plan's [tiles, E] counts fit the LDS of a launch without an opt-in), a
+    place warp per 64 routes of a tile (up to 32; each ranks at most _ALIGN_CACHED chunks of 32)."""
+    if not cfg["hip.align.single_block_routes"] < n <= cfg["hip.align.plan_max_routes"]:
         return None
-    tile = 1 << max(2, math.ceil(math.log2(per)))
+    tile = 1 << max(2, math.ceil(math.log2(cfg["hip.align.plan_tile_routes"])))
+    while 4 * (cdiv(n, tile) + 1) * num_experts + 4 * 33 > _STATIC_LDS_LIMIT and tile < n:
+        tile *= 2
     tiles = cdiv(n, tile)
     warps = 1
     while warps < 32 and 64 * warps < tile:
@@ -297,12 +299,14 @@ def align_block_size(
     cfg = config(topk_ids)
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
-    tiles, per, threads, warps = align_plan(n, num_experts, cfg)
-    planned = align_planned(n, num_experts, tiles, per, cfg)
+    planned = align_planned(n, num_experts, cfg)
     if planned is not None:
         tiles, per, warps = planned
+        threads = 32 * warps
+    else:
+        tiles, per, threads, warps = align_plan(n, num_experts, cfg)
     tile_counts = None
-    if tiles > 1:
+    if tiles > 1 or planned is not None:  # the tiles' counts, or the planned tiles' bases
         tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
     flags = (
         (1 if topk_ids.dtype == torch.int64 else 0)

@@ -229,26 +229,33 @@ def align_plan_routes(
     cfg,
     shapes=((256, 8, 16), (256, 8, 64), (256, 8, 128), (257, 8, 64), (896, 16, 64)),
     tokens=(8, 16, 32, 64, 128, 256, 512, 1024, 2048),
-    tiles=(128, 256, 512, 1024),
+    tiles=((128, 8), (256, 8), (256, 16), (512, 8)),
 ):
     """The three align forms side by side -- one block, planned (amdqb_align_plan +
-    amdqb_align_place, over its tile of ``tiles`` routes) and tiled (amdqb_align_hist +
+    amdqb_align_place; ``tiles``: its smallest tile and most tiles) and tiled (amdqb_align_hist +
     amdqb_align) -- at E = 256 (vLLM's DeepSeek-V3 form, blocks 16 / 64 / 128), 257 (SGLang's
-    buckets) and 896 (k=16), M tokens. ``hip.align.single_block_routes``: the most routes up to
-    which one block is within 1% of the best at every shape; ``hip.align.plan_tile_routes``: the
-    planned tile with the least summed time ratio to the best planned one; ``plan_max_routes``:
-    the most routes up to which that planned form is within 1% of the tiled one at every shape."""
+    buckets) and 896 (k=16), M tokens. Each form is judged by its time ratio to the fastest,
+    summed over the shapes at each route count: ``hip.align.single_block_routes`` is the most
+    routes up to which one block has the least sum, the planned tile the one with the least sum
+    over the counts past it, ``hip.align.plan_max_routes`` the most routes up to which that
+    planned form's sum is below the tiled form's."""
     report = Report("tune_align_plan", environment(dev))
     g = torch.Generator().manual_seed(0)
-    tiled = {"hip.align.single_block_routes": 0, "hip.align.plan_max_routes": 0}
+    # the tiled form of two or more tiles at every size measured (one tile is the one-block form)
+    tiled = {
+        "hip.align.single_block_routes": 0,
+        "hip.align.plan_max_routes": 0,
+        "hip.align.min_tile_routes": 32,
+    }
     variants = {"single": {"hip.align.single_block_routes": 1 << 30}, "tiled": tiled}
-    for t in tiles:
-        variants[f"planned{t}"] = {
+    for t, most in tiles:
+        variants[f"planned{t}x{most}"] = {
             "hip.align.single_block_routes": 0,
             "hip.align.plan_max_routes": 1 << 30,
             "hip.align.plan_tile_routes": t,
+            "hip.align.plan_max_tiles": most,
         }
-    seen = []  # (routes, times)
+    ratio: dict = {}  # routes -> variant -> summed ratio to the fastest
     for e, k, bs in shapes:
         for m in tokens:
             ids = make_ids(m, k, e, "uniform", g).to(dev)
@@ -264,39 +271,48 @@ def align_plan_routes(
             for name, fn in impls.items():
                 assert _same([x.cpu() for x in fn()], want), f"align {name} E={e} M={m} differs"
             t = time_alternating(impls, dev, cfg)
-            for name, us in t.items():
+            fastest = min(t.values())
+            sums = ratio.setdefault(m * k, {"shapes": 0.0})
+            sums["shapes"] += 1
+            for name in variants:
+                us = t.get(name, float("inf"))
                 report.add(E=e, k=k, block=bs, M=m, routes=m * k, variant=name, us=us)
-            seen.append((m * k, t))
-
-    def most_routes(wins, above=0) -> int:  # the most routes up to which every shape wins
-        most = above
-        for routes in sorted({r for r, _ in seen if r > above}):
-            if not all(wins(t) for r, t in seen if r == routes):
-                break
-            most = routes
-        return most
-
-    best_of = lambda t: min(us for name, us in t.items() if name != "single")  # noqa: E731
-    single = most_routes(lambda t: "single" in t and t["single"] <= 1.01 * best_of(t))
-    ratios = {t: 0.0 for t in tiles}
-    for routes, times in seen:
-        if routes > single:
-            fastest = min(times[f"planned{t}"] for t in tiles)
-            for t in tiles:
-                ratios[t] += times[f"planned{t}"] / fastest
-    tile = min(ratios, key=ratios.get)
-    name = f"planned{tile}"
-    most = most_routes(lambda t: t[name] <= 1.01 * t["tiled"], above=single)
-    gains = [(t["tiled"] / t[name], r, t) for r, t in seen if single < r <= most]
-    why_single = f"one block within 1% of the best up to {single} routes (E = 256 / 257 / 896)"
-    why_tile = f"{ratios[tile] / max(1, sum(r > single for r, _ in seen)):.3f}x the best planned tile on average"
-    why_most = f"planned ({tile}-route tiles) within 1% of tiled or faster up to {most} routes"
-    if gains:
-        x, r, t = max(gains, key=lambda g: g[0])
-        why_most += f" ({r} routes: {t[name]:.2f} vs {t['tiled']:.2f} us)"
+                sums[name] = sums.get(name, 0.0) + us / fastest
+    counts = sorted(ratio)
+    single = 0
+    for r in counts:  # ratios averaged over the shapes of each route count
+        shapes_r = ratio[r].pop("shapes")
+        ratio[r] = {name: x / shapes_r for name, x in ratio[r].items()}
+    for r in counts:
+        if ratio[r]["single"] > 1.01 * min(ratio[r].values()):
+            break
+        single = r
+    planned = [n for n in variants if n.startswith("planned")]
+    past = [r for r in counts if r > single]
+    name = min(planned, key=lambda n: sum(ratio[r][n] for r in past))
+    most = single
+    for r in past:
+        if ratio[r][name] >= ratio[r]["tiled"]:
+            break
+        most = r
+    t, cap = (
+        variants[name]["hip.align.plan_tile_routes"],
+        variants[name]["hip.align.plan_max_tiles"],
+    )
+    why_single = f"one block within 1% of the fastest on average up to {single} routes"
+    why_tile = (
+        f"{name}: {sum(ratio[r][name] for r in past) / max(1, len(past)):.3f}x the fastest form "
+        f"on average past {single} routes (E = 256 / 257 / 896)"
+    )
+    why_most = f"{name} faster than tiled on average up to {most} routes" + (
+        f" ({ratio[most][name]:.3f}x vs {ratio[most]['tiled']:.3f}x the fastest there)"
+        if most > single
+        else ""
+    )
     return report, {
         "hip.align.single_block_routes": (single, why_single),
-        "hip.align.plan_tile_routes": (tile, why_tile),
+        "hip.align.plan_tile_routes": (t, why_tile),
+        "hip.align.plan_max_tiles": (cap, why_tile),
         "hip.align.plan_max_routes": (most, why_most),
     }
 

@@ -253,12 +253,14 @@ _FILL_PER_BLOCK = 16384  # sorted_ids slots per fill block of amdqb_align_plan (
 def align_planned(n: int, num_experts: int, cfg):
     """(tiles, routes per tile, warps) of the planned align (amdqb_align_plan +
     amdqb_align_place), or None: past ``hip.align.single_block_routes`` and up to
-    ``hip.align.plan_max_routes`` routes, in tiles of ``hip.align.plan_tile_routes`` (a power of
-    two; doubled until the plan's [tiles, E] counts fit the LDS of a launch without an opt-in), a
-    place warp per 64 routes of a tile (up to 32; each ranks at most _ALIGN_CACHED chunks of 32)."""
+    ``hip.align.plan_max_routes`` routes, in tiles of ``hip.align.plan_tile_routes`` or more (a
+    power of two: at most ``hip.align.plan_max_tiles`` tiles, then doubled until the plan's
+    [tiles, E] counts fit the LDS of a launch without an opt-in), a place warp per 64 routes of a
+    tile (up to 32; each ranks at most _ALIGN_CACHED chunks of 32)."""
     if not cfg["hip.align.single_block_routes"] < n <= cfg["hip.align.plan_max_routes"]:
         return None
-    tile = 1 << max(2, math.ceil(math.log2(cfg["hip.align.plan_tile_routes"])))
+    least = max(cfg["hip.align.plan_tile_routes"], cdiv(n, cfg["hip.align.plan_max_tiles"]))
+    tile = 1 << max(2, math.ceil(math.log2(least)))
     while 4 * (cdiv(n, tile) + 1) * num_experts + 4 * 33 > _STATIC_LDS_LIMIT and tile < n:
         tile *= 2
     tiles = cdiv(n, tile)

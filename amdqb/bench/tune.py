@@ -236,9 +236,9 @@ def align_plan_routes(
     amdqb_align) -- at E = 256 (vLLM's DeepSeek-V3 form, blocks 16 / 64 / 128), 257 (SGLang's
     buckets) and 896 (k=16), M tokens. Each form is judged by its time ratio to the fastest,
     summed over the shapes at each route count: ``hip.align.single_block_routes`` is the most
-    routes up to which one block has the least sum, the planned tile the one with the least sum
-    over the counts past it, ``hip.align.plan_max_routes`` the most routes up to which that
-    planned form's sum is below the tiled form's."""
+    routes up to which one block is within 1% of the least sum; each planned variant is taken up
+    to the most routes where its sum stays below the tiled form's (``plan_max_routes``), and the
+    variant whose policy (planned there, tiled beyond) has the least sum past one block wins."""
     report = Report("tune_align_plan", environment(dev))
     g = torch.Generator().manual_seed(0)
     # the tiled form of two or more tiles at every size measured (one tile is the one-block form)
@@ -275,9 +275,9 @@ def align_plan_routes(
             sums = ratio.setdefault(m * k, {"shapes": 0.0})
             sums["shapes"] += 1
             for name in variants:
-                us = t.get(name, float("inf"))
-                report.add(E=e, k=k, block=bs, M=m, routes=m * k, variant=name, us=us)
-                sums[name] = sums.get(name, 0.0) + us / fastest
+                if name in t:
+                    report.add(E=e, k=k, block=bs, M=m, routes=m * k, variant=name, us=t[name])
+                sums[name] = sums.get(name, 0.0) + t.get(name, float("inf")) / fastest
     counts = sorted(ratio)
     single = 0
     for r in counts:  # ratios averaged over the shapes of each route count
@@ -287,22 +287,29 @@ def align_plan_routes(
         if ratio[r]["single"] > 1.01 * min(ratio[r].values()):
             break
         single = r
-    planned = [n for n in variants if n.startswith("planned")]
     past = [r for r in counts if r > single]
-    name = min(planned, key=lambda n: sum(ratio[r][n] for r in past))
-    most = single
-    for r in past:
-        if ratio[r][name] >= ratio[r]["tiled"]:
-            break
-        most = r
+
+    def reach(name) -> int:  # the most routes up to which the planned variant beats tiled
+        most = single
+        for r in past:
+            if ratio[r][name] >= ratio[r]["tiled"]:
+                break
+            most = r
+        return most
+
+    def policy(name) -> float:  # the planned variant up to its reach, tiled beyond
+        return sum(ratio[r][name] if r <= reach(name) else ratio[r]["tiled"] for r in past)
+
+    name = min((n for n in variants if n.startswith("planned")), key=policy)
+    most = reach(name)
     t, cap = (
         variants[name]["hip.align.plan_tile_routes"],
         variants[name]["hip.align.plan_max_tiles"],
     )
     why_single = f"one block within 1% of the fastest on average up to {single} routes"
     why_tile = (
-        f"{name}: {sum(ratio[r][name] for r in past) / max(1, len(past)):.3f}x the fastest form "
-        f"on average past {single} routes (E = 256 / 257 / 896)"
+        f"{name} up to {most} routes, tiled beyond: {policy(name) / max(1, len(past)):.3f}x the "
+        f"fastest form on average past {single} routes (E = 256 / 257 / 896)"
     )
     why_most = f"{name} faster than tiled on average up to {most} routes" + (
         f" ({ratio[most][name]:.3f}x vs {ratio[most]['tiled']:.3f}x the fastest there)"

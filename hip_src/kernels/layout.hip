@@ -781,15 +781,15 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   }
 }
 
-// The planned form (tiles > 1 up to hip.align.plan_max_routes routes, a power of two routes, 4 or
-// more, to a tile): the scan moves out of the rank blocks' critical path. amdqb_align_plan's block
-// 0 counts every tile ([tiles, E] in LDS), scans the padded totals and writes each tile's absolute
-// first slot per bucket to tile_counts, every expert_ids entry and the padded total; its other
-// blocks write the sentinel over sorted_ids. amdqb_align_place, its dependent, ranks its tile's
-// routes among the tile's (per-warp counts, their prefix, the walk) before it waits for the plan,
-// so that after the wait a route's slot is one load of its tile's base and a store. Dynamic shared
-// memory: (tiles + 1) * E ints for the plan, warps * E for the place blocks; a ranking warp walks
-// at most ALIGN_CACHED chunks.
+// The planned form (past hip.align.single_block_routes up to hip.align.plan_max_routes routes; a
+// power of two routes, 4 or more, to a tile): the scan leaves the rank blocks' critical path.
+// amdqb_align_plan's block 0 counts every tile ([tiles, E] in LDS), scans the padded totals and
+// writes each tile's absolute first slot per bucket to tile_counts, every expert_ids entry and the
+// padded total; its other blocks write the sentinel over sorted_ids. amdqb_align_place, its
+// dependent, ranks its tile's routes among the tile's (per-warp counts, their prefix, the walk)
+// before it waits for the plan, so that after the wait a route's slot is one load of its tile's
+// base and a store. Dynamic shared memory: (tiles + 1) * E ints for the plan, warps * E for the
+// place blocks; a ranking warp walks at most ALIGN_CACHED chunks.
 constexpr int ALIGN_CACHED = 4;
 
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_plan(AlignParams p) {

@@ -792,7 +792,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
 // place blocks; a ranking warp walks at most ALIGN_CACHED chunks.
 constexpr int ALIGN_CACHED = 4;
 
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_plan(AlignParams p) {
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(1024, 1) amdqb_align_plan(AlignParams p) {
   AMDQB_DYN_SHARED(lds);
   AMDQB_SHARED(u32, warp_sums, 33);
   const int tid = (int)threadIdx.x;
@@ -809,42 +809,46 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_plan(AlignParams p) {
   const int E = p.num_experts;
   const int tiles = p.tiles;
   int* hist = lds;                    // [tiles][E]: counts, then each tile's exclusive prefix
-  int* start = lds + (i64)tiles * E;  // [E]: padded start of each bucket
-  for (int i = tid; i < tiles * E; i += nt) hist[i] = 0;
-  block_sync();
+  int* sizes = lds + (i64)tiles * E;  // [E]: padded size of each bucket
 
   // 1. Every tile's counts (tiles of a power of two routes; n < 2^31: 32-bit indices). int32 ids
-  // without a map at a 16-byte boundary: 8 per thread in flight, four to a load (one block counts
-  // them all, so its instructions per route bound it); else 8 at a time, one to a load.
+  // without a map at a 16-byte boundary: 8 per thread in flight, four to a load, the first ones
+  // loaded before the LDS is zeroed (one block counts them all, so its instructions per route and
+  // its first load's latency bound it); else 8 at a time, one to a load.
   int shift = 0;
   while ((1 << shift) < p.tile) ++shift;
   const u32 n = (u32)p.n;
   const u32 nbuckets = (u32)E, id_shift = (u32)p.id_shift;
-  u32 done = 0;
-  if (!(p.flags & 1) && p.map_mode != 1 && (reinterpret_cast<u64>(p.ids) & 15) == 0) {
-    const int* ids = static_cast<const int*>(p.ids);
-    constexpr int VECS = 2;
-    done = n & ~3u;
-    for (u32 q0 = 4 * (u32)tid; q0 < done; q0 += 4 * VECS * (u32)nt) {
-      int v[VECS][4];
+  const bool vec = !(p.flags & 1) && p.map_mode != 1 && (reinterpret_cast<u64>(p.ids) & 15) == 0;
+  const u32 done = vec ? n & ~3u : 0;
+  const int* ids = static_cast<const int*>(p.ids);
+  constexpr int VECS = 2;
+  const u32 step = 4 * (u32)nt;
+  int v[VECS][4];
+  auto load = [&](u32 q0) {
 #pragma unroll
-      for (int u = 0; u < VECS; ++u) {
-        const u32 q = q0 + 4 * (u32)u * (u32)nt;
-        if (q < done) {
-          load_i32x4(ids + q, v[u]);
-        } else {
+    for (int u = 0; u < VECS; ++u) {
+      const u32 q = q0 + (u32)u * step;
+      if (q < done) {
+        load_i32x4(ids + q, v[u]);
+      } else {
 #pragma unroll
-          for (int c = 0; c < 4; ++c) v[u][c] = -1 - p.id_shift;  // no bucket
-        }
+        for (int c = 0; c < 4; ++c) v[u][c] = -1 - p.id_shift;  // no bucket
       }
+    }
+  };
+  load(4 * (u32)tid);
+  for (int i = tid; i < tiles * E; i += nt) hist[i] = 0;
+  block_sync();
+  for (u32 q0 = 4 * (u32)tid; q0 < done; q0 += VECS * step) {
+    if (q0 != 4 * (u32)tid) load(q0);
 #pragma unroll
-      for (int u = 0; u < VECS; ++u) {
-        int* row = hist + ((q0 + 4 * (u32)u * (u32)nt) >> shift) * nbuckets;  // 4 | tile
+    for (int u = 0; u < VECS; ++u) {
+      int* row = hist + ((q0 + (u32)u * step) >> shift) * nbuckets;  // 4 | tile
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const u32 b = (u32)v[u][c] + id_shift;  // wraps past [0, E) for ids out of range
-          if (b < nbuckets) atomic_add_shared(&row[b], 1);
-        }
+      for (int c = 0; c < 4; ++c) {
+        const u32 b = (u32)v[u][c] + id_shift;  // wraps past [0, E) for ids out of range
+        if (b < nbuckets) atomic_add_shared(&row[b], 1);
       }
     }
   }
@@ -884,47 +888,37 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_plan(AlignParams p) {
       }
     }
     const u32 size = padded_count(r, p.block_size);
-    start[e] = (int)size;  // read back below by this thread alone
+    sizes[e] = (int)size;  // read back below by this thread alone
     own += size;
   }
   u32 padded_total;
   u32 at = block_exclusive_sum_u32(own, warp_sums, padded_total);
+
+  // 3. Each bucket's thread writes the tiles' first slots and the bucket's expert_ids entries
+  // (no barrier and no search of the starts: the thread has its buckets' starts in registers);
+  // the entries past the padded total get the tail value; the padded total.
+  const u32 bs = (u32)p.block_size;
+  const u32 blocks = p.num_blocks > 0 ? (u32)p.num_blocks : 0u;
 #pragma unroll 1
   for (int e = owned.lo; e < owned.hi; ++e) {
-    const u32 size = (u32)start[e];
-    start[e] = (int)at;
+    const u32 size = (u32)sizes[e];
 #pragma unroll 1
     for (int t = 0; t < tiles; ++t) p.tile_counts[(i64)t * E + e] = (int)at + hist[t * E + e];
+    if (size > 0) {
+      const int value =
+          p.map_mode == 2 ? (int)load_id(p.expert_map, e, p.flags & 2) : e - p.owner_shift;
+      const u32 j1 = (at + size) / bs < blocks ? (at + size) / bs : blocks;
+      for (u32 j = at / bs; j < j1; ++j) p.expert_ids[j] = value;
+    }
     at += size;
   }
-  block_sync();
-  const i64 total = (i64)padded_total;
-
-  // 3. expert_ids (the owner of each block of rows by a binary search of the padded starts) and
-  // the padded total.
-  for (int j = tid; j < p.num_blocks; j += nt) {
-    const i64 row = (i64)j * p.block_size;
-    int value;
-    if (row < total) {
-      int a = 0, b = E - 1;  // start[0] == 0 <= row: the owner lies in [a, b]
-      while (a < b) {
-        const int mid = (a + b + 1) >> 1;
-        if (start[mid] <= row)
-          a = mid;
-        else
-          b = mid - 1;
-      }
-      value = p.map_mode == 2 ? (int)load_id(p.expert_map, a, p.flags & 2) : a - p.owner_shift;
-    } else {
-      value = p.tail_value;
-      if (p.map_mode == 2) {  // the map read at the tail value, PyTorch's negative indexing
-        const int at2 = value < 0 ? value + p.map_len : value;
-        if (at2 >= 0 && at2 < p.map_len) value = (int)load_id(p.expert_map, at2, p.flags & 2);
-      }
-    }
-    p.expert_ids[j] = value;
+  int tail = p.tail_value;
+  if (p.map_mode == 2) {  // the map read at the tail value, PyTorch's negative indexing
+    const int at2 = tail < 0 ? tail + p.map_len : tail;
+    if (at2 >= 0 && at2 < p.map_len) tail = (int)load_id(p.expert_map, at2, p.flags & 2);
   }
-  if (tid == 0) p.post_pad[0] = (int)total;
+  for (u32 j = padded_total / bs + (u32)tid; j < blocks; j += (u32)nt) p.expert_ids[j] = tail;
+  if (tid == 0) p.post_pad[0] = (int)padded_total;
 }
 
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_place(AlignParams p) {

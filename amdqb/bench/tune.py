@@ -241,7 +241,8 @@ def align_plan_routes(
     variant whose policy (planned there, tiled beyond) has the least sum past one block wins."""
     report = Report("tune_align_plan", environment(dev))
     g = torch.Generator().manual_seed(0)
-    # the tiled form of two or more tiles at every size measured (one tile is the one-block form)
+    # the tiled form with its smallest tiles 32 routes: two or more tiles from 256 routes on (below,
+    # one tile is the one-block form)
     tiled = {
         "hip.align.single_block_routes": 0,
         "hip.align.plan_max_routes": 0,

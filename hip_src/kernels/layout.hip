@@ -792,6 +792,26 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
 // place blocks; a ranking warp walks at most ALIGN_CACHED chunks.
 constexpr int ALIGN_CACHED = 4;
 
+// The column col[0], col[stride], ... col[(count - 1) * stride] of LDS rows replaced by its
+// exclusive prefix sum; returns the column's total. Eight independent LDS loads at a time (one at
+// a time, each add waits for its own round trip).
+AMDQB_DEVICE int column_exclusive_prefix(int* col, int count, int stride) {
+  constexpr int ROWS = 8;
+  int r = 0;
+#pragma unroll 1
+  for (int v0 = 0; v0 < count; v0 += ROWS) {
+    int c[ROWS];
+#pragma unroll
+    for (int q = 0; q < ROWS; ++q) c[q] = v0 + q < count ? col[(v0 + q) * stride] : 0;
+#pragma unroll
+    for (int q = 0; q < ROWS; ++q) {
+      if (v0 + q < count) col[(v0 + q) * stride] = r;
+      r += c[q];
+    }
+  }
+  return r;
+}
+
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(1024, 1) amdqb_align_plan(AlignParams p) {
   AMDQB_DYN_SHARED(lds);
   AMDQB_SHARED(u32, warp_sums, 33);
@@ -874,20 +894,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(1024, 1) amdqb_align_plan(AlignParams 
   u32 own = 0;
 #pragma unroll 1
   for (int e = owned.lo; e < owned.hi; ++e) {
-    constexpr int ROWS = 8;
-    int r = 0;
-#pragma unroll 1
-    for (int t0 = 0; t0 < tiles; t0 += ROWS) {
-      int c[ROWS];
-#pragma unroll
-      for (int q = 0; q < ROWS; ++q) c[q] = t0 + q < tiles ? hist[(t0 + q) * E + e] : 0;
-#pragma unroll
-      for (int q = 0; q < ROWS; ++q) {
-        if (t0 + q < tiles) hist[(t0 + q) * E + e] = r;
-        r += c[q];
-      }
-    }
-    const u32 size = padded_count(r, p.block_size);
+    const u32 size = padded_count(column_exclusive_prefix(hist + e, tiles, E), p.block_size);
     sizes[e] = (int)size;  // read back below by this thread alone
     own += size;
   }
@@ -951,21 +958,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_place(AlignParams p) {
   // each warp's first slot in each bucket among the tile's routes (a thread owns a run of buckets)
   const ThreadRun owned = thread_run(E);
 #pragma unroll 1
-  for (int e = owned.lo; e < owned.hi; ++e) {
-    constexpr int ROWS = 8;  // independent LDS loads at a time
-    int r = 0;
-#pragma unroll 1
-    for (int v0 = 0; v0 < warps; v0 += ROWS) {
-      int c[ROWS];
-#pragma unroll
-      for (int q = 0; q < ROWS; ++q) c[q] = v0 + q < warps ? next[(v0 + q) * E + e] : 0;
-#pragma unroll
-      for (int q = 0; q < ROWS; ++q) {
-        if (v0 + q < warps) next[(v0 + q) * E + e] = r;
-        r += c[q];
-      }
-    }
-  }
+  for (int e = owned.lo; e < owned.hi; ++e) column_exclusive_prefix(next + e, warps, E);
   block_sync();
   // ranks in flat order, a chunk of 32 routes at a time (the lowest peer advances the slot)
   int slot[ALIGN_CACHED];

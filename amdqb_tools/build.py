@@ -54,7 +54,13 @@ ROUTE_KERNELS = frozenset(
         for t in ("i32", "i64")
     }
     | {"amdqb_route_det_scan", "amdqb_route_finalize"}
-    | {"amdqb_align_hist", "amdqb_align", "amdqb_align_plan", "amdqb_align_place"}
+    | {
+        "amdqb_align_hist",
+        "amdqb_align",
+        "amdqb_align_plan",
+        "amdqb_align_place",
+        "amdqb_align_tiles",
+    }
 )
 TOPK_KERNELS = frozenset({"amdqb_topk"})
 ROUTER_BWD_KERNELS = frozenset({"amdqb_router_bwd"})

@@ -71,15 +71,17 @@ def test_align_beyond_4096_experts(backend, e):
 
 @over_backends("align_block_size", emulator=True, waves=(32, 64), gcn=GCN)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("tiled", [False, True, "wide", "planned"])
+@pytest.mark.parametrize("tiled", [False, True, "wide", "ranked", "planned"])
 def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype, tiled):
     """moe_align_block_size: sorted ids, expert ids and the padded total equal the oracle's bitwise
     (ascending flat order inside each expert), in one block (one launch) or over tiles that split
     experts' routes (the histogram pass, then the rank pass as its dependent), with partial last
     tiles, dropped ids, empty experts, 1..32 ranking warps (E up to 4096) and pad_sorted_ids;
     "wide": rank blocks of one bucket per thread (up to 1024 threads, the warps past the ranking
-    ones idle in the walk); "planned": one block plans the tiles (amdqb_align_plan) and the place
-    pass ranks before it waits, where the [tiles, E] counts fit its LDS (the others tiled)."""
+    ones idle in the walk); "ranked": the rank blocks rank their tiles before they wait and then
+    sum the tile columns (amdqb_align_tiles), where their LDS holds a warp's rows (the others
+    amdqb_align); "planned": one block plans the tiles (amdqb_align_plan) and the place pass
+    ranks before it waits, where the [tiles, E] counts fit its LDS (the others tiled)."""
     rt = emu_rt
     if tiled:  # tiles of 64 routes (or sqrt(n) rounded up to a power of two) from 65 routes on
         values = {
@@ -89,6 +91,7 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
             "hip.align.rank_buckets_per_thread": 1 if tiled == "wide" else 16,
             "hip.align.plan_max_routes": 1 << 20 if tiled == "planned" else 0,
             "hip.align.plan_tile_routes": 256,
+            "hip.align.tiles_rank_first": tiled == "ranked",
         }
     else:  # every case in one block
         values = {"hip.align.single_block_routes": 1 << 20}
@@ -103,7 +106,7 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
         (33, 1, 1, "uniform", 8, False),  # a single route
         (300, 200, 6, "shared", 12, True),  # a block size that is not a power of two
     ]
-    planned = 0
+    planned = ranked = 0
     for e, m, k, dist, bs, pad in cases:
         ids = emu_ids(m, k, e, dist, e + m, dtype)
         want = ref.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad)
@@ -124,14 +127,19 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
             assert rt.launches[1][1][0] == shape[0] > 1, (e, m, k)
             assert shape[1] & (shape[1] - 1) == 0 and shape[0] * shape[1] >= ids.numel()
         elif tiled and ids.numel() > 64:
-            assert names == ["amdqb_align_hist", "amdqb_align"], (e, m, k)
-            assert rt.dependent_launches == ["amdqb_align"]
+            rank = "amdqb_align"
+            if tiled == "ranked" and hip_layout.align_tiles_shape(per, e) is not None:
+                rank = "amdqb_align_tiles"
+                ranked += 1
+            assert names == ["amdqb_align_hist", rank], (e, m, k)
+            assert rt.dependent_launches == [rank]
             assert 1 < tiles == rt.launches[0][1][0] == rt.launches[1][1][0], (e, m, k)
             if tiled == "wide":
                 assert threads >= min(e, 1024), (e, m, k, threads)
         else:
             assert names == ["amdqb_align"], (e, m, k)
     assert (planned >= 4) == (tiled == "planned"), planned
+    assert (ranked >= 4) == (tiled == "ranked"), ranked
     assert hip_layout.align_rank_warps(896) == 8 and hip_layout.align_rank_warps(2048) == 4
     assert hip_layout.align_rank_warps(4096) == 1 and hip_layout.align_rank_warps(256) == 32
 
@@ -193,7 +201,8 @@ _FORMS = {  # AlignCall keywords, the map (mode "filter" / "output"), the ids' e
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("form", sorted(_FORMS))
 def test_planned_align_equals_the_tiled_form_in_every_convention(monkeypatch, form, dtype, wave):
-    """amdqb_align_plan + amdqb_align_place write what amdqb_align_hist + amdqb_align write
+    """amdqb_align_plan + amdqb_align_place and amdqb_align_hist + amdqb_align_tiles write what
+    amdqb_align_hist + amdqb_align write
     (bitwise, every output, the caller's padding kept alike) for vLLM's and SGLang's conventions,
     both maps, int32 ids off a 16-byte boundary and int64 ids (the plan's one-id loads) and ids
     out of range, over tiles that split experts' routes and a partial last tile."""
@@ -214,11 +223,12 @@ def test_planned_align_equals_the_tiled_form_in_every_convention(monkeypatch, fo
         emap = torch.randperm(e, generator=g).to(torch.int32)
     rows = ids.numel() + call.num_experts * (bs - 1)
     outs = {}
-    for name, most in (("tiled", 0), ("planned", 1 << 20)):
+    for name, most in (("tiled", 0), ("ranked", 0), ("planned", 1 << 20)):
         values = {
             "hip.align.single_block_routes": 256,
             "hip.align.plan_max_routes": most,
             "hip.align.plan_tile_routes": 512,
+            "hip.align.tiles_rank_first": name == "ranked",
         }
         set_config(monkeypatch, values, torch.device("cpu"))
         got = (
@@ -228,9 +238,14 @@ def test_planned_align_equals_the_tiled_form_in_every_convention(monkeypatch, fo
         )
         emu_rt.launches.clear()
         hip_layout.align_block_size(emu_rt, call, ids, emap, *got)
-        want = {"tiled": "amdqb_align_hist", "planned": "amdqb_align_plan"}[name]
-        assert emu_rt.launches[0][0] == want, (name, emu_rt.launches)
+        want = {
+            "tiled": ["amdqb_align_hist", "amdqb_align"],
+            "ranked": ["amdqb_align_hist", "amdqb_align_tiles"],
+            "planned": ["amdqb_align_plan", "amdqb_align_place"],
+        }[name]
+        assert [n for n, *_ in emu_rt.launches] == want, (name, emu_rt.launches)
         outs[name] = got
-    for a, b, what in zip(outs["tiled"], outs["planned"], ("sorted_ids", "expert_ids", "post_pad")):
-        assert torch.equal(a, b), f"{what} differs ({form}, {dtype})"
+    for other in ("ranked", "planned"):
+        for a, b, what in zip(outs["tiled"], outs[other], ("sorted_ids", "expert_ids", "post_pad")):
+            assert torch.equal(a, b), f"{what} differs ({other}, {form}, {dtype})"
     assert (outs["planned"][0] == -5).any() != call.fill_sentinel  # the caller's padding kept

@@ -146,16 +146,18 @@ def test_routers_are_one_hip_kernel_and_nothing_else(backend, emu_rt, monkeypatc
 
 @pytest.mark.skipif(HAS_GPU, reason="the emulator's launch record (the GPU test profiles)")
 @over_backends("align_block_size", emulator=True)
-@pytest.mark.parametrize("tiled", [False, True, "planned"])
+@pytest.mark.parametrize("tiled", [False, True, "ranked", "planned"])
 def test_aligns_are_one_or_two_hip_kernels_and_nothing_else(backend, emu_rt, monkeypatch, tiled):
     _unpoisoned(monkeypatch, "align_block_size")
     if tiled:
         values = {"hip.align.single_block_routes": 64, "hip.align.min_tile_routes": 64}
         values["hip.align.plan_max_routes"] = 1 << 20 if tiled == "planned" else 0
+        values["hip.align.tiles_rank_first"] = tiled == "ranked"
         set_config(monkeypatch, values, torch.device("cpu"))
     want = {
         False: ["amdqb_align"],
         True: ["amdqb_align_hist", "amdqb_align"],
+        "ranked": ["amdqb_align_hist", "amdqb_align_tiles"],
         "planned": ["amdqb_align_plan", "amdqb_align_place"],
     }[tiled]
     for name, fn in _aligns(20).items():
@@ -190,11 +192,7 @@ def test_entry_points_launch_one_kernel_on_the_gpu(monkeypatch, tokens):
 def test_aligns_launch_one_or_two_kernels_on_the_gpu(monkeypatch, tokens):
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
     dispatch._select.cache_clear()
-    cfg = device_config()
-    tiles = hip_layout.align_plan(tokens * 8, 256, cfg)[0]
-    want = ["amdqb_align"] if tiles == 1 else ["amdqb_align_hist", "amdqb_align"]
-    if hip_layout.align_planned(tokens * 8, 256, cfg) is not None:
-        want = ["amdqb_align_plan", "amdqb_align_place"]
+    want = list(hip_layout.align_form(tokens * 8, 256, device_config()).kernels)
     for name, fn in _aligns(tokens).items():
         kernels = _profiled_kernels(fn)
         assert kernels == want, (name, tokens, kernels)

@@ -575,6 +575,36 @@ AMDQB_DEVICE void fill_i32(int* dst, i64 len, int value, i64 thread, i64 threads
 
 }  // namespace
 
+// expert_ids[j] for j = first, first + stride, ... below end: the bucket owning rows
+// [j * block_size, (j + 1) * block_size) (a binary search of the padded starts in LDS), through
+// the map or minus owner_shift; the tail value past the padded total.
+AMDQB_DEVICE void write_expert_ids(const AlignParams& p, const int* start, i64 total, int first,
+                                   int end, int stride) {
+  const int E = p.num_experts;
+  for (int j = first; j < end; j += stride) {
+    const i64 row = (i64)j * p.block_size;
+    int value;
+    if (row < total) {
+      int a = 0, b = E - 1;  // start[0] == 0 <= row: the owner lies in [a, b]
+      while (a < b) {
+        const int mid = (a + b + 1) >> 1;
+        if (start[mid] <= row)
+          a = mid;
+        else
+          b = mid - 1;
+      }
+      value = p.map_mode == 2 ? (int)load_id(p.expert_map, a, p.flags & 2) : a - p.owner_shift;
+    } else {
+      value = p.tail_value;
+      if (p.map_mode == 2) {  // the map read at the tail value, PyTorch's negative indexing
+        const int at = value < 0 ? value + p.map_len : value;
+        if (at >= 0 && at < p.map_len) value = (int)load_id(p.expert_map, at, p.flags & 2);
+      }
+    }
+    p.expert_ids[j] = value;
+  }
+}
+
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
   AMDQB_DYN_SHARED(hist);
   const int tid = (int)threadIdx.x;
@@ -734,28 +764,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
     const int j0 = (int)blockIdx.x * p.tile_blocks;
     const int j1 = j0 + p.tile_blocks < p.num_blocks ? j0 + p.tile_blocks : p.num_blocks;
     const int h0 = nt > 32 * warps ? 32 * warps : 0;  // the first thread that writes
-    for (int j = j0 + tid - h0; tid >= h0 && j < j1; j += nt - h0) {
-      const i64 row = (i64)j * p.block_size;
-      int value;
-      if (row < total) {
-        int a = 0, b = E - 1;  // start[0] == 0 <= row: the owner lies in [a, b]
-        while (a < b) {
-          const int mid = (a + b + 1) >> 1;
-          if (start[mid] <= row)
-            a = mid;
-          else
-            b = mid - 1;
-        }
-        value = p.map_mode == 2 ? (int)load_id(p.expert_map, a, p.flags & 2) : a - p.owner_shift;
-      } else {
-        value = p.tail_value;
-        if (p.map_mode == 2) {  // the map read at the tail value, PyTorch's negative indexing
-          const int at = value < 0 ? value + p.map_len : value;
-          if (at >= 0 && at < p.map_len) value = (int)load_id(p.expert_map, at, p.flags & 2);
-        }
-      }
-      p.expert_ids[j] = value;
-    }
+    if (tid >= h0) write_expert_ids(p, start, total, j0 + tid - h0, j1, nt - h0);
     if (blockIdx.x == 0 && tid == h0) p.post_pad[0] = (int)total;
   }
 
@@ -928,13 +937,17 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(1024, 1) amdqb_align_plan(AlignParams 
   if (tid == 0) p.post_pad[0] = (int)padded_total;
 }
 
-AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_place(AlignParams p) {
-  AMDQB_DYN_SHARED(next);  // [warps][E]: per-warp counts, then each warp's running slot in the tile
+// Each route's slot among its tile's routes of its bucket, in flat order (warp w ranks the routes
+// [tile start + w * warp_run, + warp_run), at most ALIGN_CACHED chunks of 32; every warp of the
+// block ranks): per-warp counts in the LDS rows next[warps][E], their exclusive prefix over the
+// warps, then each warp's walk. b[c] gets the bucket of the lane's route of chunk c (-1: none),
+// slot[c] its slot. Reads only the ids: a dependent kernel runs it before it waits.
+AMDQB_DEVICE void rank_in_tile(const AlignParams& p, int* next, int (&b)[ALIGN_CACHED],
+                               int (&slot)[ALIGN_CACHED]) {
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int lane = lane_id();
   const int w = warp_in_block();
-  const int warps = p.rank_warps;  // every warp of the block ranks
   const int E = p.num_experts;
   const int bits = bucket_bits(E);
   const i64 t0 = (i64)blockIdx.x * p.tile;
@@ -942,14 +955,12 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_place(AlignParams p) {
   const i64 r0 = t0 + (i64)w * p.warp_run;
   const i64 r1 = r0 + p.warp_run < t1 ? r0 + p.warp_run : t1;
   int* mine = next + w * E;
-
-  int b[ALIGN_CACHED];
 #pragma unroll
   for (int c = 0; c < ALIGN_CACHED; ++c) {
     const i64 i = r0 + (i64)c * 32 + lane;
     b[c] = i < r1 ? bucket_of(p, i) : -1;
   }
-  for (int i = tid; i < warps * E; i += nt) next[i] = 0;
+  for (int i = tid; i < p.rank_warps * E; i += nt) next[i] = 0;
   block_sync();
 #pragma unroll
   for (int c = 0; c < ALIGN_CACHED; ++c)
@@ -958,10 +969,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_place(AlignParams p) {
   // each warp's first slot in each bucket among the tile's routes (a thread owns a run of buckets)
   const ThreadRun owned = thread_run(E);
 #pragma unroll 1
-  for (int e = owned.lo; e < owned.hi; ++e) column_exclusive_prefix(next + e, warps, E);
+  for (int e = owned.lo; e < owned.hi; ++e) column_exclusive_prefix(next + e, p.rank_warps, E);
   block_sync();
   // ranks in flat order, a chunk of 32 routes at a time (the lowest peer advances the slot)
-  int slot[ALIGN_CACHED];
 #pragma unroll
   for (int c = 0; c < ALIGN_CACHED; ++c) {
     slot[c] = 0;
@@ -970,9 +980,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_place(AlignParams p) {
       warp_sync();  // mine[] updates visible to the next chunk's leaders
     }
   }
+}
 
-  wait_for_prior_grid();  // tile_counts (the bases) and the sentinel: amdqb_align_plan
-  const int* base = p.tile_counts + (i64)blockIdx.x * E;
+// Stores route r0 + c * 32 + lane of each chunk at base[b[c]] + slot[c] (base: LDS or global).
+AMDQB_DEVICE void store_ranked(const AlignParams& p, const int* base, const int (&b)[ALIGN_CACHED],
+                               const int (&slot)[ALIGN_CACHED]) {
+  const i64 r0 = (i64)blockIdx.x * p.tile + (i64)warp_in_block() * p.warp_run;
+  const int lane = lane_id();
   int at[ALIGN_CACHED];
 #pragma unroll
   for (int c = 0; c < ALIGN_CACHED; ++c) at[c] = b[c] >= 0 ? base[b[c]] : 0;
@@ -981,4 +995,100 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_place(AlignParams p) {
     const i64 s = (i64)at[c] + slot[c];
     if (b[c] >= 0 && s < p.sorted_len) p.sorted_ids[s] = (int)(r0 + (i64)c * 32 + lane);
   }
+}
+
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_place(AlignParams p) {
+  AMDQB_DYN_SHARED(next);  // [warps][E]: per-warp counts, then each warp's running slot in the tile
+  int b[ALIGN_CACHED], slot[ALIGN_CACHED];
+  rank_in_tile(p, next, b, slot);
+  wait_for_prior_grid();  // tile_counts (the bases) and the sentinel: amdqb_align_plan
+  store_ranked(p, p.tile_counts + (i64)blockIdx.x * p.num_experts, b, slot);
+}
+
+// The ranked tiled form (tiles > 1 past the planned form, launched as amdqb_align_hist's
+// dependent): each block ranks its tile's routes before it waits (rank_in_tile), then sums the
+// tile columns of tile_counts -- the routes of earlier tiles and the total of each bucket --, scans
+// the padded totals, writes its slice of expert_ids and stores its routes. A column's loads all go
+// out at once: the G = max(1, threads / E) thread groups each sum every G-th tile (a thread one
+// bucket, or several when E exceeds the threads), and the groups' partial sums meet in LDS.
+// Dynamic shared memory: (warps + 2 * G + 2) * E ints.
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_tiles(AlignParams p) {
+  AMDQB_DYN_SHARED(lds);
+  AMDQB_SHARED(u32, warp_sums, 33);
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  const int E = p.num_experts;
+  const int groups = nt >= E ? nt / E : 1;
+  int* next = lds;                          // [warps][E]: rank_in_tile's rows
+  int* part = lds + (i64)p.rank_warps * E;  // [2][groups][E]: earlier tiles, all tiles
+  int* start = part + 2 * (i64)groups * E;  // [E]: padded start of each bucket
+  int* base = start + E;                    // [E]: this tile's first slot per bucket
+  int b[ALIGN_CACHED], slot[ALIGN_CACHED];
+  rank_in_tile(p, next, b, slot);
+  wait_for_prior_grid();  // tile_counts and the sentinel: amdqb_align_hist
+
+  // 1. Partial column sums: thread t of group g = t / E sums bucket t % E over tiles g, g + G, ...
+  // (E > threads: buckets t, t + threads, ... over every tile), 16 loads in flight.
+  {
+    const int g = nt >= E ? tid / E : 0;
+    const int tiles = p.tiles;
+    const int self = (int)blockIdx.x;
+    constexpr int BATCH = 16;
+#pragma unroll 1
+    for (int e = nt >= E ? tid % E : tid; g < groups && e < E; e += nt) {
+      int before = 0, total = 0;
+#pragma unroll 1
+      for (int t0 = g; t0 < tiles; t0 += BATCH * groups) {
+        int c[BATCH];
+#pragma unroll
+        for (int q = 0; q < BATCH; ++q) {
+          const int t = t0 + q * groups;
+          c[q] = t < tiles ? p.tile_counts[(i64)t * E + e] : 0;
+        }
+#pragma unroll
+        for (int q = 0; q < BATCH; ++q) {
+          before += t0 + q * groups < self ? c[q] : 0;
+          total += c[q];
+        }
+      }
+      part[(i64)g * E + e] = before;
+      part[(i64)(groups + g) * E + e] = total;
+      if (nt >= E) break;  // one bucket a thread
+    }
+  }
+  block_sync();
+
+  // 2. Per bucket (a thread owns a contiguous run): the groups' sums, the padded size; the block
+  // scan of the sizes; the padded starts and this tile's bases.
+  const ThreadRun owned = thread_run(E);
+  u32 own = 0;
+#pragma unroll 1
+  for (int e = owned.lo; e < owned.hi; ++e) {
+    int before = 0, total = 0;
+    for (int g = 0; g < groups; ++g) {
+      before += part[(i64)g * E + e];
+      total += part[(i64)(groups + g) * E + e];
+    }
+    const u32 size = padded_count(total, p.block_size);
+    start[e] = (int)size;  // read back below by this thread alone
+    base[e] = before;
+    own += size;
+  }
+  u32 padded_total;
+  u32 at = block_exclusive_sum_u32(own, warp_sums, padded_total);
+#pragma unroll 1
+  for (int e = owned.lo; e < owned.hi; ++e) {
+    const u32 size = (u32)start[e];
+    start[e] = (int)at;
+    base[e] += (int)at;
+    at += size;
+  }
+  block_sync();
+
+  // 3. The routes, then this block's slice of expert_ids and the padded total.
+  store_ranked(p, base, b, slot);
+  const int j0 = (int)blockIdx.x * p.tile_blocks;
+  const int j1 = j0 + p.tile_blocks < p.num_blocks ? j0 + p.tile_blocks : p.num_blocks;
+  write_expert_ids(p, start, (i64)padded_total, j0 + tid, j1, nt);
+  if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)padded_total;
 }

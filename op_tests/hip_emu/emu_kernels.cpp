@@ -45,6 +45,7 @@ AMDQB_EMU_REGISTER(amdqb_align_hist)
 AMDQB_EMU_REGISTER(amdqb_align)
 AMDQB_EMU_REGISTER(amdqb_align_plan)
 AMDQB_EMU_REGISTER(amdqb_align_place)
+AMDQB_EMU_REGISTER(amdqb_align_tiles)
 #elif defined(AMDQB_EMU_CONVERT)
 // The prelude's scalar helpers, called directly from Python.
 #include "amdqb_prelude.h"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -276,6 +277,32 @@ def align_planned(n: int, num_experts: int, cfg):
     return tiles, tile, warps
 
 
+def align_tiles_lds_bytes(num_experts: int, warps: int) -> int:
+    """amdqb_align_tiles's dynamic LDS: the warps' rank rows, two rows per column-sum group
+    (max(1, threads / E) of them), the padded starts and the tile's bases."""
+    groups = max(1, 32 * warps // num_experts)
+    return 4 * (warps + 2 * groups + 2) * num_experts
+
+
+def align_tiles_shape(per: int, num_experts: int):
+    """(threads, warps) of an amdqb_align_tiles block ranking ``per`` routes, or None where it
+    cannot: every warp ranks at most _ALIGN_CACHED chunks of 32 routes, and the block takes as
+    many warps as its LDS holds, up to 32 (more threads put more of a tile column's loads in
+    flight at once)."""
+
+    def fits(warps: int) -> bool:
+        return align_tiles_lds_bytes(num_experts, warps) + 4 * 33 <= _STATIC_LDS_LIMIT
+
+    warps = 1
+    while warps < 32 and warps * 32 * _ALIGN_CACHED < per:
+        warps *= 2
+    if warps * 32 * _ALIGN_CACHED < per or not fits(warps):
+        return None
+    while warps < 32 and fits(2 * warps):
+        warps *= 2
+    return 32 * warps, warps
+
+
 def align_hist_threads(per: int) -> int:
     """Threads of an amdqb_align_hist block counting ``per`` routes: one batch of 8 ids per
     thread, 256 to 1024 (on sm_90, 256 threads in place of 1024 took 5.94 -> 5.55 / 7.36 -> 6.61
@@ -286,12 +313,39 @@ def align_hist_threads(per: int) -> int:
     return threads
 
 
+@dataclass(frozen=True)
+class AlignForm:
+    """The kernels of an align call and their launch shape (align_form)."""
+
+    kernels: tuple[str, ...]  # in launch order; a second one is the first one's dependent
+    tiles: int
+    per: int  # routes per tile
+    threads: int  # of the last kernel's blocks
+    warps: int  # ranking warps of the last kernel's blocks
+
+
+def align_form(n: int, num_experts: int, cfg) -> AlignForm:
+    """amdqb_align (one launch up to hip.align.single_block_routes routes), else
+    amdqb_align_plan + amdqb_align_place (align_planned), else amdqb_align_hist +
+    amdqb_align_tiles (where ``hip.align.tiles_rank_first`` is set and align_tiles_shape fits the
+    tile) or amdqb_align."""
+    planned = align_planned(n, num_experts, cfg)
+    if planned is not None:
+        tiles, per, warps = planned
+        return AlignForm(("amdqb_align_plan", "amdqb_align_place"), tiles, per, 32 * warps, warps)
+    tiles, per, threads, warps = align_plan(n, num_experts, cfg)
+    if tiles == 1:
+        return AlignForm(("amdqb_align",), tiles, per, threads, warps)
+    ranked = align_tiles_shape(per, num_experts) if cfg["hip.align.tiles_rank_first"] else None
+    if ranked is not None:
+        return AlignForm(("amdqb_align_hist", "amdqb_align_tiles"), tiles, per, *ranked)
+    return AlignForm(("amdqb_align_hist", "amdqb_align"), tiles, per, threads, warps)
+
+
 def align_block_size(
     rt, call: AlignCall, topk_ids, expert_map, sorted_ids_out, expert_ids_out, num_post_pad_out
 ):
-    """amdqb_align (one launch up to hip.align.single_block_routes routes), else
-    amdqb_align_plan + amdqb_align_place (its dependent; align_planned), else amdqb_align_hist +
-    amdqb_align (its dependent)."""
+    """The kernels of align_form, the second one launched as the first one's dependent."""
     n = topk_ids.numel()
     num_experts = call.num_experts
     if num_experts > MAX_ALIGN_EXPERTS:
@@ -301,14 +355,10 @@ def align_block_size(
     cfg = config(topk_ids)
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
-    planned = align_planned(n, num_experts, cfg)
-    if planned is not None:
-        tiles, per, warps = planned
-        threads = 32 * warps
-    else:
-        tiles, per, threads, warps = align_plan(n, num_experts, cfg)
+    form = align_form(n, num_experts, cfg)
+    tiles, per, warps = form.tiles, form.per, form.warps
     tile_counts = None
-    if tiles > 1 or planned is not None:  # the tiles' counts, or the planned tiles' bases
+    if len(form.kernels) > 1:  # the tiles' counts, or the planned tiles' bases
         tile_counts = torch.empty(tiles * num_experts, dtype=torch.int32, device=topk_ids.device)
     flags = (
         (1 if topk_ids.dtype == torch.int64 else 0)
@@ -339,22 +389,22 @@ def align_block_size(
         cdiv(cdiv(per, warps), 32) * 32,
         cdiv(expert_ids_out.numel(), tiles),
     )
-    if planned is not None:
+    if form.kernels[0] == "amdqb_align_plan":
         fill_blocks = cdiv(sorted_ids_out.numel(), _FILL_PER_BLOCK) if call.fill_sentinel else 0
-        plan = rt.kernel(device, spec, "amdqb_align_plan")
-        rt.launch(plan, 1 + fill_blocks, _PLAN_THREADS, 4 * (tiles + 1) * num_experts, [params])
-        launch = rt.launch_dependent if cfg["hip.route.det_dependent_launch"] else rt.launch
-        place = rt.kernel(device, spec, "amdqb_align_place")
-        launch(place, tiles, 32 * warps, 4 * warps * num_experts, [params])
-        return
-    smem = align_lds_bytes(num_experts, warps)
-    if tiles > 1:
-        k = rt.kernel(device, spec, "amdqb_align_hist")
-        rt.launch(k, tiles, align_hist_threads(per), 4 * num_experts, [params])
-        launch = rt.launch_dependent if cfg["hip.route.det_dependent_launch"] else rt.launch
+        first = (1 + fill_blocks, _PLAN_THREADS, 4 * (tiles + 1) * num_experts)
     else:
-        launch = rt.launch
-    launch(rt.kernel(device, spec, "amdqb_align"), tiles, threads, smem, [params])
+        first = (tiles, align_hist_threads(per), 4 * num_experts)
+    smem = {
+        "amdqb_align": align_lds_bytes(num_experts, warps),
+        "amdqb_align_tiles": align_tiles_lds_bytes(num_experts, warps),
+        "amdqb_align_place": 4 * warps * num_experts,
+    }[form.kernels[-1]]
+    launch = rt.launch
+    if len(form.kernels) > 1:
+        rt.launch(rt.kernel(device, spec, form.kernels[0]), *first, [params])
+        if cfg["hip.route.det_dependent_launch"]:
+            launch = rt.launch_dependent
+    launch(rt.kernel(device, spec, form.kernels[-1]), tiles, form.threads, smem, [params])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -260,16 +260,20 @@ def align_planned(n: int, num_experts: int, cfg):
     tile (up to 32; each ranks at most _ALIGN_CACHED chunks of 32)."""
     if not cfg["hip.align.single_block_routes"] < n <= cfg["hip.align.plan_max_routes"]:
         return None
+
+    def plan_fits(tile: int) -> bool:  # the plan's [tiles + 1, E] LDS counts and its scan's
+        return 4 * (cdiv(n, tile) + 1) * num_experts + 4 * 33 <= _STATIC_LDS_LIMIT
+
     least = max(cfg["hip.align.plan_tile_routes"], cdiv(n, cfg["hip.align.plan_max_tiles"]))
     tile = 1 << max(2, math.ceil(math.log2(least)))
-    while 4 * (cdiv(n, tile) + 1) * num_experts + 4 * 33 > _STATIC_LDS_LIMIT and tile < n:
+    while not plan_fits(tile) and tile < n:
         tile *= 2
     tiles = cdiv(n, tile)
     warps = 1
     while warps < 32 and 64 * warps < tile:
         warps *= 2
     if (
-        4 * (tiles + 1) * num_experts + 4 * 33 > _STATIC_LDS_LIMIT
+        not plan_fits(tile)
         or 4 * warps * num_experts > _STATIC_LDS_LIMIT
         or cdiv(cdiv(tile, warps), 32) > _ALIGN_CACHED
     ):

@@ -1,7 +1,7 @@
 """Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
 ``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
 
-    python -m amdqb.bench.tune --parts route,gate,align,align_threads,align_plan,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
+    python -m amdqb.bench.tune --parts route,gate,align,align_threads,align_rank_first,align_plan,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
 
 A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
 config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
@@ -15,6 +15,7 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
 * ``align``  -- amdqb_align's single-block crossover and tile shape (tile scale, smallest tile,
   most tiles; E=256, k=8, block 64);
 * ``align_threads`` -- the tiled align's rank-block threads (buckets per thread);
+* ``align_rank_first`` -- the tiled align's rank pass: amdqb_align or amdqb_align_tiles;
 * ``align_plan`` -- the one-block, planned (one block scans, its dependent places) and tiled
   aligns side by side: the routes where each is taken and the planned form's tile;
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
@@ -222,6 +223,50 @@ def align_rank_threads(
             why,
         )
     }
+
+
+def align_rank_first(
+    dev,
+    cfg,
+    shapes=((256, 8, 16), (256, 8, 64), (256, 8, 128), (257, 8, 64), (896, 16, 64)),
+    tokens=(512, 1024, 2048, 8192, 32768),
+):
+    """The tiled form's rank pass, amdqb_align (ranks after the wait) against amdqb_align_tiles
+    (ranks before it; ``hip.align.tiles_rank_first``), the planned form off, at E = 256 (vLLM's
+    DeepSeek-V3 form, blocks 16 / 64 / 128), 257 (SGLang's buckets) and 896 (k=16): the kernel
+    with the least summed time ratio to the faster one at each shape wins."""
+    report = Report("tune_align_rank_first", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    variants = {
+        name: {"hip.align.plan_max_routes": 0, "hip.align.tiles_rank_first": first}
+        for name, first in (("amdqb_align", False), ("amdqb_align_tiles", True))
+    }
+    ratios = {name: 0.0 for name in variants}
+    for e, k, bs in shapes:
+        for m in tokens:
+            ids = make_ids(m, k, e, "uniform", g).to(dev)
+            want = ref.moe_align_block_size(ids.cpu(), bs, e)
+            impls = {
+                name: _with(
+                    values,
+                    lambda e=e, bs=bs: amdqb.moe_align_block_size(ids, bs, e, backend="hip"),
+                )
+                for name, values in variants.items()
+            }
+            for name, fn in impls.items():
+                assert _same([x.cpu() for x in fn()], want), f"align {name} E={e} M={m} differs"
+            times = time_alternating(impls, dev, cfg)
+            fastest = min(times.values())
+            for name, us in times.items():
+                report.add(E=e, k=k, block=bs, M=m, routes=m * k, variant=name, us=us)
+                ratios[name] += us / fastest
+    best = min(ratios, key=ratios.get)
+    cases = len(shapes) * len(tokens)
+    why = (
+        f"{best} ranks: {ratios[best] / cases:.3f}x the faster on average against "
+        f"{max(ratios.values()) / cases:.3f}x (E = 256 / 257 / 896, M = 512 to 32768)"
+    )
+    return report, {"hip.align.tiles_rank_first": (best == "amdqb_align_tiles", why)}
 
 
 def align_plan_routes(
@@ -641,6 +686,7 @@ PARTS = {
     "gate": route_gate,
     "align": align_tiles,
     "align_threads": align_rank_threads,
+    "align_rank_first": align_rank_first,
     "align_plan": align_plan_routes,
     "topk": topk_blocks,
     "topk_lanes": topk_lanes,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from amdqb import configs
+from amdqb import configs, dispatch
 from amdqb._arch import amd_wave_size
 from amdqb.backends.hip import _spec
 from amdqb_tools import build as tools_build
@@ -283,17 +283,20 @@ def _record_launches():
             hip_layout.route_rows(
                 rt, ids.to(dtype), 16, cap, c, torch.empty_like(ids), c.clone(), det, impl
             )
-        for routes in (ids, many, most):
+        for routes, rank_first in ((ids, False), (many, False), (most, False), (most, True)):
             n = routes.numel()
-            hip_layout.align_block_size(
-                rt,
-                AlignCall(16, 4),
-                routes.to(dtype),
-                None,
-                torch.empty(n + 16 * 3, dtype=torch.int32),
-                torch.empty(n // 4 + 16, dtype=torch.int32),
-                torch.empty(1, dtype=torch.int32),
-            )
+            # hip.align.tiles_rank_first: the tiled form's rank pass as amdqb_align_tiles
+            arch = dispatch.device_info(routes.device).arch_family
+            with configs.override(arch, {"hip.align.tiles_rank_first": rank_first}):
+                hip_layout.align_block_size(
+                    rt,
+                    AlignCall(16, 4),
+                    routes.to(dtype),
+                    None,
+                    torch.empty(n + 16 * 3, dtype=torch.int32),
+                    torch.empty(n // 4 + 16, dtype=torch.int32),
+                    torch.empty(1, dtype=torch.int32),
+                )
     # decode (amdqb_router_decode) and full-size (amdqb_router) rows; both QB binnings
     for tokens, binning in (
         (4, "uniform"),

@@ -225,6 +225,22 @@ def align_rank_threads(
     }
 
 
+def _align_variants(variants: dict, ids, block: int, num_experts: int) -> dict:
+    """One hip align call per variant (its config entries), each checked bitwise against the
+    oracle before it is timed."""
+    want = ref.moe_align_block_size(ids.cpu(), block, num_experts)
+    impls = {
+        name: _with(
+            values, lambda: amdqb.moe_align_block_size(ids, block, num_experts, backend="hip")
+        )
+        for name, values in variants.items()
+    }
+    for name, fn in impls.items():
+        got = [x.cpu() for x in fn()]
+        assert _same(got, want), f"align {name} E={num_experts} M={ids.shape[0]} differs"
+    return impls
+
+
 def align_rank_first(
     dev,
     cfg,
@@ -245,16 +261,7 @@ def align_rank_first(
     for e, k, bs in shapes:
         for m in tokens:
             ids = make_ids(m, k, e, "uniform", g).to(dev)
-            want = ref.moe_align_block_size(ids.cpu(), bs, e)
-            impls = {
-                name: _with(
-                    values,
-                    lambda e=e, bs=bs: amdqb.moe_align_block_size(ids, bs, e, backend="hip"),
-                )
-                for name, values in variants.items()
-            }
-            for name, fn in impls.items():
-                assert _same([x.cpu() for x in fn()], want), f"align {name} E={e} M={m} differs"
+            impls = _align_variants(variants, ids, bs, e)
             times = time_alternating(impls, dev, cfg)
             fastest = min(times.values())
             for name, us in times.items():
@@ -305,17 +312,9 @@ def align_plan_routes(
     for e, k, bs in shapes:
         for m in tokens:
             ids = make_ids(m, k, e, "uniform", g).to(dev)
-            want = ref.moe_align_block_size(ids.cpu(), bs, e)
-            impls = {
-                name: _with(
-                    values,
-                    lambda e=e, bs=bs: amdqb.moe_align_block_size(ids, bs, e, backend="hip"),
-                )
-                for name, values in variants.items()
-                if name != "single" or m * k <= 8192  # one block for everything: small inputs
-            }
-            for name, fn in impls.items():
-                assert _same([x.cpu() for x in fn()], want), f"align {name} E={e} M={m} differs"
+            # one block for everything: small inputs only
+            kept = {n: v for n, v in variants.items() if n != "single" or m * k <= 8192}
+            impls = _align_variants(kept, ids, bs, e)
             t = time_alternating(impls, dev, cfg)
             fastest = min(t.values())
             sums = ratio.setdefault(m * k, {"shapes": 0.0})

@@ -202,6 +202,18 @@ _FORMS = {  # AlignCall keywords, the map (mode "filter" / "output"), the ids' e
 }
 
 
+def _form_map(map_mode, e: int):
+    """The expert map of a _FORMS convention: "filter" maps 60 global ids onto the e local
+    buckets, a fifth of them remote (-1); "output" permutes the e experts."""
+    g = torch.Generator().manual_seed(3)
+    if map_mode == "filter":
+        emap = torch.randperm(60, generator=g).to(torch.int32)
+        return torch.where(emap < e, emap, torch.full_like(emap, -1))
+    if map_mode == "output":
+        return torch.randperm(e, generator=g).to(torch.int32)
+    return None
+
+
 @pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) for the hip kernel emulator")
 @pytest.mark.parametrize("wave", [32, 64])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -220,13 +232,7 @@ def test_planned_align_equals_the_tiled_form_in_every_convention(monkeypatch, fo
     call = AlignCall(e + kw.get("id_shift", 0), bs, **kw)
     ids = emu_ids(m, k, e, "dropped", 7, dtype).reshape(-1)
     ids = torch.cat([torch.zeros(offset, dtype=dtype), ids])[offset:]
-    g = torch.Generator().manual_seed(3)
-    emap = None
-    if map_mode == "filter":  # 60 global ids onto the 48 local buckets, a fifth remote (-1)
-        emap = torch.randperm(60, generator=g).to(torch.int32)
-        emap = torch.where(emap < e, emap, torch.full_like(emap, -1))
-    elif map_mode == "output":
-        emap = torch.randperm(e, generator=g).to(torch.int32)
+    emap = _form_map(map_mode, e)
     rows = ids.numel() + call.num_experts * (bs - 1)
     outs = {}
     for name, most in (("tiled", 0), ("ranked", 0), ("planned", 1 << 20)):
@@ -255,3 +261,107 @@ def test_planned_align_equals_the_tiled_form_in_every_convention(monkeypatch, fo
         for a, b, what in zip(outs["tiled"], outs[other], ("sorted_ids", "expert_ids", "post_pad")):
             assert torch.equal(a, b), f"{what} differs ({other}, {form}, {dtype})"
     assert (outs["planned"][0] == -5).any() != call.fill_sentinel  # the caller's padding kept
+
+
+_CLUSTER_CASES = {  # (E, tokens, k, ids, block size, pad_sorted_ids)
+    "emulator": [
+        (48, 90, 8, "dropped", 16, False),  # 4 blocks, partial last tile, skipped ids
+        (7, 40, 3, "uniform", 4, True),  # 2 blocks, one warp each
+        (257, 100, 4, "shared", 64, False),
+        (300, 50, 6, "one", 12, True),  # a block size that is not a power of two
+        (896, 40, 8, "uniform", 64, False),
+        (2048, 30, 4, "dropped", 32, False),  # its LDS rows do not fit: the tiled form
+    ],
+    "gpu": [
+        (256, 512, 8, "uniform", 64, False),
+        (256, 2048, 8, "uniform", 16, True),
+        (256, 4096, 8, "shared", 128, False),  # 8 blocks of 4096 routes, 4 chunks a warp
+        (257, 1000, 8, "dropped", 64, False),
+        (64, 3000, 6, "one", 128, True),
+        (896, 1024, 16, "uniform", 64, False),  # its LDS rows do not fit: another form
+    ],
+}
+
+
+@over_backends("align_block_size", only=("hip",), waves=(32, 64), gcn=GCN)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_cluster_align_matches_oracle_bitwise(monkeypatch, backend, emu_rt, dtype):
+    """amdqb_align_cluster (one thread block cluster: each block ranks its tile, reads the tiles'
+    counts from its peers' LDS after the cluster barrier and writes the sentinel only into the
+    padding) writes the oracle's sorted ids, expert ids and padded total bitwise; where its LDS
+    rows do not fit, another form runs."""
+    from amdqb.backends.hip._runtime import get_runtime
+
+    device = torch.device("cpu") if emu_rt is not None else DEVICE
+    if emu_rt is None and not get_runtime().supports_clusters(torch.cuda.current_device()):
+        pytest.skip("the GPU has no thread block clusters (NVIDIA sm_90+)")
+    values = {"hip.align.cluster_max_routes": 1 << 20}
+    if emu_rt is not None:  # small blocks: every thread of a cluster is a host thread
+        values.update({"hip.align.single_block_routes": 64, "hip.align.cluster_tile_routes": 64})
+        values["hip.align.cluster_blocks"] = 4
+    cfg = set_config(monkeypatch, values, device)
+    clustered = 0
+    for e, m, k, dist, bs, pad in _CLUSTER_CASES["emulator" if emu_rt is not None else "gpu"]:
+        ids = emu_ids(m, k, e, dist, e + m, dtype).to(device)
+        want = ref.moe_align_block_size(ids.cpu(), bs, e, pad_sorted_ids=pad)
+        if emu_rt is not None:
+            emu_rt.launches.clear()
+            emu_rt.cluster_launches.clear()
+        got = amdqb.moe_align_block_size(ids, bs, e, pad_sorted_ids=pad, backend=backend)
+        for name, g, w in zip(("sorted_ids", "expert_ids", "num_post_pad"), got, want):
+            assert torch.equal(g.cpu(), w), f"{name} differs (E={e}, m={m}, k={k}, {dist}, bs={bs})"
+        shape = hip_layout.align_clustered(ids.numel(), e, cfg)
+        clustered += shape is not None
+        if emu_rt is not None:
+            names = [n for n, *_ in emu_rt.launches]
+            if shape is not None:
+                assert names == ["amdqb_align_cluster"], (e, m, k, names)
+                assert emu_rt.cluster_launches == [("amdqb_align_cluster", shape[0])]
+                assert emu_rt.launches[0][1][0] == shape[0] > 1
+            else:
+                assert "amdqb_align_cluster" not in names, (e, m, k, names)
+    assert clustered >= 4, clustered
+
+
+@pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) for the hip kernel emulator")
+@pytest.mark.parametrize("wave", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("form", sorted(_FORMS))
+def test_cluster_align_equals_the_tiled_form_in_every_convention(monkeypatch, form, dtype, wave):
+    """amdqb_align_cluster writes what amdqb_align_hist + amdqb_align write (bitwise, every output,
+    the caller's padding kept alike) in vLLM's and SGLang's conventions, both maps, int32 ids off a
+    16-byte boundary and int64 ids, over four blocks that split experts' routes."""
+    from amdqb.backends.calls import AlignCall
+
+    emu_rt = emu_runtime(wave)
+    kw, map_mode, offset = _FORMS[form]
+    e, bs, m, k = 48, 16, 90, 8  # 720 routes: 4 blocks of 192, the last one partial
+    call = AlignCall(e + kw.get("id_shift", 0), bs, **kw)
+    ids = emu_ids(m, k, e, "dropped", 11, dtype).reshape(-1)
+    ids = torch.cat([torch.zeros(offset, dtype=dtype), ids])[offset:]
+    emap = _form_map(map_mode, e)
+    rows = ids.numel() + call.num_experts * (bs - 1)
+    outs = {}
+    for name, most in (("tiled", 0), ("cluster", 1 << 20)):
+        values = {
+            "hip.align.single_block_routes": 64,
+            "hip.align.min_tile_routes": 64,
+            "hip.align.plan_max_routes": 0,
+            "hip.align.cluster_max_routes": most,
+            "hip.align.cluster_tile_routes": 64,
+            "hip.align.cluster_blocks": 4,
+        }
+        set_config(monkeypatch, values, torch.device("cpu"))
+        got = (
+            torch.full((rows,), -5, dtype=torch.int32),
+            torch.full((rows // bs + 1,), -7, dtype=torch.int32),
+            torch.full((1,), -7, dtype=torch.int32),
+        )
+        emu_rt.launches.clear()
+        hip_layout.align_block_size(emu_rt, call, ids, emap, *got)
+        want = {"tiled": ["amdqb_align_hist", "amdqb_align"], "cluster": ["amdqb_align_cluster"]}
+        assert [n for n, *_ in emu_rt.launches] == want[name], (name, emu_rt.launches)
+        outs[name] = got
+    for a, b, what in zip(outs["tiled"], outs["cluster"], ("sorted_ids", "expert_ids", "post_pad")):
+        assert torch.equal(a, b), f"{what} differs ({form}, {dtype}, wave {wave})"
+    assert (outs["cluster"][0] == -5).any() != call.fill_sentinel  # the caller's padding kept

@@ -244,6 +244,7 @@ class RecordingRuntime:
     def __init__(self):
         self.calls = {}  # kernel name -> {argument types}
         self.specs = {}  # module label -> ModuleSpec
+        self.clusters = False  # what supports_clusters answers
 
     def kernel(self, device_index, spec, name):
         self.specs[spec.label()] = spec
@@ -253,6 +254,12 @@ class RecordingRuntime:
         self.calls.setdefault(kernel, set()).add(tuple(type(a) for a in args))
 
     launch_dependent = launch
+
+    def supports_clusters(self, device_index):
+        return self.clusters
+
+    def launch_cluster(self, kernel, grid, cluster, block, smem, args):
+        self.launch(kernel, grid, block, smem, args)
 
     def num_cus(self, device_index):
         return 4
@@ -283,11 +290,15 @@ def _record_launches():
             hip_layout.route_rows(
                 rt, ids.to(dtype), 16, cap, c, torch.empty_like(ids), c.clone(), det, impl
             )
-        for routes, rank_first in ((ids, False), (many, False), (most, False), (most, True)):
+        forms = ((ids, False, False), (many, False, False), (most, False, False))
+        for routes, rank_first, clusters in forms + ((most, True, False), (many, False, True)):
             n = routes.numel()
-            # hip.align.tiles_rank_first: the tiled form's rank pass as amdqb_align_tiles
+            # hip.align.tiles_rank_first: the tiled form's rank pass as amdqb_align_tiles; a
+            # device with clusters: amdqb_align_cluster
+            rt.clusters = clusters
             arch = dispatch.device_info(routes.device).arch_family
-            with configs.override(arch, {"hip.align.tiles_rank_first": rank_first}):
+            values = {"hip.align.tiles_rank_first": rank_first, "hip.align.cluster_max_routes": n}
+            with configs.override(arch, values):
                 hip_layout.align_block_size(
                     rt,
                     AlignCall(16, 4),

@@ -536,6 +536,9 @@ class RecordingRuntime:
 
     launch_dependent = launch
 
+    def supports_clusters(self, device_index):
+        return False
+
     def blocks_per_cu(self, kernel, block, smem=0):
         return None
 

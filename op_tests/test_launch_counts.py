@@ -1,7 +1,7 @@
 """One kernel per routing call, nothing around it: every serving entry point (``biased_topk``, the
 vLLM and SGLang routers and aligns of ``amdqb.compat``) issues exactly one kernel on the hip
 backend -- two for an align past ``hip.align.single_block_routes`` routes (a plan or histogram pass,
-then its dependent) -- and no PyTorch kernel besides (no arange, cast, cat, fill or copy).
+then its dependent) unless one thread block cluster aligns them -- and no PyTorch kernel besides (no arange, cast, cat, fill or copy).
 
 On the CPU the hip kernels run on the emulator: its launch record gives the hip kernels, and a
 TorchDispatchMode records every ATen op the call runs; only allocations and views (no kernel on a
@@ -146,19 +146,21 @@ def test_routers_are_one_hip_kernel_and_nothing_else(backend, emu_rt, monkeypatc
 
 @pytest.mark.skipif(HAS_GPU, reason="the emulator's launch record (the GPU test profiles)")
 @over_backends("align_block_size", emulator=True)
-@pytest.mark.parametrize("tiled", [False, True, "ranked", "planned"])
+@pytest.mark.parametrize("tiled", [False, True, "ranked", "planned", "cluster"])
 def test_aligns_are_one_or_two_hip_kernels_and_nothing_else(backend, emu_rt, monkeypatch, tiled):
     _unpoisoned(monkeypatch, "align_block_size")
     if tiled:
         values = {"hip.align.single_block_routes": 64, "hip.align.min_tile_routes": 64}
         values["hip.align.plan_max_routes"] = 1 << 20 if tiled == "planned" else 0
         values["hip.align.tiles_rank_first"] = tiled == "ranked"
+        values["hip.align.cluster_max_routes"] = 1 << 20 if tiled == "cluster" else 0
         set_config(monkeypatch, values, torch.device("cpu"))
     want = {
         False: ["amdqb_align"],
         True: ["amdqb_align_hist", "amdqb_align"],
         "ranked": ["amdqb_align_hist", "amdqb_align_tiles"],
         "planned": ["amdqb_align_plan", "amdqb_align_place"],
+        "cluster": ["amdqb_align_cluster"],
     }[tiled]
     for name, fn in _aligns(20).items():
         fn()
@@ -192,7 +194,10 @@ def test_entry_points_launch_one_kernel_on_the_gpu(monkeypatch, tokens):
 def test_aligns_launch_one_or_two_kernels_on_the_gpu(monkeypatch, tokens):
     monkeypatch.setenv("AMDQB_BACKEND", "hip")
     dispatch._select.cache_clear()
-    want = list(hip_layout.align_form(tokens * 8, 256, device_config()).kernels)
+    from amdqb.backends.hip._runtime import get_runtime
+
+    clusters = get_runtime().supports_clusters(torch.cuda.current_device())
+    want = list(hip_layout.align_form(tokens * 8, 256, device_config(), clusters).kernels)
     for name, fn in _aligns(tokens).items():
         kernels = _profiled_kernels(fn)
         assert kernels == want, (name, tokens, kernels)

@@ -698,6 +698,45 @@ AMDQB_DEVICE void block_sync() {
 #endif
 }
 
+// Thread block clusters (NVIDIA sm_90+; the CPU emulator): the blocks of a cluster are resident
+// together and reach each other's shared memory. cluster_arrive() (release: the caller's earlier
+// writes, shared and global, become visible to the cluster) and cluster_wait() (acquire: returns
+// once every thread of the cluster has arrived) split the cluster barrier; every thread of every
+// block calls each of them the same number of times, arrive before wait, and a block must not
+// exit while another block may still read its shared memory. cluster_load_i32(p, block) reads
+// the int at the same shared-memory offset as p (dynamic shared memory) in block `block` of the
+// cluster. AMD targets have no clusters: AMDQB_HAS_CLUSTERS is not defined there and the kernels
+// that need them are not built.
+#if defined(AMDQB_EMU) || (defined(AMDQB_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
+#define AMDQB_HAS_CLUSTERS 1
+AMDQB_DEVICE void cluster_arrive() {
+#if defined(AMDQB_EMU)
+  amdqb_emu_cluster_arrive();
+#else
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+AMDQB_DEVICE void cluster_wait() {
+#if defined(AMDQB_EMU)
+  amdqb_emu_cluster_wait();
+#else
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+AMDQB_DEVICE int cluster_load_i32(const int* p, int block) {
+#if defined(AMDQB_EMU)
+  return *reinterpret_cast<const int*>(amdqb_emu_cluster_map(p, block));
+#else
+  const u32 local = (u32)__cvta_generic_to_shared(p);
+  u32 remote;
+  int v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(block));
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
+  return v;
+#endif
+}
+#endif
+
 // Butterfly all-reduce: every lane ends with the same value (fp add is commutative, so the two
 // partners of each step compute bitwise-identical sums). Integer sums may run in any order (AMD:
 // a row_shr tree and scalar reads); the fp sum and max keep the butterfly over lane distances 16,

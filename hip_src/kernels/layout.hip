@@ -941,9 +941,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(1024, 1) amdqb_align_plan(AlignParams 
 // [tile start + w * warp_run, + warp_run), at most ALIGN_CACHED chunks of 32; every warp of the
 // block ranks): per-warp counts in the LDS rows next[warps][E], their exclusive prefix over the
 // warps, then each warp's walk. b[c] gets the bucket of the lane's route of chunk c (-1: none),
-// slot[c] its slot. Reads only the ids: a dependent kernel runs it before it waits.
+// slot[c] its slot; totals (if given, LDS) gets the tile's routes per bucket. Reads only the ids:
+// a dependent kernel runs it before it waits.
 AMDQB_DEVICE void rank_in_tile(const AlignParams& p, int* next, int (&b)[ALIGN_CACHED],
-                               int (&slot)[ALIGN_CACHED]) {
+                               int (&slot)[ALIGN_CACHED], int* totals = nullptr) {
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int lane = lane_id();
@@ -969,7 +970,10 @@ AMDQB_DEVICE void rank_in_tile(const AlignParams& p, int* next, int (&b)[ALIGN_C
   // each warp's first slot in each bucket among the tile's routes (a thread owns a run of buckets)
   const ThreadRun owned = thread_run(E);
 #pragma unroll 1
-  for (int e = owned.lo; e < owned.hi; ++e) column_exclusive_prefix(next + e, p.rank_warps, E);
+  for (int e = owned.lo; e < owned.hi; ++e) {
+    const int total = column_exclusive_prefix(next + e, p.rank_warps, E);
+    if (totals != nullptr) totals[e] = total;
+  }
   block_sync();
   // ranks in flat order, a chunk of 32 routes at a time (the lowest peer advances the slot)
 #pragma unroll
@@ -1092,3 +1096,94 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_tiles(AlignParams p) {
   write_expert_ids(p, start, (i64)padded_total, j0 + tid, j1, nt);
   if (blockIdx.x == 0 && tid == 0) p.post_pad[0] = (int)padded_total;
 }
+
+#if defined(AMDQB_HAS_CLUSTERS)
+// The cluster form (NVIDIA sm_90+; past hip.align.single_block_routes up to
+// hip.align.cluster_max_routes routes): one launch of one thread block cluster of p.tiles blocks.
+// Block r ranks tile r (rank_in_tile) and keeps the tile's routes per bucket in its LDS; after the
+// cluster barrier each block reads every tile's count of its buckets from the peers' LDS (the
+// routes of earlier tiles, each bucket's total), scans the padded totals, stores its routes and
+// writes the sentinel into the padding of the buckets r, r + p.tiles, ... and its share of the
+// tail past the padded total: no slot is written twice, so no block orders its stores after
+// another's. Then its slice of expert_ids. Dynamic shared memory: (warps + 4) * E ints.
+AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_cluster(AlignParams p) {
+  AMDQB_DYN_SHARED(lds);
+  AMDQB_SHARED(
+  u32, warp_sums, 33);
+  const int tid = (int)threadIdx.x;
+  const int nt = (int)blockDim.x;
+  const int E = p.num_experts;
+  const int self = (int)blockIdx.x;
+  const int blocks = p.tiles;
+  int* next = lds;                                 // [warps][E]: rank_in_tile's rows
+  int* tile_total = next + (i64)p.rank_warps * E;  // [E]: this tile's routes per bucket
+  int* count = tile_total + E;                     // [E]: every tile's routes per bucket
+  int* start = count + E;                          // [E]: padded start of each bucket
+  int* base = start + E;                           // [E]: this tile's first slot per bucket
+  int b[ALIGN_CACHED], slot[ALIGN_CACHED];
+  rank_in_tile(p, next, b, slot, tile_total);
+  cluster_arrive();  // tile_total, for the peers
+  cluster_wait();
+
+  // 1. Per bucket (a thread owns a contiguous run): the tiles' counts from the cluster's LDS, the
+  // padded size; the block scan of the sizes; the padded starts and this tile's bases.
+  const ThreadRun owned = thread_run(E);
+  u32 own = 0;
+#pragma unroll 1
+  for (int e = owned.lo; e < owned.hi; ++e) {
+    int before = 0, total = 0;
+    constexpr int BATCH = 8;  // independent loads in flight (a portable cluster has 8 blocks)
+#pragma unroll 1
+    for (int r0 = 0; r0 < blocks; r0 += BATCH) {
+      int c[BATCH];
+#pragma unroll
+      for (int q = 0; q < BATCH; ++q)
+        c[q] = r0 + q < blocks ? cluster_load_i32(tile_total + e, r0 + q) : 0;
+#pragma unroll
+      for (int q = 0; q < BATCH; ++q) {
+        before += r0 + q < self ? c[q] : 0;
+        total += c[q];
+      }
+    }
+    const u32 size = padded_count(total, p.block_size);
+    count[e] = total;
+    start[e] = (int)size;  // read back below by this thread alone
+    base[e] = before;
+    own += size;
+  }
+  cluster_arrive();  // this block's reads of the peers' LDS are done (each waits before it exits)
+  u32 padded_total;
+  u32 at = block_exclusive_sum_u32(own, warp_sums, padded_total);
+#pragma unroll 1
+  for (int e = owned.lo; e < owned.hi; ++e) {
+    const u32 size = (u32)start[e];
+    start[e] = (int)at;
+    base[e] += (int)at;
+    at += size;
+  }
+  block_sync();
+
+  // 2. The routes; the sentinel into the padding of this block's buckets (a warp per bucket) and
+  // into its share of the tail; this block's slice of expert_ids and the padded total.
+  store_ranked(p, base, b, slot);
+  const i64 total = (i64)padded_total;
+  if (!(p.flags & 4)) {
+    const int lane = lane_id();
+    const int warps = nt >> 5;
+#pragma unroll 1
+    for (int e = self + blocks * warp_in_block(); e < E; e += blocks * warps) {
+      const i64 hi = (i64)start[e] + padded_count(count[e], p.block_size);
+      const i64 end = hi < p.sorted_len ? hi : p.sorted_len;
+      for (i64 s = (i64)start[e] + count[e] + lane; s < end; s += 32) p.sorted_ids[s] = (int)p.n;
+    }
+    if (total < p.sorted_len)
+      fill_i32(p.sorted_ids + total, p.sorted_len - total, (int)p.n, (i64)self * nt + tid,
+               (i64)blocks * nt);
+  }
+  const int j0 = self * p.tile_blocks;
+  const int j1 = j0 + p.tile_blocks < p.num_blocks ? j0 + p.tile_blocks : p.num_blocks;
+  write_expert_ids(p, start, total, j0 + tid, j1, nt);
+  if (self == 0 && tid == 0) p.post_pad[0] = (int)total;
+  cluster_wait();
+}
+#endif

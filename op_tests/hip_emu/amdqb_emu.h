@@ -1,6 +1,7 @@
 // Host emulation of the GPU execution model used by hip_src kernels (tests only).
 //
-// Every GPU thread of a block is a std::thread; blocks run one after the other. Shared memory is a
+// Every GPU thread of a block is a std::thread; blocks run one after the other, the blocks of a
+// thread block cluster (amdqb_emu_set_cluster before the launch) together. Shared memory is a
 // per-block arena poisoned with 0xA5 bytes. Kernels are called through `void** args`, the same
 // convention as cuLaunchKernel / hipModuleLaunchKernel kernelParams. Two lane models:
 //
@@ -105,7 +106,20 @@ struct Block {
   std::map<std::string, std::vector<char>> statics;
 };
 
-extern Block* g_block;
+// The blocks of a thread block cluster (run together: one thread per GPU thread of every block)
+// and its barrier; a grid without clusters runs each block as a cluster of one.
+struct Cluster {
+  Cluster(int blocks, int threads, size_t dyn_bytes) : bar(blocks * threads) {
+    for (int i = 0; i < blocks; ++i) members.emplace_back(new Block(threads, dyn_bytes));
+  }
+  std::barrier<> bar;
+  std::vector<std::unique_ptr<Block>> members;
+};
+
+extern thread_local Block* g_block;
+extern thread_local Cluster* g_cluster;
+extern thread_local std::barrier<>::arrival_token* g_cluster_token;
+extern unsigned g_cluster_x;  // blocks per cluster of the next launch (amdqb_emu_set_cluster)
 extern std::atomic<long long> g_progress;
 extern uint64_t g_garbage_seed;
 struct Pool;
@@ -404,6 +418,32 @@ inline void __builtin_amdgcn_wave_barrier() {
 
 inline void* amdqb_emu_dyn_smem() { return amdqb_emu::g_block->dyn.data(); }
 
+// The cluster barrier, split like the hardware's: arrive, then wait on that arrival.
+inline void amdqb_emu_cluster_arrive() {
+  using namespace amdqb_emu;
+  if (g_cluster_token != nullptr) fail("cluster_arrive twice without a cluster_wait", 0);
+  g_progress++;
+  g_cluster_token = new std::barrier<>::arrival_token(g_cluster->bar.arrive());
+}
+inline void amdqb_emu_cluster_wait() {
+  using namespace amdqb_emu;
+  if (g_cluster_token == nullptr) fail("cluster_wait without a cluster_arrive", 0);
+  g_progress++;
+  g_cluster->bar.wait(std::move(*g_cluster_token));
+  delete g_cluster_token;
+  g_cluster_token = nullptr;
+}
+// The address at p's offset in the dynamic shared memory of block `rank` of the caller's cluster.
+inline const void* amdqb_emu_cluster_map(const void* p, int rank) {
+  using namespace amdqb_emu;
+  const std::vector<char>& mine = g_block->dyn;
+  const char* c = static_cast<const char*>(p);
+  if (c < mine.data() || c >= mine.data() + mine.size())
+    fail("cluster load outside the dynamic shared memory", 0);
+  if (rank < 0 || rank >= (int)g_cluster->members.size()) fail("cluster load of no block", rank);
+  return g_cluster->members[rank]->dyn.data() + (c - mine.data());
+}
+
 inline void* amdqb_emu_static_smem(const char* name, size_t bytes) {
   amdqb_emu::Block* b = amdqb_emu::g_block;
   std::lock_guard<std::mutex> lock(b->mu);
@@ -513,7 +553,10 @@ struct Pool {
   amdqb_dim3 blockDim;                                                                             \
   amdqb_dim3 gridDim;                                                                              \
   namespace amdqb_emu {                                                                            \
-  Block* g_block = nullptr;                                                                        \
+  thread_local Block* g_block = nullptr;                                                           \
+  thread_local Cluster* g_cluster = nullptr;                                                       \
+  thread_local std::barrier<>::arrival_token* g_cluster_token = nullptr;                           \
+  unsigned g_cluster_x = 1;                                                                        \
   std::atomic<long long> g_progress{0};                                                            \
   uint64_t g_garbage_seed = 1;                                                                     \
   Pool* g_pool = new Pool(); /* never destroyed: workers die with the process */                   \
@@ -547,31 +590,43 @@ struct Pool {
       g_error = e.what();                                                                          \
       return 1;                                                                                    \
     }                                                                                              \
-    try {                                                                                          \
-      for (unsigned z = 0; z < gz; ++z)                                                            \
-        for (unsigned y = 0; y < gy; ++y)                                                          \
-          for (unsigned x = 0; x < gx; ++x) {                                                      \
-            Block block((int)bx, smem);                                                            \
-            g_block = &block;                                                                      \
-            g_garbage_seed = g_garbage_seed * 6364136223846793005ull + 1442695040888963407ull;     \
-            g_pool->run((int)bx, [&](int t) {                                                      \
-              threadIdx = amdqb_dim3{(unsigned)t, 0, 0};                                           \
-              blockIdx = amdqb_dim3{x, y, z};                                                      \
-              body(ctx);                                                                           \
-              g_progress++;                                                                        \
-              block.warps[t / 32]->exited.store(1);                                                \
-              block.warps[t / 32]->bar.arrive_and_drop();                                          \
-              amdqb_emu::Wave& wave = *block.waves[t / AMDQB_WAVE_SIZE];                           \
-              wave.exited_half[(t % AMDQB_WAVE_SIZE) / 32].store(1);                               \
-              wave.half[(t % AMDQB_WAVE_SIZE) / 32]->arrive_and_drop();                            \
-              wave.whole->arrive_and_drop();                                                       \
-              block.bar.arrive_and_drop();                                                         \
-            });                                                                                    \
-            g_block = nullptr;                                                                     \
-          }                                                                                        \
-    } catch (const std::exception& e) { /* std::system_error from std::thread */                   \
-      g_block = nullptr;                                                                           \
-      g_error = e.what();                                                                          \
+    const unsigned cx = g_cluster_x;                                                               \
+    g_cluster_x = 1;                                                                               \
+    if (cx == 0 || gx % cx != 0 || (size_t)cx * bx > 8192) {                                       \
+      g_error = "cluster of " + std::to_string(cx) + " blocks for a grid of " +                    \
+                std::to_string(gx) + " blocks of " + std::to_string(bx) + " threads";              \
+    } else {                                                                                       \
+      try {                                                                                        \
+        for (unsigned z = 0; z < gz; ++z)                                                          \
+          for (unsigned y = 0; y < gy; ++y)                                                        \
+            for (unsigned x0 = 0; x0 < gx; x0 += cx) {                                             \
+              Cluster cluster((int)cx, (int)bx, smem);                                             \
+              g_garbage_seed = g_garbage_seed * 6364136223846793005ull + 1442695040888963407ull;   \
+              g_pool->run((int)(cx * bx), [&](int i) {                                             \
+                const int t = i % (int)bx;                                                         \
+                Block& block = *cluster.members[i / (int)bx];                                      \
+                g_block = &block;                                                                  \
+                g_cluster = &cluster;                                                              \
+                threadIdx = amdqb_dim3{(unsigned)t, 0, 0};                                         \
+                blockIdx = amdqb_dim3{x0 + (unsigned)(i / (int)bx), y, z};                         \
+                body(ctx);                                                                         \
+                g_progress++;                                                                      \
+                if (g_cluster_token != nullptr) fail("exit between cluster_arrive and _wait", t);  \
+                block.warps[t / 32]->exited.store(1);                                              \
+                block.warps[t / 32]->bar.arrive_and_drop();                                        \
+                amdqb_emu::Wave& wave = *block.waves[t / AMDQB_WAVE_SIZE];                         \
+                wave.exited_half[(t % AMDQB_WAVE_SIZE) / 32].store(1);                             \
+                wave.half[(t % AMDQB_WAVE_SIZE) / 32]->arrive_and_drop();                          \
+                wave.whole->arrive_and_drop();                                                     \
+                block.bar.arrive_and_drop();                                                       \
+                cluster.bar.arrive_and_drop();                                                     \
+                g_block = nullptr;                                                                 \
+                g_cluster = nullptr;                                                               \
+              });                                                                                  \
+            }                                                                                      \
+      } catch (const std::exception& e) { /* std::system_error from std::thread */                 \
+        g_error = e.what();                                                                        \
+      }                                                                                            \
     }                                                                                              \
     g_pool->shrink(256); /* keep the common block size's workers */                                \
     {                                                                                              \
@@ -584,5 +639,7 @@ struct Pool {
   }                                                                                                \
   }                                                                                                \
   extern "C" const char* amdqb_emu_last_error() { return amdqb_emu::g_error.c_str(); }             \
+  /* blocks per cluster (along x) of the next launch; 1 after it */                                \
+  extern "C" void amdqb_emu_set_cluster(unsigned cx) { amdqb_emu::g_cluster_x = cx; }              \
   /* the runtime trims the pools of the libraries it has not launched lately */                    \
   extern "C" void amdqb_emu_trim(int keep) { amdqb_emu::g_pool->shrink(keep); }

@@ -46,6 +46,7 @@ AMDQB_EMU_REGISTER(amdqb_align)
 AMDQB_EMU_REGISTER(amdqb_align_plan)
 AMDQB_EMU_REGISTER(amdqb_align_place)
 AMDQB_EMU_REGISTER(amdqb_align_tiles)
+AMDQB_EMU_REGISTER(amdqb_align_cluster)
 #elif defined(AMDQB_EMU_CONVERT)
 // The prelude's scalar helpers, called directly from Python.
 #include "amdqb_prelude.h"

@@ -113,6 +113,7 @@ class EmuRuntime:
         self._libs = {}
         self.launches = []  # (kernel name, grid, block, smem) of every launch
         self.dependent_launches = []  # names of the kernels launched with launch_dependent
+        self.cluster_launches = []  # (kernel name, blocks per cluster) of launch_cluster
 
     def _library(self, spec: _spec.ModuleSpec, which: str | None = None):
         if which is None:
@@ -207,6 +208,18 @@ class EmuRuntime:
         """No overlap to model: the emulator runs grids one after another."""
         self.launch(kernel, grid, block, smem, args)
         self.dependent_launches.append(kernel.name)
+
+    def supports_clusters(self, device_index):
+        return True
+
+    def launch_cluster(self, kernel, grid, cluster, block, smem, args):
+        """The blocks of each cluster run together (their threads at once)."""
+        if min(_spec.grid3(grid)) <= 0:
+            return
+        assert _spec.grid3(grid)[0] % cluster == 0 and 1 <= cluster <= 8, (grid, cluster)
+        kernel.lib.amdqb_emu_set_cluster(ctypes.c_uint(cluster))  # the next launch's, then 1
+        self.launch(kernel, grid, block, smem, args)
+        self.cluster_launches.append((kernel.name, cluster))
 
     def amdgcn_wave_size(self, device_index):
         """The AMDGCN model's wave size; None with the prelude's substitutes (32-lane rows)."""

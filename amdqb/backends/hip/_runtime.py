@@ -216,6 +216,13 @@ class _Toolchain:
         for it where it must); toolchains without such launches make an ordinary one."""
         self.launch(fn, grid, block, smem, device_index, params_address)
 
+    def supports_clusters(self, device_index: int) -> bool:
+        """Whether launch_cluster runs here (thread block clusters: NVIDIA sm_90+)."""
+        return False
+
+    def launch_cluster(self, fn, grid, cluster, block, smem, device_index, params_address):
+        raise HipBackendError(f"{self.name}: no thread block clusters")
+
     def blocks_per_cu(self, fn, block: int, smem: int, device_index: int) -> int: ...
 
     def static_smem(self, fn, device_index: int) -> int: ...
@@ -389,6 +396,29 @@ class NvrtcToolchain(_Toolchain):
                     return
                 self._pdl = False
         self.launch(fn, grid, block, smem, device_index, params_address)
+
+    def supports_clusters(self, device_index):
+        sm90 = self._sm90.get(device_index)
+        if sm90 is None:
+            sm90 = self._sm90[device_index] = torch.cuda.get_device_capability(device_index)[0] >= 9
+        return sm90 and hasattr(self.driver, "cuLaunchKernelEx")
+
+    def launch_cluster(self, fn, grid, cluster, block, smem, device_index, params_address):
+        # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: the grid's blocks in clusters of `cluster` along
+        # x, each cluster resident at once (a launch that cannot be fails: no fallback)
+        self.ensure_context(device_index)
+        drv = self.driver
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+        cfg = drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+        cfg.sharedMemBytes = smem
+        cfg.hStream = self._stream(device_index)
+        cfg.attrs = [attr]
+        cfg.numAttrs = 1
+        _check(drv.cuLaunchKernelEx(cfg, fn, params_address, 0), "cuLaunchKernelEx (cluster)")
 
     def static_smem(self, fn, device_index):
         self.ensure_context(device_index)
@@ -644,6 +674,27 @@ class GpuRuntime:
         wait_for_prior_grid before reading that kernel's outputs): NVIDIA's programmatic dependent
         launch; an ordinary launch elsewhere."""
         self._launch(self.toolchain.launch_dependent, kernel, grid, block, smem, args)
+
+    def supports_clusters(self, device_index: int) -> bool:
+        """Whether launch_cluster runs on the device (thread block clusters: NVIDIA sm_90+)."""
+        return self.toolchain.supports_clusters(device_index)
+
+    def launch_cluster(self, kernel: Kernel, grid, cluster: int, block: int, smem: int, args):
+        """launch, with the grid's blocks in thread block clusters of ``cluster`` blocks along x
+        (supports_clusters must hold)."""
+        grid = _spec.grid3(grid)
+        if min(grid) <= 0:
+            return
+        params = _spec.KernelParams(args)  # alive until the launch has read the arguments
+        self.toolchain.launch_cluster(
+            kernel.fn,
+            grid,
+            int(cluster),
+            int(block),
+            int(smem),
+            kernel.device_index,
+            params.address,
+        )
 
     @staticmethod
     def _launch(toolchain_launch, kernel: Kernel, grid, block: int, smem: int, args) -> None:

@@ -307,6 +307,39 @@ def align_tiles_shape(per: int, num_experts: int):
     return 32 * warps, warps
 
 
+def align_cluster_lds_bytes(num_experts: int, warps: int) -> int:
+    """amdqb_align_cluster's dynamic LDS: the warps' rank rows, the tile's counts (read by the
+    cluster), every tile's counts, the padded starts and the tile's bases."""
+    return 4 * (warps + 4) * num_experts
+
+
+def align_clustered(n: int, num_experts: int, cfg):
+    """(blocks, routes per block, warps) of the cluster align (amdqb_align_cluster: one launch of
+    one thread block cluster, NVIDIA sm_90+), or None: past ``hip.align.single_block_routes`` and
+    up to ``hip.align.cluster_max_routes`` routes, in 2 to ``hip.align.cluster_blocks`` blocks (a
+    power of two) of ``hip.align.cluster_tile_routes`` routes or more, a ranking warp per 64
+    routes of a block (up to 32; each ranks at most _ALIGN_CACHED chunks of 32) where their LDS
+    rows fit a launch without an opt-in."""
+    if not cfg["hip.align.single_block_routes"] < n <= cfg["hip.align.cluster_max_routes"]:
+        return None
+    blocks = 2
+    while (
+        blocks < cfg["hip.align.cluster_blocks"]
+        and blocks * cfg["hip.align.cluster_tile_routes"] < n
+    ):
+        blocks *= 2
+    per = 32 * cdiv(n, 32 * blocks)
+    warps = 1
+    while warps < 32 and 64 * warps < per:
+        warps *= 2
+    if (
+        cdiv(cdiv(per, warps), 32) > _ALIGN_CACHED
+        or align_cluster_lds_bytes(num_experts, warps) + 4 * 33 > _STATIC_LDS_LIMIT
+    ):
+        return None
+    return cdiv(n, per), per, warps
+
+
 def align_hist_threads(per: int) -> int:
     """Threads of an amdqb_align_hist block counting ``per`` routes: one batch of 8 ids per
     thread, 256 to 1024 (on sm_90, 256 threads in place of 1024 took 5.94 -> 5.55 / 7.36 -> 6.61
@@ -328,11 +361,16 @@ class AlignForm:
     warps: int  # ranking warps of the last kernel's blocks
 
 
-def align_form(n: int, num_experts: int, cfg) -> AlignForm:
+def align_form(n: int, num_experts: int, cfg, clusters: bool = False) -> AlignForm:
     """amdqb_align (one launch up to hip.align.single_block_routes routes), else
-    amdqb_align_plan + amdqb_align_place (align_planned), else amdqb_align_hist +
-    amdqb_align_tiles (where ``hip.align.tiles_rank_first`` is set and align_tiles_shape fits the
-    tile) or amdqb_align."""
+    amdqb_align_cluster (one launch, where the device has thread block clusters and
+    align_clustered fits), else amdqb_align_plan + amdqb_align_place (align_planned), else
+    amdqb_align_hist + amdqb_align_tiles (where ``hip.align.tiles_rank_first`` is set and
+    align_tiles_shape fits the tile) or amdqb_align."""
+    clustered = align_clustered(n, num_experts, cfg) if clusters else None
+    if clustered is not None:
+        blocks, per, warps = clustered
+        return AlignForm(("amdqb_align_cluster",), blocks, per, 32 * warps, warps)
     planned = align_planned(n, num_experts, cfg)
     if planned is not None:
         tiles, per, warps = planned
@@ -359,7 +397,7 @@ def align_block_size(
     cfg = config(topk_ids)
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
-    form = align_form(n, num_experts, cfg)
+    form = align_form(n, num_experts, cfg, rt.supports_clusters(device))
     tiles, per, warps = form.tiles, form.per, form.warps
     tile_counts = None
     if len(form.kernels) > 1:  # the tiles' counts, or the planned tiles' bases
@@ -402,7 +440,12 @@ def align_block_size(
         "amdqb_align": align_lds_bytes(num_experts, warps),
         "amdqb_align_tiles": align_tiles_lds_bytes(num_experts, warps),
         "amdqb_align_place": 4 * warps * num_experts,
+        "amdqb_align_cluster": align_cluster_lds_bytes(num_experts, warps),
     }[form.kernels[-1]]
+    if form.kernels[0] == "amdqb_align_cluster":  # the grid is one cluster
+        kernel = rt.kernel(device, spec, form.kernels[0])
+        rt.launch_cluster(kernel, tiles, tiles, form.threads, smem, [params])
+        return
     launch = rt.launch
     if len(form.kernels) > 1:
         rt.launch(rt.kernel(device, spec, form.kernels[0]), *first, [params])

@@ -1,7 +1,7 @@
 """Tuning sweeps of the hip kernels' launch shapes and thresholds on the GPU at hand; with
 ``--write`` the winners go into ``amdqb/configs/<arch>.json`` with their provenance.
 
-    python -m amdqb.bench.tune --parts route,gate,align,align_threads,align_rank_first,align_plan,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
+    python -m amdqb.bench.tune --parts route,gate,align,align_threads,align_rank_first,align_plan,align_cluster,topk,topk_lanes,topk_rounds,topk_keys,decode,qbhist,router [--json PATH] [--write]
 
 A variant is a set of config entries (``amdqb.configs.override``): the launchers read their
 config while a CUDA graph is captured, so each graph holds its variant's kernels (built from the
@@ -18,6 +18,8 @@ default's (or the oracle) before it is timed; timing is ``amdqb.bench.common.tim
 * ``align_rank_first`` -- the tiled align's rank pass: amdqb_align or amdqb_align_tiles;
 * ``align_plan`` -- the one-block, planned (one block scans, its dependent places) and tiled
   aligns side by side: the routes where each is taken and the planned form's tile;
+* ``align_cluster`` -- one thread block cluster (NVIDIA sm_90+) against the other forms: the
+  routes where it is taken and its blocks' tile;
 * ``topk``   -- amdqb_topk's threads per block at the serving shapes;
 * ``topk_lanes`` -- amdqb_topk's experts per lane (decode and wide) and the switch between them;
 * ``topk_rounds`` -- amdqb_topk's row Top-k by list merges or by rounds of a butterfly max, over T;
@@ -369,6 +371,69 @@ def align_plan_routes(
     }
 
 
+def align_cluster_routes(
+    dev,
+    cfg,
+    shapes=((256, 8, 16), (256, 8, 64), (256, 8, 128), (257, 8, 64), (896, 16, 64)),
+    tokens=(32, 64, 128, 256, 512, 1024, 2048, 4096),
+    tiles=(256, 512, 1024, 2048),
+):
+    """The cluster align (amdqb_align_cluster: one launch of one thread block cluster, each block
+    ``tiles`` routes or more, at most 8 blocks) against the forms the config takes without it, at
+    E = 256 (blocks 16 / 64 / 128), 257 and 896 (k=16), M tokens. Each tile's variant is taken up
+    to the most routes where its time ratio to the fastest, averaged over the shapes, stays below
+    the config's (``hip.align.cluster_max_routes``; 0 where it never does); the variant whose
+    policy (cluster there, the config's forms beyond) has the least sum wins."""
+    report = Report("tune_align_cluster", environment(dev))
+    g = torch.Generator().manual_seed(0)
+    variants = {"config": {"hip.align.cluster_max_routes": 0}}
+    for t in tiles:
+        variants[f"cluster{t}"] = {
+            "hip.align.cluster_max_routes": 1 << 30,
+            "hip.align.cluster_tile_routes": t,
+            "hip.align.cluster_blocks": 8,
+        }
+    ratio: dict = {}  # routes -> variant -> summed ratio to the fastest
+    for e, k, bs in shapes:
+        for m in tokens:
+            ids = make_ids(m, k, e, "uniform", g).to(dev)
+            t = time_alternating(_align_variants(variants, ids, bs, e), dev, cfg)
+            fastest = min(t.values())
+            sums = ratio.setdefault(m * k, {})
+            for name, us in t.items():
+                report.add(E=e, k=k, block=bs, M=m, routes=m * k, variant=name, us=us)
+                sums[name] = sums.get(name, 0.0) + us / fastest
+    single = configs.load(dispatch.device_info(dev).arch_family)["hip.align.single_block_routes"]
+    counts = sorted(r for r in ratio if r > single)
+
+    def reach(name) -> int:  # the most routes up to which the variant beats the config's forms
+        most = 0
+        for r in counts:
+            if ratio[r][name] >= ratio[r]["config"]:
+                break
+            most = r
+        return most
+
+    def policy(name) -> float:
+        return sum(ratio[r][name] if r <= reach(name) else ratio[r]["config"] for r in counts)
+
+    name = min((n for n in variants if n != "config"), key=policy)
+    most = reach(name)
+    per = len(shapes)
+    why = (
+        f"{name} up to {most} routes: {policy(name) / per / max(1, len(counts)):.3f}x the fastest"
+        f" on average against {sum(ratio[r]['config'] for r in counts) / per / max(1, len(counts)):.3f}x"
+        " without it (E = 256 / 257 / 896)"
+    )
+    if most:
+        r = most
+        why += f"; at {r} routes {ratio[r][name] / per:.3f}x vs {ratio[r]['config'] / per:.3f}x"
+    return report, {
+        "hip.align.cluster_max_routes": (most, why),
+        "hip.align.cluster_tile_routes": (variants[name]["hip.align.cluster_tile_routes"], why),
+    }
+
+
 def _topk_shape(e, score_function, groups, g, dev):
     """(bias or None, biased_topk keywords) of a serving shape: a bias with sigmoid scores,
     ``groups`` = (num_groups, group_topk) or None."""
@@ -687,6 +752,7 @@ PARTS = {
     "align_threads": align_rank_threads,
     "align_rank_first": align_rank_first,
     "align_plan": align_plan_routes,
+    "align_cluster": align_cluster_routes,
     "topk": topk_blocks,
     "topk_lanes": topk_lanes,
     "topk_rounds": topk_rounds,

@@ -270,15 +270,18 @@ _CLUSTER_CASES = {  # (E, tokens, k, ids, block size, pad_sorted_ids)
         (257, 100, 4, "shared", 64, False),
         (300, 50, 6, "one", 12, True),  # a block size that is not a power of two
         (896, 40, 8, "uniform", 64, False),
-        (2048, 30, 4, "dropped", 32, False),  # its LDS rows do not fit: the tiled form
+        (2048, 200, 4, "dropped", 32, False),  # LDS for one warp's rows: 7 chunks a warp
+        (4096, 40, 4, "uniform", 16, False),  # not even one warp's rows: another form
     ],
     "gpu": [
         (256, 512, 8, "uniform", 64, False),
         (256, 2048, 8, "uniform", 16, True),
         (256, 4096, 8, "shared", 128, False),  # 8 blocks of 4096 routes, 4 chunks a warp
+        (256, 8192, 8, "uniform", 64, False),  # 8 blocks of 8192 routes, 8 chunks a warp
         (257, 1000, 8, "dropped", 64, False),
         (64, 3000, 6, "one", 128, True),
-        (896, 1024, 16, "uniform", 64, False),  # its LDS rows do not fit: another form
+        (896, 1024, 16, "uniform", 64, False),  # 8 warps' rows fit: 8 chunks a warp
+        (4096, 256, 8, "dropped", 64, False),  # not even one warp's rows: another form
     ],
 }
 

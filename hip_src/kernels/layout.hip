@@ -938,13 +938,14 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(1024, 1) amdqb_align_plan(AlignParams 
 }
 
 // Each route's slot among its tile's routes of its bucket, in flat order (warp w ranks the routes
-// [tile start + w * warp_run, + warp_run), at most ALIGN_CACHED chunks of 32; every warp of the
+// [tile start + w * warp_run, + warp_run), at most CHUNKS chunks of 32; every warp of the
 // block ranks): per-warp counts in the LDS rows next[warps][E], their exclusive prefix over the
 // warps, then each warp's walk. b[c] gets the bucket of the lane's route of chunk c (-1: none),
 // slot[c] its slot; totals (if given, LDS) gets the tile's routes per bucket. Reads only the ids:
 // a dependent kernel runs it before it waits.
-AMDQB_DEVICE void rank_in_tile(const AlignParams& p, int* next, int (&b)[ALIGN_CACHED],
-                               int (&slot)[ALIGN_CACHED], int* totals = nullptr) {
+template <int CHUNKS = ALIGN_CACHED>
+AMDQB_DEVICE void rank_in_tile(const AlignParams& p, int* next, int (&b)[CHUNKS],
+                               int (&slot)[CHUNKS], int* totals = nullptr) {
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int lane = lane_id();
@@ -957,14 +958,14 @@ AMDQB_DEVICE void rank_in_tile(const AlignParams& p, int* next, int (&b)[ALIGN_C
   const i64 r1 = r0 + p.warp_run < t1 ? r0 + p.warp_run : t1;
   int* mine = next + w * E;
 #pragma unroll
-  for (int c = 0; c < ALIGN_CACHED; ++c) {
+  for (int c = 0; c < CHUNKS; ++c) {
     const i64 i = r0 + (i64)c * 32 + lane;
     b[c] = i < r1 ? bucket_of(p, i) : -1;
   }
   for (int i = tid; i < p.rank_warps * E; i += nt) next[i] = 0;
   block_sync();
 #pragma unroll
-  for (int c = 0; c < ALIGN_CACHED; ++c)
+  for (int c = 0; c < CHUNKS; ++c)
     if (b[c] >= 0) atomic_add_shared(&mine[b[c]], 1);
   block_sync();
   // each warp's first slot in each bucket among the tile's routes (a thread owns a run of buckets)
@@ -977,7 +978,7 @@ AMDQB_DEVICE void rank_in_tile(const AlignParams& p, int* next, int (&b)[ALIGN_C
   block_sync();
   // ranks in flat order, a chunk of 32 routes at a time (the lowest peer advances the slot)
 #pragma unroll
-  for (int c = 0; c < ALIGN_CACHED; ++c) {
+  for (int c = 0; c < CHUNKS; ++c) {
     slot[c] = 0;
     if (r0 + (i64)c * 32 < r1) {  // uniform across the warp
       slot[c] = warp_claim_slot(mine, b[c], lane, bits);
@@ -987,15 +988,16 @@ AMDQB_DEVICE void rank_in_tile(const AlignParams& p, int* next, int (&b)[ALIGN_C
 }
 
 // Stores route r0 + c * 32 + lane of each chunk at base[b[c]] + slot[c] (base: LDS or global).
-AMDQB_DEVICE void store_ranked(const AlignParams& p, const int* base, const int (&b)[ALIGN_CACHED],
-                               const int (&slot)[ALIGN_CACHED]) {
+template <int CHUNKS = ALIGN_CACHED>
+AMDQB_DEVICE void store_ranked(const AlignParams& p, const int* base, const int (&b)[CHUNKS],
+                               const int (&slot)[CHUNKS]) {
   const i64 r0 = (i64)blockIdx.x * p.tile + (i64)warp_in_block() * p.warp_run;
   const int lane = lane_id();
-  int at[ALIGN_CACHED];
+  int at[CHUNKS];
 #pragma unroll
-  for (int c = 0; c < ALIGN_CACHED; ++c) at[c] = b[c] >= 0 ? base[b[c]] : 0;
+  for (int c = 0; c < CHUNKS; ++c) at[c] = b[c] >= 0 ? base[b[c]] : 0;
 #pragma unroll
-  for (int c = 0; c < ALIGN_CACHED; ++c) {
+  for (int c = 0; c < CHUNKS; ++c) {
     const i64 s = (i64)at[c] + slot[c];
     if (b[c] >= 0 && s < p.sorted_len) p.sorted_ids[s] = (int)(r0 + (i64)c * 32 + lane);
   }
@@ -1120,8 +1122,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_cluster(AlignParams p) {
   int* count = tile_total + E;                     // [E]: every tile's routes per bucket
   int* start = count + E;                          // [E]: padded start of each bucket
   int* base = start + E;                           // [E]: this tile's first slot per bucket
-  int b[ALIGN_CACHED], slot[ALIGN_CACHED];
-  rank_in_tile(p, next, b, slot, tile_total);
+  // 8 chunks of 32 routes a warp: 32 warps rank 8192 routes, and a block whose LDS holds fewer
+  // warps' rows (large E) still ranks a whole tile
+  constexpr int CHUNKS = 8;
+  int b[CHUNKS], slot[CHUNKS];
+  rank_in_tile<CHUNKS>(p, next, b, slot, tile_total);
   cluster_arrive();  // tile_total, for the peers
   cluster_wait();
 
@@ -1165,7 +1170,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_cluster(AlignParams p) {
 
   // 2. The routes; the sentinel into the padding of this block's buckets (a warp per bucket) and
   // into its share of the tail; this block's slice of expert_ids and the padded total.
-  store_ranked(p, base, b, slot);
+  store_ranked<CHUNKS>(p, base, b, slot);
   const i64 total = (i64)padded_total;
   if (!(p.flags & 4)) {
     const int lane = lane_id();

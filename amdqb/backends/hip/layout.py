@@ -247,6 +247,7 @@ def align_plan(n: int, num_experts: int, cfg) -> tuple[int, int, int, int]:
 
 
 _ALIGN_CACHED = 4  # ALIGN_CACHED of layout.hip: chunks of 32 routes a place warp ranks at most
+_CLUSTER_CHUNKS = 8  # CHUNKS of amdqb_align_cluster: chunks of 32 routes its warps rank at most
 _PLAN_THREADS = 1024  # amdqb_align_plan's block: block 0 counts every route, the others fill
 _FILL_PER_BLOCK = 16384  # sorted_ids slots per fill block of amdqb_align_plan (4 x 16 B a thread)
 
@@ -318,8 +319,8 @@ def align_clustered(n: int, num_experts: int, cfg):
     one thread block cluster, NVIDIA sm_90+), or None: past ``hip.align.single_block_routes`` and
     up to ``hip.align.cluster_max_routes`` routes, in 2 to ``hip.align.cluster_blocks`` blocks (a
     power of two) of ``hip.align.cluster_tile_routes`` routes or more, a ranking warp per 64
-    routes of a block (up to 32; each ranks at most _ALIGN_CACHED chunks of 32) where their LDS
-    rows fit a launch without an opt-in."""
+    routes of a block (up to 32) where their LDS rows fit a launch without an opt-in, fewer where
+    they do not (each ranks at most _CLUSTER_CHUNKS chunks of 32)."""
     if not cfg["hip.align.single_block_routes"] < n <= cfg["hip.align.cluster_max_routes"]:
         return None
     blocks = 2
@@ -332,10 +333,13 @@ def align_clustered(n: int, num_experts: int, cfg):
     warps = 1
     while warps < 32 and 64 * warps < per:
         warps *= 2
-    if (
-        cdiv(cdiv(per, warps), 32) > _ALIGN_CACHED
-        or align_cluster_lds_bytes(num_experts, warps) + 4 * 33 > _STATIC_LDS_LIMIT
-    ):
+
+    def fits(w: int) -> bool:
+        return align_cluster_lds_bytes(num_experts, w) + 4 * 33 <= _STATIC_LDS_LIMIT
+
+    while warps > 1 and not fits(warps):
+        warps //= 2
+    if cdiv(cdiv(per, warps), 32) > _CLUSTER_CHUNKS or not fits(warps):
         return None
     return cdiv(n, per), per, warps
 

@@ -938,11 +938,11 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(1024, 1) amdqb_align_plan(AlignParams 
 }
 
 // Each route's slot among its tile's routes of its bucket, in flat order (warp w ranks the routes
-// [tile start + w * warp_run, + warp_run), at most CHUNKS chunks of 32; every warp of the
-// block ranks): per-warp counts in the LDS rows next[warps][E], their exclusive prefix over the
-// warps, then each warp's walk. b[c] gets the bucket of the lane's route of chunk c (-1: none),
-// slot[c] its slot; totals (if given, LDS) gets the tile's routes per bucket. Reads only the ids:
-// a dependent kernel runs it before it waits.
+// [tile start + w * warp_run, + warp_run), at most CHUNKS chunks of 32; the warps past
+// p.rank_warps rank nothing): per-warp counts in the LDS rows next[warps][E], their exclusive
+// prefix over the warps, then each warp's walk. b[c] gets the bucket of the lane's route of chunk
+// c (-1: none), slot[c] its slot; totals (if given, LDS) gets the tile's routes per bucket. Reads
+// only the ids: a dependent kernel runs it before it waits.
 template <int CHUNKS = ALIGN_CACHED>
 AMDQB_DEVICE void rank_in_tile(const AlignParams& p, int* next, int (&b)[CHUNKS],
                                int (&slot)[CHUNKS], int* totals = nullptr) {
@@ -954,9 +954,10 @@ AMDQB_DEVICE void rank_in_tile(const AlignParams& p, int* next, int (&b)[CHUNKS]
   const int bits = bucket_bits(E);
   const i64 t0 = (i64)blockIdx.x * p.tile;
   const i64 t1 = t0 + p.tile < p.n ? t0 + p.tile : p.n;
+  const bool ranks = w < p.rank_warps;
   const i64 r0 = t0 + (i64)w * p.warp_run;
-  const i64 r1 = r0 + p.warp_run < t1 ? r0 + p.warp_run : t1;
-  int* mine = next + w * E;
+  const i64 r1 = !ranks ? r0 : r0 + p.warp_run < t1 ? r0 + p.warp_run : t1;
+  int* mine = next + (ranks ? w : 0) * E;
 #pragma unroll
   for (int c = 0; c < CHUNKS; ++c) {
     const i64 i = r0 + (i64)c * 32 + lane;
@@ -1104,14 +1105,17 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_tiles(AlignParams p) {
 // hip.align.cluster_max_routes routes): one launch of one thread block cluster of p.tiles blocks.
 // Block r ranks tile r (rank_in_tile) and keeps the tile's routes per bucket in its LDS; after the
 // cluster barrier each block reads every tile's count of its buckets from the peers' LDS (the
-// routes of earlier tiles, each bucket's total), scans the padded totals, stores its routes and
-// writes the sentinel into the padding of the buckets r, r + p.tiles, ... and its share of the
-// tail past the padded total: no slot is written twice, so no block orders its stores after
-// another's. Then its slice of expert_ids. Dynamic shared memory: (warps + 4) * E ints.
+// routes of earlier tiles, each bucket's total), scans the padded totals and stores its routes,
+// then writes its slice of expert_ids. The cluster's threads write the sentinel over sorted_ids
+// first: the barrier's release / acquire orders it before every block's route stores. The warps
+// past p.rank_warps (blocks of at least min(E, 1024) threads, so that a thread owns one bucket in
+// the sums and the scan) rank nothing. Dynamic shared memory: (warps + 3) * E ints.
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_cluster(AlignParams p) {
   AMDQB_DYN_SHARED(lds);
-  AMDQB_SHARED(
-  u32, warp_sums, 33);
+  // under the #if, clang-format 19 splits this macro's arguments over two lines
+  // clang-format off
+  AMDQB_SHARED(u32, warp_sums, 33);
+  // clang-format on
   const int tid = (int)threadIdx.x;
   const int nt = (int)blockDim.x;
   const int E = p.num_experts;
@@ -1119,15 +1123,16 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_cluster(AlignParams p) {
   const int blocks = p.tiles;
   int* next = lds;                                 // [warps][E]: rank_in_tile's rows
   int* tile_total = next + (i64)p.rank_warps * E;  // [E]: this tile's routes per bucket
-  int* count = tile_total + E;                     // [E]: every tile's routes per bucket
-  int* start = count + E;                          // [E]: padded start of each bucket
+  int* start = tile_total + E;                     // [E]: padded start of each bucket
   int* base = start + E;                           // [E]: this tile's first slot per bucket
+  if (!(p.flags & 4))  // the sentinel, before the barrier that orders it before the routes
+    fill_i32(p.sorted_ids, p.sorted_len, (int)p.n, (i64)self * nt + tid, (i64)blocks * nt);
   // 8 chunks of 32 routes a warp: 32 warps rank 8192 routes, and a block whose LDS holds fewer
   // warps' rows (large E) still ranks a whole tile
   constexpr int CHUNKS = 8;
   int b[CHUNKS], slot[CHUNKS];
   rank_in_tile<CHUNKS>(p, next, b, slot, tile_total);
-  cluster_arrive();  // tile_total, for the peers
+  cluster_arrive();  // tile_total for the peers; the sentinel before their routes
   cluster_wait();
 
   // 1. Per bucket (a thread owns a contiguous run): the tiles' counts from the cluster's LDS, the
@@ -1151,7 +1156,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_cluster(AlignParams p) {
       }
     }
     const u32 size = padded_count(total, p.block_size);
-    count[e] = total;
     start[e] = (int)size;  // read back below by this thread alone
     base[e] = before;
     own += size;
@@ -1168,27 +1172,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_cluster(AlignParams p) {
   }
   block_sync();
 
-  // 2. The routes; the sentinel into the padding of this block's buckets (a warp per bucket) and
-  // into its share of the tail; this block's slice of expert_ids and the padded total.
+  // 2. The routes, this block's slice of expert_ids and the padded total.
   store_ranked<CHUNKS>(p, base, b, slot);
   const i64 total = (i64)padded_total;
-  if (!(p.flags & 4)) {
-    const int lane = lane_id();
-    const int warps = nt >> 5;
-#pragma unroll 1
-    for (int e = self + blocks * warp_in_block(); e < E; e += blocks * warps) {
-      const i64 hi = (i64)start[e] + padded_count(count[e], p.block_size);
-      const i64 end = hi < p.sorted_len ? hi : p.sorted_len;
-      for (i64 s = (i64)start[e] + count[e] + lane; s < end; s += 32) p.sorted_ids[s] = (int)p.n;
-    }
-    if (total < p.sorted_len)
-      fill_i32(p.sorted_ids + total, p.sorted_len - total, (int)p.n, (i64)self * nt + tid,
-               (i64)blocks * nt);
-  }
   const int j0 = self * p.tile_blocks;
   const int j1 = j0 + p.tile_blocks < p.num_blocks ? j0 + p.tile_blocks : p.num_blocks;
   write_expert_ids(p, start, total, j0 + tid, j1, nt);
   if (self == 0 && tid == 0) p.post_pad[0] = (int)total;
   cluster_wait();
 }
-#endif
+#endif  // AMDQB_HAS_CLUSTERS

@@ -310,8 +310,8 @@ def align_tiles_shape(per: int, num_experts: int):
 
 def align_cluster_lds_bytes(num_experts: int, warps: int) -> int:
     """amdqb_align_cluster's dynamic LDS: the warps' rank rows, the tile's counts (read by the
-    cluster), every tile's counts, the padded starts and the tile's bases."""
-    return 4 * (warps + 4) * num_experts
+    cluster), the padded starts and the tile's bases."""
+    return 4 * (warps + 3) * num_experts
 
 
 def align_clustered(n: int, num_experts: int, cfg):
@@ -344,6 +344,16 @@ def align_clustered(n: int, num_experts: int, cfg):
     return cdiv(n, per), per, warps
 
 
+def align_cluster_threads(warps: int, num_experts: int) -> int:
+    """Threads of an amdqb_align_cluster block: its ranking warps, and at least one thread per
+    bucket up to 1024 (each thread sums, scans and places one bucket; the others idle in the
+    walk) and 128 (the sentinel's stores)."""
+    threads = max(32 * warps, 128)
+    while threads < 1024 and threads < num_experts:
+        threads *= 2
+    return threads
+
+
 def align_hist_threads(per: int) -> int:
     """Threads of an amdqb_align_hist block counting ``per`` routes: one batch of 8 ids per
     thread, 256 to 1024 (on sm_90, 256 threads in place of 1024 took 5.94 -> 5.55 / 7.36 -> 6.61
@@ -374,7 +384,8 @@ def align_form(n: int, num_experts: int, cfg, clusters: bool = False) -> AlignFo
     clustered = align_clustered(n, num_experts, cfg) if clusters else None
     if clustered is not None:
         blocks, per, warps = clustered
-        return AlignForm(("amdqb_align_cluster",), blocks, per, 32 * warps, warps)
+        threads = align_cluster_threads(warps, num_experts)
+        return AlignForm(("amdqb_align_cluster",), blocks, per, threads, warps)
     planned = align_planned(n, num_experts, cfg)
     if planned is not None:
         tiles, per, warps = planned

@@ -399,10 +399,14 @@ def align_cluster_routes(
             ids = make_ids(m, k, e, "uniform", g).to(dev)
             t = time_alternating(_align_variants(variants, ids, bs, e), dev, cfg)
             fastest = min(t.values())
-            sums = ratio.setdefault(m * k, {})
+            sums = ratio.setdefault(m * k, {"shapes": 0})
+            sums["shapes"] += 1
             for name, us in t.items():
                 report.add(E=e, k=k, block=bs, M=m, routes=m * k, variant=name, us=us)
                 sums[name] = sums.get(name, 0.0) + us / fastest
+    for r in ratio:  # ratios averaged over the shapes of each route count
+        shapes_r = ratio[r].pop("shapes")
+        ratio[r] = {name: x / shapes_r for name, x in ratio[r].items()}
     single = configs.load(dispatch.device_info(dev).arch_family)["hip.align.single_block_routes"]
     counts = sorted(r for r in ratio if r > single)
 
@@ -419,15 +423,14 @@ def align_cluster_routes(
 
     name = min((n for n in variants if n != "config"), key=policy)
     most = reach(name)
-    per = len(shapes)
+    cases = max(1, len(counts))
+    without = sum(ratio[r]["config"] for r in counts) / cases
     why = (
-        f"{name} up to {most} routes: {policy(name) / per / max(1, len(counts)):.3f}x the fastest"
-        f" on average against {sum(ratio[r]['config'] for r in counts) / per / max(1, len(counts)):.3f}x"
-        " without it (E = 256 / 257 / 896)"
+        f"{name} up to {most} routes: {policy(name) / cases:.3f}x the fastest on average against "
+        f"{without:.3f}x without it (E = 256 / 257 / 896)"
     )
     if most:
-        r = most
-        why += f"; at {r} routes {ratio[r][name] / per:.3f}x vs {ratio[r]['config'] / per:.3f}x"
+        why += f"; at {most} routes {ratio[most][name]:.3f}x vs {ratio[most]['config']:.3f}x"
     return report, {
         "hip.align.cluster_max_routes": (most, why),
         "hip.align.cluster_tile_routes": (variants[name]["hip.align.cluster_tile_routes"], why),

@@ -412,7 +412,8 @@ def align_block_size(
     cfg = config(topk_ids)
     device = dev(topk_ids)
     spec = _spec.layout_module(cfg)
-    form = align_form(n, num_experts, cfg, rt.supports_clusters(device))
+    clusters = cfg["hip.align.cluster_max_routes"] > 0 and rt.supports_clusters(device)
+    form = align_form(n, num_experts, cfg, clusters)
     tiles, per, warps = form.tiles, form.per, form.warps
     tile_counts = None
     if len(form.kernels) > 1:  # the tiles' counts, or the planned tiles' bases

@@ -202,16 +202,40 @@ _FORMS = {  # AlignCall keywords, the map (mode "filter" / "output"), the ids' e
 }
 
 
-def _form_map(map_mode, e: int):
-    """The expert map of a _FORMS convention: "filter" maps 60 global ids onto the e local
-    buckets, a fifth of them remote (-1); "output" permutes the e experts."""
+def _form_case(form: str, dtype, tokens: int, seed: int):
+    """(AlignCall, flat ids, expert map) of a _FORMS convention: E=48, k=8, block 16, ids dropped
+    out of range; "filter" maps 60 global ids onto the 48 local buckets (a fifth remote, -1),
+    "output" permutes the experts."""
+    from amdqb.backends.calls import AlignCall
+
+    kw, map_mode, offset = _FORMS[form]
+    e = 48
+    call = AlignCall(e + kw.get("id_shift", 0), 16, **kw)
+    ids = emu_ids(tokens, 8, e, "dropped", seed, dtype).reshape(-1)
+    ids = torch.cat([torch.zeros(offset, dtype=dtype), ids])[offset:]
     g = torch.Generator().manual_seed(3)
+    emap = None
     if map_mode == "filter":
         emap = torch.randperm(60, generator=g).to(torch.int32)
-        return torch.where(emap < e, emap, torch.full_like(emap, -1))
-    if map_mode == "output":
-        return torch.randperm(e, generator=g).to(torch.int32)
-    return None
+        emap = torch.where(emap < e, emap, torch.full_like(emap, -1))
+    elif map_mode == "output":
+        emap = torch.randperm(e, generator=g).to(torch.int32)
+    return call, ids, emap
+
+
+def _align_with(monkeypatch, emu_rt, values: dict, call, ids, emap):
+    """The three outputs (poisoned first: the caller's padding -5) of one align call with the
+    config entries ``values``, and the names of the kernels it launched."""
+    set_config(monkeypatch, values, torch.device("cpu"))
+    rows = ids.numel() + call.num_experts * (call.block_size - 1)
+    got = (
+        torch.full((rows,), -5, dtype=torch.int32),
+        torch.full((rows // call.block_size + 1,), -7, dtype=torch.int32),
+        torch.full((1,), -7, dtype=torch.int32),
+    )
+    emu_rt.launches.clear()
+    hip_layout.align_block_size(emu_rt, call, ids, emap, *got)
+    return got, [n for n, *_ in emu_rt.launches]
 
 
 @pytest.mark.skipif(compiler() is None, reason="needs g++ (C++20) for the hip kernel emulator")
@@ -224,16 +248,8 @@ def test_planned_align_equals_the_tiled_form_in_every_convention(monkeypatch, fo
     (bitwise, every output, the caller's padding kept alike) for vLLM's and SGLang's conventions,
     both maps, int32 ids off a 16-byte boundary and int64 ids (the plan's one-id loads) and ids
     out of range, over tiles that split experts' routes and a partial last tile."""
-    from amdqb.backends.calls import AlignCall
-
     emu_rt = emu_runtime(wave)
-    kw, map_mode, offset = _FORMS[form]
-    e, bs, m, k = 48, 16, 333, 8  # 2664 routes: tiles of 512, the last one partial
-    call = AlignCall(e + kw.get("id_shift", 0), bs, **kw)
-    ids = emu_ids(m, k, e, "dropped", 7, dtype).reshape(-1)
-    ids = torch.cat([torch.zeros(offset, dtype=dtype), ids])[offset:]
-    emap = _form_map(map_mode, e)
-    rows = ids.numel() + call.num_experts * (bs - 1)
+    call, ids, emap = _form_case(form, dtype, 333, 7)  # 2664 routes: tiles of 512, a partial one
     outs = {}
     for name, most in (("tiled", 0), ("ranked", 0), ("planned", 1 << 20)):
         values = {
@@ -242,21 +258,13 @@ def test_planned_align_equals_the_tiled_form_in_every_convention(monkeypatch, fo
             "hip.align.plan_tile_routes": 512,
             "hip.align.tiles_rank_first": name == "ranked",
         }
-        set_config(monkeypatch, values, torch.device("cpu"))
-        got = (
-            torch.full((rows,), -5, dtype=torch.int32),
-            torch.full((rows // bs + 1,), -7, dtype=torch.int32),
-            torch.full((1,), -7, dtype=torch.int32),
-        )
-        emu_rt.launches.clear()
-        hip_layout.align_block_size(emu_rt, call, ids, emap, *got)
+        outs[name], names = _align_with(monkeypatch, emu_rt, values, call, ids, emap)
         want = {
             "tiled": ["amdqb_align_hist", "amdqb_align"],
             "ranked": ["amdqb_align_hist", "amdqb_align_tiles"],
             "planned": ["amdqb_align_plan", "amdqb_align_place"],
         }[name]
-        assert [n for n, *_ in emu_rt.launches] == want, (name, emu_rt.launches)
-        outs[name] = got
+        assert names == want, (name, names)
     for other in ("ranked", "planned"):
         for a, b, what in zip(outs["tiled"], outs[other], ("sorted_ids", "expert_ids", "post_pad")):
             assert torch.equal(a, b), f"{what} differs ({other}, {form}, {dtype})"
@@ -334,16 +342,8 @@ def test_cluster_align_equals_the_tiled_form_in_every_convention(monkeypatch, fo
     """amdqb_align_cluster writes what amdqb_align_hist + amdqb_align write (bitwise, every output,
     the caller's padding kept alike) in vLLM's and SGLang's conventions, both maps, int32 ids off a
     16-byte boundary and int64 ids, over four blocks that split experts' routes."""
-    from amdqb.backends.calls import AlignCall
-
     emu_rt = emu_runtime(wave)
-    kw, map_mode, offset = _FORMS[form]
-    e, bs, m, k = 48, 16, 90, 8  # 720 routes: 4 blocks of 192, the last one partial
-    call = AlignCall(e + kw.get("id_shift", 0), bs, **kw)
-    ids = emu_ids(m, k, e, "dropped", 11, dtype).reshape(-1)
-    ids = torch.cat([torch.zeros(offset, dtype=dtype), ids])[offset:]
-    emap = _form_map(map_mode, e)
-    rows = ids.numel() + call.num_experts * (bs - 1)
+    call, ids, emap = _form_case(form, dtype, 90, 11)  # 720 routes: 4 blocks of 192, a partial one
     outs = {}
     for name, most in (("tiled", 0), ("cluster", 1 << 20)):
         values = {
@@ -354,17 +354,9 @@ def test_cluster_align_equals_the_tiled_form_in_every_convention(monkeypatch, fo
             "hip.align.cluster_tile_routes": 64,
             "hip.align.cluster_blocks": 4,
         }
-        set_config(monkeypatch, values, torch.device("cpu"))
-        got = (
-            torch.full((rows,), -5, dtype=torch.int32),
-            torch.full((rows // bs + 1,), -7, dtype=torch.int32),
-            torch.full((1,), -7, dtype=torch.int32),
-        )
-        emu_rt.launches.clear()
-        hip_layout.align_block_size(emu_rt, call, ids, emap, *got)
+        outs[name], names = _align_with(monkeypatch, emu_rt, values, call, ids, emap)
         want = {"tiled": ["amdqb_align_hist", "amdqb_align"], "cluster": ["amdqb_align_cluster"]}
-        assert [n for n, *_ in emu_rt.launches] == want[name], (name, emu_rt.launches)
-        outs[name] = got
+        assert names == want[name], (name, names)
     for a, b, what in zip(outs["tiled"], outs["cluster"], ("sorted_ids", "expert_ids", "post_pad")):
         assert torch.equal(a, b), f"{what} differs ({form}, {dtype}, wave {wave})"
     assert (outs["cluster"][0] == -5).any() != call.fill_sentinel  # the caller's padding kept

@@ -368,10 +368,7 @@ class NvrtcToolchain(_Toolchain):
         # Programmatic dependent launch (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
         # sm_90+, captured into CUDA graphs as a programmatic edge). Bindings or drivers without
         # it fall back to cuLaunchKernel for the rest of the process.
-        sm90 = self._sm90.get(device_index)
-        if sm90 is None:  # asked once per device: this is every dependent launch's path
-            sm90 = self._sm90[device_index] = torch.cuda.get_device_capability(device_index)[0] >= 9
-        if self._pdl is not False and sm90:
+        if self._pdl is not False and self._is_sm90(device_index):
             self.ensure_context(device_index)
             stream = self._stream(device_index)
             try:
@@ -397,11 +394,15 @@ class NvrtcToolchain(_Toolchain):
                 self._pdl = False
         self.launch(fn, grid, block, smem, device_index, params_address)
 
-    def supports_clusters(self, device_index):
+    def _is_sm90(self, device_index) -> bool:
+        """Compute capability >= 9.0, asked once per device (every dependent launch asks)."""
         sm90 = self._sm90.get(device_index)
         if sm90 is None:
             sm90 = self._sm90[device_index] = torch.cuda.get_device_capability(device_index)[0] >= 9
-        return sm90 and hasattr(self.driver, "cuLaunchKernelEx")
+        return sm90
+
+    def supports_clusters(self, device_index):
+        return self._is_sm90(device_index) and hasattr(self.driver, "cuLaunchKernelEx")
 
     def launch_cluster(self, fn, grid, cluster, block, smem, device_index, params_address):
         # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: the grid's blocks in clusters of `cluster` along

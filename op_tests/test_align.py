@@ -83,12 +83,6 @@ def test_align_block_size_matches_oracle_bitwise(monkeypatch, backend, emu_rt, d
     amdqb_align); "planned": one block plans the tiles (amdqb_align_plan) and the place pass
     ranks before it waits, where the [tiles, E] counts fit its LDS (the others tiled)."""
     rt = emu_rt
-    if tiled in ("wide", "ranked") and dtype == torch.int64:
-        pytest.skip(
-            "int64 ids: the True variant (amdqb_align) and "
-            "test_planned_align_equals_the_tiled_form_in_every_convention (amdqb_align_tiles); "
-            "these variants' 1024-thread blocks are the emulator's slowest"
-        )
     if tiled:  # tiles of 64 routes (or sqrt(n) rounded up to a power of two) from 65 routes on
         values = {
             "hip.align.single_block_routes": 64,

@@ -287,17 +287,22 @@ def test_ballot_of_a_32_lane_row_has_garbage_in_the_other_half():
     assert lo[32:] == [_i32(junk_lo)] * 32 and hi[32:] == [_i32(row1)] * 32
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _mapped_bytes() -> int:
+    """The process's address space (VmSize)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmSize in /proc/self/status")
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_libraries_not_launched_lately_release_their_workers(monkeypatch):
-    """Each emulator library parks 256 worker threads between launches; with hundreds loaded by a
-    test run, parked all at once, they exhausted the machine's thread ids and a launch aborted the
-    process (std::thread throwing through ctypes). Only the most recently launched libraries keep
-    theirs: with room for one, alternating between two libraries keeps one set parked."""
-    monkeypatch.setattr(emu_runtime, "_LIVE_POOLS", 1)
+@pytest.mark.skipif(not os.path.isfile("/proc/self/status"), reason="reads VmSize in /proc")
+def test_libraries_not_launched_lately_release_their_stacks(monkeypatch):
+    """Each emulator library keeps the fiber stacks of its launches (512 KiB of address space per
+    GPU thread: 128 MiB for a 256-thread block); a test run loads hundreds of libraries. Only the
+    most recently launched keep theirs: with room for one, alternating between two libraries keeps
+    one set mapped."""
+    monkeypatch.setattr(emu_runtime, "_LIVE_STACKS", 1)
     lanes = list(range(256))
     rt = runtime(arch="gfx942")
     prims = rt.warp_ops()
@@ -310,14 +315,14 @@ def test_libraries_not_launched_lately_release_their_workers(monkeypatch):
         assert fn(1, 1, 1, 256, 0, _spec.KernelParams(args).address) == 0
         assert [v & 0xFF for v in bufs[2].tolist()] == [t % 32 for t in lanes]  # the lane ids
 
-    run("gfx942", "readfirstlane", lanes)  # the lane-ops library parks 256 workers
-    before = _threads()
-    rt.warp_ops()  # switching libraries joins them (one pool kept)
-    warp_launch()  # and this library parks its own
-    after = _threads()
-    assert after < before + 64, (before, after)
+    run("gfx942", "readfirstlane", lanes)  # the lane-ops library maps 256 stacks
+    before = _mapped_bytes()
+    rt.warp_ops()
+    warp_launch()  # this library maps its own, the lane-ops library's are released
+    after = _mapped_bytes()
+    assert after < before + (64 << 20), (before, after)
     for _ in range(3):
         run("gfx942", "readfirstlane", lanes)
         rt.warp_ops()
         warp_launch()
-    assert _threads() < before + 64, (before, _threads())
+    assert _mapped_bytes() < before + (64 << 20), (before, _mapped_bytes())

@@ -9,6 +9,10 @@ results identical across widths and platforms.
 """
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,3 +208,34 @@ def test_match_any(model, width):
         v[::5] = -1  # dropped routes share a peer set
         _, got = run(model, width, "match_any_in", v, arg=limit)
         assert np.array_equal(got, per_lane(width, match, v)), limit
+
+
+_ABORTING_LAUNCH = """
+import sys
+sys.path[:0] = [{tests!r}, {root!r}]
+from test_amd_warp_primitives import OPS, run
+OPS["diverge"], OPS["after_exit"] = 14, 15
+run({model!r}, 32, {op!r}, list(range(64)))
+"""
+
+
+@pytest.mark.parametrize("model", ["gfx942", 32])
+@pytest.mark.parametrize(
+    "op, message",
+    [
+        ("diverge", "waits at a barrier that cannot open"),
+        ("after_exit", "after a lane of"),
+    ],
+)
+def test_divergent_primitives_abort_with_a_message(model, op, message):
+    """A warp primitive that not every lane of its row reaches stops the emulator with a message
+    naming the cause (on a GPU it hangs or reads undefined lanes): lanes waiting at different
+    barriers (no thread can run), or a primitive after a lane of the row exited. Subprocesses: the
+    emulator aborts the process."""
+    tests = Path(__file__).resolve().parent
+    code = _ABORTING_LAUNCH.format(tests=str(tests), root=str(tests.parent), model=model, op=op)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=os.environ
+    )
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert message in proc.stderr, proc.stderr[-2000:]

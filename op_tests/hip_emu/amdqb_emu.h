@@ -1,13 +1,17 @@
 // Host emulation of the GPU execution model used by hip_src kernels (tests only).
 //
-// Every GPU thread of a block is a std::thread; blocks run one after the other, the blocks of a
-// thread block cluster (amdqb_emu_set_cluster before the launch) together. Shared memory is a
-// per-block arena poisoned with 0xA5 bytes. Kernels are called through `void** args`, the same
+// Every GPU thread of a block is a fiber (its own stack, switched in user space) on the calling
+// thread; blocks run one after the other, the blocks of a thread block cluster
+// (amdqb_emu_set_cluster before the launch) together. A fiber runs until it waits at a barrier or
+// exits; the scheduler then resumes the next fiber whose barrier has opened, in thread order on
+// even rounds and in reverse order on odd ones (no kernel may depend on either). Every thread
+// waiting while none can run is a deadlock: the emulator aborts with a message. Shared memory is
+// a per-block arena poisoned with 0xA5 bytes. Kernels are called through `void** args`, the same
 // convention as cuLaunchKernel / hipModuleLaunchKernel kernelParams. Two lane models:
 //
 // * Substitutes (default): the prelude's emulator branches. Warp primitives are barrier-
 //   synchronised exchanges between the 32 threads of a logical warp, so a primitive called under
-//   lane-divergent control flow deadlocks (the watchdog aborts the process with a message) instead
+//   lane-divergent control flow deadlocks (the emulator aborts the process with a message) instead
 //   of silently working. On wave64 the emulated 64-bit ballot fills the other logical warp's half
 //   with garbage, so the prelude must select its own half.
 // * AMDGCN (AMDQB_EMU_AMDGCN, with the target's macros: __GFX9__ / __gfx942__, __GFX12__ /
@@ -22,24 +26,21 @@
 #pragma once
 
 #include <atomic>
-#include <barrier>
-#include <chrono>
-#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
 
 #define AMDQB_HOST_EMU 1
 #define __global__
@@ -50,8 +51,9 @@ struct amdqb_dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
 
-extern thread_local amdqb_dim3 threadIdx;
-extern thread_local amdqb_dim3 blockIdx;
+// The running fiber's ids (the scheduler swaps them in and out with it).
+extern amdqb_dim3 threadIdx;
+extern amdqb_dim3 blockIdx;
 extern amdqb_dim3 blockDim;
 extern amdqb_dim3 gridDim;
 
@@ -68,9 +70,32 @@ extern amdqb_dim3 gridDim;
 
 namespace amdqb_emu {
 
+// A barrier among the fibers of a launch, with std::barrier's contract: arrive() returns a token
+// (the phase it arrived in), wait(token) returns once that phase has completed (the fiber yields
+// until then), arrive_and_drop() counts as an arrival now and leaves every later phase.
+struct Bar {
+  explicit Bar(int n) : expected(n) {}
+  int expected, arrived = 0;
+  unsigned long long phase = 0;
+  unsigned long long arrive() {
+    const unsigned long long token = phase;
+    if (++arrived == expected) complete();
+    return token;
+  }
+  void wait(unsigned long long token);
+  void arrive_and_wait() { wait(arrive()); }
+  void arrive_and_drop() {
+    if (--expected > 0 && arrived == expected) complete();
+  }
+  void complete() {
+    arrived = 0;
+    ++phase;
+  }
+};
+
 struct Warp {
   explicit Warp() : bar(32) {}
-  std::barrier<> bar;
+  Bar bar;
   int vals[32];
   std::atomic<int> exited{0};
 };
@@ -81,12 +106,11 @@ struct Warp {
 // halves of a wave64 may diverge (two logical warps), the lanes of one row may not.
 struct Wave {
   explicit Wave(int n) : lanes(n) {
-    for (int h = 0; h * 32 < n; ++h)
-      half[h].reset(new std::barrier<>(n - 32 * h < 32 ? n - 32 * h : 32));
-    whole.reset(new std::barrier<>(n));
+    for (int h = 0; h * 32 < n; ++h) half[h].reset(new Bar(n - 32 * h < 32 ? n - 32 * h : 32));
+    whole.reset(new Bar(n));
   }
   int lanes;
-  std::unique_ptr<std::barrier<>> half[2], whole;
+  std::unique_ptr<Bar> half[2], whole;
   std::atomic<int> exited_half[2] = {0, 0};
   uint32_t vals[64];
 };
@@ -98,32 +122,75 @@ struct Block {
     for (int i = 0; i < n; i += AMDQB_WAVE_SIZE)
       waves.emplace_back(new Wave(n - i < AMDQB_WAVE_SIZE ? n - i : AMDQB_WAVE_SIZE));
   }
-  std::barrier<> bar;
+  Bar bar;
   std::vector<std::unique_ptr<Warp>> warps;
   std::vector<std::unique_ptr<Wave>> waves;
   std::vector<char> dyn;
-  std::mutex mu;
   std::map<std::string, std::vector<char>> statics;
 };
 
-// The blocks of a thread block cluster (run together: one thread per GPU thread of every block)
+// The blocks of a thread block cluster (run together: one fiber per GPU thread of every block)
 // and its barrier; a grid without clusters runs each block as a cluster of one.
 struct Cluster {
   Cluster(int blocks, int threads, size_t dyn_bytes) : bar(blocks * threads) {
     for (int i = 0; i < blocks; ++i) members.emplace_back(new Block(threads, dyn_bytes));
   }
-  std::barrier<> bar;
+  Bar bar;
   std::vector<std::unique_ptr<Block>> members;
 };
 
-extern thread_local Block* g_block;
-extern thread_local Cluster* g_cluster;
-extern thread_local std::barrier<>::arrival_token* g_cluster_token;
-extern unsigned g_cluster_x;  // blocks per cluster of the next launch (amdqb_emu_set_cluster)
+// The running fiber's state (the scheduler swaps it in and out with the fiber).
+extern Block* g_block;
+extern Cluster* g_cluster;
+extern long long g_cluster_token;  // the phase of a cluster_arrive not yet waited on, else -1
+extern int g_scope;                // lanes of the row the running cross-lane primitive works on
+extern unsigned g_cluster_x;       // blocks per cluster of the next launch (amdqb_emu_set_cluster)
 extern std::atomic<long long> g_progress;
 extern uint64_t g_garbage_seed;
-struct Pool;
-extern Pool* g_pool;
+
+// One GPU thread: its stack and saved context, and its share of the state above.
+struct Fiber {
+  void* sp = nullptr;  // the saved stack pointer (x86-64)
+#if !defined(__x86_64__)
+  ucontext_t uc;
+#endif
+  amdqb_dim3 tid, bid;
+  Block* block = nullptr;
+  Cluster* cluster = nullptr;
+  long long cluster_token = -1;
+  int scope = AMDQB_WAVE_SIZE;
+  const Bar* bar = nullptr;  // the barrier it waits at (nullptr: runnable), until `phase` ends
+  unsigned long long phase = 0;
+  bool done = false;
+};
+
+// The fibers of one cluster of blocks (one block without clusters) and their stacks.
+struct Sched {
+  static constexpr size_t kStack = 512 << 10;  // bytes per fiber, a guard page at the bottom
+  std::vector<Fiber> fibers;
+  std::vector<char*> stacks;
+  int current = -1;
+  void* main_sp = nullptr;
+#if !defined(__x86_64__)
+  ucontext_t main_uc;
+#endif
+  void (*body)(void*) = nullptr;
+  void* ctx = nullptr;
+
+  bool reserve(int n);  // false when the host refused the stacks' memory
+  void shrink(int keep);
+  void run(Cluster& cluster, int threads, unsigned x0, unsigned y, unsigned z);
+  void yield();  // back to the scheduler
+};
+extern Sched* g_sched;
+
+inline void Bar::wait(unsigned long long token) {
+  if (phase != token) return;
+  Fiber& f = g_sched->fibers[g_sched->current];
+  f.bar = this;
+  f.phase = token;
+  g_sched->yield();
+}
 
 inline Warp& my_warp() {
   Warp& w = *g_block->warps[threadIdx.x / 32];
@@ -133,8 +200,6 @@ inline Warp& my_warp() {
   }
   return w;
 }
-
-extern thread_local int g_scope;  // lanes of the row the running cross-lane primitive works on
 
 // The row scope of a cross-lane primitive (AMDQB_LANES in the prelude), restored on exit.
 struct LaneScope {
@@ -161,7 +226,7 @@ inline auto wave_exchange(uint32_t v, Read read) {
   if (scope != 32 && scope != AMDQB_WAVE_SIZE) fail("row width not 32 or the wave size", scope);
   const int base = lane & ~(scope - 1);
   const bool whole = scope == AMDQB_WAVE_SIZE;
-  std::barrier<>& bar = whole ? *w.whole : *w.half[lane / 32];
+  Bar& bar = whole ? *w.whole : *w.half[lane / 32];
   if (w.exited_half[lane / 32].load() || (whole && w.exited_half[(lane / 32) ^ 1].load()))
     fail("cross-lane operation after a lane of its row exited", lane);
   const auto in_row = [=](int l) { return l >= base && l < base + scope; };
@@ -421,17 +486,17 @@ inline void* amdqb_emu_dyn_smem() { return amdqb_emu::g_block->dyn.data(); }
 // The cluster barrier, split like the hardware's: arrive, then wait on that arrival.
 inline void amdqb_emu_cluster_arrive() {
   using namespace amdqb_emu;
-  if (g_cluster_token != nullptr) fail("cluster_arrive twice without a cluster_wait", 0);
+  if (g_cluster_token >= 0) fail("cluster_arrive twice without a cluster_wait", 0);
   g_progress++;
-  g_cluster_token = new std::barrier<>::arrival_token(g_cluster->bar.arrive());
+  g_cluster_token = (long long)g_cluster->bar.arrive();
 }
 inline void amdqb_emu_cluster_wait() {
   using namespace amdqb_emu;
-  if (g_cluster_token == nullptr) fail("cluster_wait without a cluster_arrive", 0);
+  if (g_cluster_token < 0) fail("cluster_wait without a cluster_arrive", 0);
   g_progress++;
-  g_cluster->bar.wait(std::move(*g_cluster_token));
-  delete g_cluster_token;
-  g_cluster_token = nullptr;
+  const unsigned long long token = (unsigned long long)g_cluster_token;
+  g_cluster_token = -1;
+  g_cluster->bar.wait(token);
 }
 // The address at p's offset in the dynamic shared memory of block `rank` of the caller's cluster.
 inline const void* amdqb_emu_cluster_map(const void* p, int rank) {
@@ -446,7 +511,6 @@ inline const void* amdqb_emu_cluster_map(const void* p, int rank) {
 
 inline void* amdqb_emu_static_smem(const char* name, size_t bytes) {
   amdqb_emu::Block* b = amdqb_emu::g_block;
-  std::lock_guard<std::mutex> lock(b->mu);
   auto it = b->statics.find(name);
   if (it == b->statics.end())
     it = b->statics.emplace(name, std::vector<char>(bytes, (char)0xA5)).first;
@@ -466,72 +530,10 @@ void call_with(void (*fn)(A...), void** args) {
 }
 
 // Runs the grid: 0, or 1 with the reason in amdqb_emu_last_error() when the host refused the
-// emulator a resource (a worker thread it could not create: the process or the machine is out of
-// threads). No C++ exception reaches the caller: through ctypes it would abort Python.
+// emulator a resource (the fibers' stacks). No C++ exception reaches the caller: through ctypes it
+// would abort Python.
 int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem, void (*body)(void*),
              void* ctx);
-
-// Persistent worker threads (creating 256 threads per block dominated the run time).
-struct Pool {
-  std::mutex mu;
-  std::condition_variable cv, done_cv;
-  std::vector<std::thread> workers;
-  long long gen = 0;
-  int active = 0, remaining = 0;
-  int limit = 1 << 30;  // workers with an index at or above it exit (shrink)
-  std::function<void(int)> task;
-
-  void loop(int idx) {
-    long long seen = 0;
-    for (;;) {
-      std::function<void(int)> t;
-      {
-        std::unique_lock<std::mutex> l(mu);
-        cv.wait(l, [&] { return gen != seen; });
-        seen = gen;
-        if (idx >= limit) return;
-        if (idx >= active) continue;
-        t = task;
-      }
-      t(idx);
-      std::lock_guard<std::mutex> l(mu);
-      if (--remaining == 0) done_cv.notify_all();
-    }
-  }
-  void run(int n, std::function<void(int)> f) {
-    {
-      std::lock_guard<std::mutex> l(mu);
-      while ((int)workers.size() < n) {
-        const int idx = (int)workers.size();
-        workers.emplace_back([this, idx] { loop(idx); });
-      }
-      task = std::move(f);
-      active = n;
-      remaining = n;
-      ++gen;
-    }
-    cv.notify_all();
-    std::unique_lock<std::mutex> l(mu);
-    done_cv.wait(l, [&] { return remaining == 0; });
-  }
-  // Joins the workers beyond `keep`. Every emulator library has its own pool, so a 1024-thread
-  // block left idle in each would exhaust the process's threads (pid_max) over a test run; the
-  // runtime also trims the last 256 of the libraries it has not launched lately (amdqb_emu_trim).
-  void shrink(int keep) {
-    if ((int)workers.size() <= keep) return;
-    {
-      std::lock_guard<std::mutex> l(mu);
-      limit = keep;
-      active = 0;
-      ++gen;
-    }
-    cv.notify_all();
-    for (size_t i = (size_t)keep; i < workers.size(); ++i) workers[i].join();
-    workers.erase(workers.begin() + keep, workers.end());
-    std::lock_guard<std::mutex> l(mu);
-    limit = 1 << 30;
-  }
-};
 
 }  // namespace amdqb_emu
 
@@ -546,100 +548,3 @@ struct Pool {
         gx, gy, gz, bx, (size_t)smem,                                                              \
         [](void* c) { amdqb_emu::call_with(&kernel, static_cast<Ctx*>(c)->args); }, &ctx);         \
   }
-
-#define AMDQB_EMU_RUNTIME_DEFINITIONS                                                              \
-  thread_local amdqb_dim3 threadIdx;                                                               \
-  thread_local amdqb_dim3 blockIdx;                                                                \
-  amdqb_dim3 blockDim;                                                                             \
-  amdqb_dim3 gridDim;                                                                              \
-  namespace amdqb_emu {                                                                            \
-  thread_local Block* g_block = nullptr;                                                           \
-  thread_local Cluster* g_cluster = nullptr;                                                       \
-  thread_local std::barrier<>::arrival_token* g_cluster_token = nullptr;                           \
-  unsigned g_cluster_x = 1;                                                                        \
-  std::atomic<long long> g_progress{0};                                                            \
-  uint64_t g_garbage_seed = 1;                                                                     \
-  Pool* g_pool = new Pool(); /* never destroyed: workers die with the process */                   \
-  thread_local int g_scope = AMDQB_WAVE_SIZE;                                                      \
-  std::string g_error;                                                                             \
-  int run_grid(unsigned gx, unsigned gy, unsigned gz, unsigned bx, size_t smem,                    \
-               void (*body)(void*), void* ctx) {                                                   \
-    gridDim = amdqb_dim3{gx, gy, gz};                                                              \
-    blockDim = amdqb_dim3{bx, 1, 1};                                                               \
-    std::mutex done_mu;                                                                            \
-    std::condition_variable done_cv;                                                               \
-    bool done = false;                                                                             \
-    g_error.clear();                                                                               \
-    std::thread watchdog;                                                                          \
-    try {                                                                                          \
-      watchdog = std::thread([&] {                                                                 \
-        long long last = -1;                                                                       \
-        int idle = 0;                                                                              \
-        std::unique_lock<std::mutex> lock(done_mu);                                                \
-        while (!done_cv.wait_for(lock, std::chrono::milliseconds(200), [&] { return done; })) {    \
-          long long now = g_progress.load();                                                       \
-          idle = (now == last) ? idle + 1 : 0;                                                     \
-          last = now;                                                                              \
-          if (idle > 100) {                                                                        \
-            std::fprintf(stderr, "amdqb_emu: no progress for 20 s (divergent warp primitive?)\n"); \
-            std::abort();                                                                          \
-          }                                                                                        \
-        }                                                                                          \
-      });                                                                                          \
-    } catch (const std::exception& e) {                                                            \
-      g_error = e.what();                                                                          \
-      return 1;                                                                                    \
-    }                                                                                              \
-    const unsigned cx = g_cluster_x;                                                               \
-    g_cluster_x = 1;                                                                               \
-    if (cx == 0 || gx % cx != 0 || (size_t)cx * bx > 8192) {                                       \
-      g_error = "cluster of " + std::to_string(cx) + " blocks for a grid of " +                    \
-                std::to_string(gx) + " blocks of " + std::to_string(bx) + " threads";              \
-    } else {                                                                                       \
-      try {                                                                                        \
-        for (unsigned z = 0; z < gz; ++z)                                                          \
-          for (unsigned y = 0; y < gy; ++y)                                                        \
-            for (unsigned x0 = 0; x0 < gx; x0 += cx) {                                             \
-              Cluster cluster((int)cx, (int)bx, smem);                                             \
-              g_garbage_seed = g_garbage_seed * 6364136223846793005ull + 1442695040888963407ull;   \
-              g_pool->run((int)(cx * bx), [&](int i) {                                             \
-                const int t = i % (int)bx;                                                         \
-                Block& block = *cluster.members[i / (int)bx];                                      \
-                g_block = &block;                                                                  \
-                g_cluster = &cluster;                                                              \
-                threadIdx = amdqb_dim3{(unsigned)t, 0, 0};                                         \
-                blockIdx = amdqb_dim3{x0 + (unsigned)(i / (int)bx), y, z};                         \
-                body(ctx);                                                                         \
-                g_progress++;                                                                      \
-                if (g_cluster_token != nullptr) fail("exit between cluster_arrive and _wait", t);  \
-                block.warps[t / 32]->exited.store(1);                                              \
-                block.warps[t / 32]->bar.arrive_and_drop();                                        \
-                amdqb_emu::Wave& wave = *block.waves[t / AMDQB_WAVE_SIZE];                         \
-                wave.exited_half[(t % AMDQB_WAVE_SIZE) / 32].store(1);                             \
-                wave.half[(t % AMDQB_WAVE_SIZE) / 32]->arrive_and_drop();                          \
-                wave.whole->arrive_and_drop();                                                     \
-                block.bar.arrive_and_drop();                                                       \
-                cluster.bar.arrive_and_drop();                                                     \
-                g_block = nullptr;                                                                 \
-                g_cluster = nullptr;                                                               \
-              });                                                                                  \
-            }                                                                                      \
-      } catch (const std::exception& e) { /* std::system_error from std::thread */                 \
-        g_error = e.what();                                                                        \
-      }                                                                                            \
-    }                                                                                              \
-    g_pool->shrink(256); /* keep the common block size's workers */                                \
-    {                                                                                              \
-      std::lock_guard<std::mutex> lock(done_mu);                                                   \
-      done = true;                                                                                 \
-    }                                                                                              \
-    done_cv.notify_all();                                                                          \
-    watchdog.join();                                                                               \
-    return g_error.empty() ? 0 : 1;                                                                \
-  }                                                                                                \
-  }                                                                                                \
-  extern "C" const char* amdqb_emu_last_error() { return amdqb_emu::g_error.c_str(); }             \
-  /* blocks per cluster (along x) of the next launch; 1 after it */                                \
-  extern "C" void amdqb_emu_set_cluster(unsigned cx) { amdqb_emu::g_cluster_x = cx; }              \
-  /* the runtime trims the pools of the libraries it has not launched lately */                    \
-  extern "C" void amdqb_emu_trim(int keep) { amdqb_emu::g_pool->shrink(keep); }

@@ -172,6 +172,16 @@ static void warp_op(const int* in, const int* aux, int* out, int* out2, int op, 
       r = L::inclusive_scan_u32(
           (u32)v, [arg](u32 a, u32 b) { return a >= (u32)arg - b ? (u32)arg : a + b; });
       break;
+    case 14:  // divergence: the odd lanes wait at the block barrier, the even ones in a shuffle
+      if (t & 1)
+        block_sync();
+      else
+        r = (u32)L::shfl_xor(v, 2);
+      break;
+    case 15:  // a primitive after the odd lanes of the warp exited
+      if (t & 1) return;
+      r = (u32)L::shfl_xor(v, 2);
+      break;
     default:
       std::abort();
   }
@@ -195,4 +205,4 @@ AMDQB_EMU_REGISTER(amdqb_emu_warp_op)
 #error "define AMDQB_EMU_<ROUTER | ROUTER_BWD | TOPK | ROUTE | CONVERT | LANES | PRIMS>"
 #endif
 
-AMDQB_EMU_RUNTIME_DEFINITIONS
+#include "amdqb_emu_runtime.h"

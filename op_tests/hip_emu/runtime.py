@@ -1,7 +1,7 @@
 """A runtime for the hip backend's launchers that executes the hip_src kernels on the CPU.
 
-The kernels are compiled with g++ against ``amdqb_emu.h`` (one std::thread per GPU thread,
-barrier-synchronised lane exchanges, poisoned per-block shared memory) and launched with the same
+The kernels are compiled with g++ against ``amdqb_emu.h`` (one fiber per GPU thread on the calling
+thread, barrier-synchronised lane exchanges, poisoned per-block shared memory) and launched with the same
 ``kernelParams`` array the GPU runtimes pass to cuLaunchKernel / hipModuleLaunchKernel, so the
 Python launchers, their argument packing and the kernel bodies are all exercised. Tensors are CPU
 tensors; ``data_ptr()`` is a host address.
@@ -48,9 +48,9 @@ def target_defines(arch: str) -> list[str]:
     return [f"-D__GFX{gfx_major(arch)}__=1", f"-D__{arch}__=1"]
 
 
-# libraries (by handle) whose idle block threads are kept, least recently launched first
-_RECENT_POOLS: collections.OrderedDict[int, ctypes.CDLL] = collections.OrderedDict()
-_LIVE_POOLS = 8
+# libraries (by handle) whose fiber stacks are kept, least recently launched first
+_RECENT_STACKS: collections.OrderedDict[int, ctypes.CDLL] = collections.OrderedDict()
+_LIVE_STACKS = 8
 
 
 class EmuKernel:
@@ -60,36 +60,27 @@ class EmuKernel:
         self.lib = lib
 
 
-def _trim_idle_pools(lib):
-    """Every emulator library keeps a pool of idle block threads; hundreds of libraries (one per
-    kernel variant) in one test process exhausted the system's threads (the thread creation
-    failed: std::terminate). Only the most recently launched ``_LIVE_POOLS`` libraries keep
-    theirs. Returns ``lib``."""
-    live = _RECENT_POOLS
+def _trim_idle_stacks(lib):
+    """Every emulator library keeps the stacks of its largest launch's fibers (512 KiB of address
+    space each, the pages a kernel touched resident); a test process loads hundreds of libraries
+    (one per kernel variant), so only the most recently launched ``_LIVE_STACKS`` keep theirs.
+    Returns ``lib``."""
+    live = _RECENT_STACKS
     live.pop(lib._handle, None)
     live[lib._handle] = lib
-    while len(live) > _LIVE_POOLS:
+    while len(live) > _LIVE_STACKS:
         _, old = live.popitem(last=False)
         old.amdqb_emu_trim(0)
     return lib
 
 
 def _run(lib, name: str, rc: int) -> None:
-    """A launcher's return code: 1 when the emulator could not get its threads."""
+    """A launcher's return code: 1 when the emulator refused the launch (a cluster that does not
+    divide the grid) or could not map its fibers' stacks."""
     if rc != 0:
         fn = lib.amdqb_emu_last_error
         fn.restype = ctypes.c_char_p
-        raise RuntimeError(
-            f"emulator launch of {name} failed: {fn().decode(errors='replace')} (threads of this "
-            f"process: {_thread_count()}; the machine's limit: /proc/sys/kernel/pid_max)"
-        )
-
-
-def _thread_count():
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
+        raise RuntimeError(f"emulator launch of {name} failed: {fn().decode(errors='replace')}")
 
 
 class EmuRuntime:
@@ -146,7 +137,7 @@ class EmuRuntime:
         if self.arch is not None:
             flags += ["-DAMDQB_EMU_AMDGCN=1", *target_defines(self.arch)]
         material = repr((flags[:7], flags[10:], sorted(digests.items())))
-        for name in ("amdqb_emu.h", "emu_kernels.cpp"):
+        for name in ("amdqb_emu.h", "amdqb_emu_runtime.h", "emu_kernels.cpp"):
             material += hashlib.sha256((HERE / name).read_bytes()).hexdigest()
         key = hashlib.sha256(material.encode()).hexdigest()[:24]
         mode = self.arch or f"w{self.wave_size}"
@@ -172,13 +163,13 @@ class EmuRuntime:
         """ctypes library of the AMDGCN model's builtins one at a time (``amdqb_emu_lane_op``)."""
         if self.arch is None:
             raise ValueError("the lane ops need the AMDGCN model (arch=...)")
-        return _trim_idle_pools(
+        return _trim_idle_stacks(
             self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_LANES")
         )
 
     def warp_ops(self):
         """ctypes library of the prelude's Warp<W> primitives one at a time (``amdqb_emu_warp_op``)."""
-        return _trim_idle_pools(
+        return _trim_idle_stacks(
             self._library(_spec.layout_module(configs.load("cpu")), "AMDQB_EMU_PRIMS")
         )
 
@@ -202,7 +193,7 @@ class EmuRuntime:
             kernel.name,
             kernel.fn(grid[0], grid[1], grid[2], block, smem, params.address),
         )
-        _trim_idle_pools(kernel.lib)
+        _trim_idle_stacks(kernel.lib)
 
     def launch_dependent(self, kernel, grid, block, smem, args):
         """No overlap to model: the emulator runs grids one after another."""

@@ -1,10 +1,10 @@
 """A runtime for the hip backend's launchers that executes the hip_src kernels on the CPU.
 
-The kernels are compiled with g++ against ``amdqb_emu.h`` (one fiber per GPU thread on the calling
-thread, barrier-synchronised lane exchanges, poisoned per-block shared memory) and launched with the same
-``kernelParams`` array the GPU runtimes pass to cuLaunchKernel / hipModuleLaunchKernel, so the
-Python launchers, their argument packing and the kernel bodies are all exercised. Tensors are CPU
-tensors; ``data_ptr()`` is a host address.
+The kernels are compiled with g++ against ``amdqb_emu.h`` (one fiber per GPU thread on the
+calling thread, barrier-synchronised lane exchanges, poisoned per-block shared memory) and launched
+with the same ``kernelParams`` array the GPU runtimes pass to cuLaunchKernel /
+hipModuleLaunchKernel, so the Python launchers, their argument packing and the kernel bodies are
+all exercised. Tensors are CPU tensors; ``data_ptr()`` is a host address.
 
 Two lane models (``amdqb_emu.h``): the prelude's emulator substitutes (``arch=None``: 32-lane
 logical warps on waves of ``wave_size``), or ``arch="gfx942"`` / ``"gfx1250"`` / ... (one of

@@ -52,13 +52,16 @@ M32 = 0xFFFFFFFF
 BLOCK = 128  # two wave64s, four wave32s
 
 
-def _rt(model):
-    return runtime(arch=model) if isinstance(model, str) else runtime(model)
+def _rt(model, fiber_switch="native"):
+    if isinstance(model, str):
+        return runtime(arch=model, fiber_switch=fiber_switch)
+    return runtime(model, fiber_switch=fiber_switch)
 
 
-def run(model, width, op, values, aux=None, arg=0):
-    """(out, out2) of primitive ``op`` of Warp<width> over one block of ``len(values)`` lanes."""
-    fn = _rt(model).warp_ops().amdqb_emu_launch_amdqb_emu_warp_op
+def run(model, width, op, values, aux=None, arg=0, fiber_switch="native"):
+    """(out, out2) of primitive ``op`` of Warp<width> over one block of ``len(values)`` lanes;
+    ``fiber_switch``: how the emulator's fibers switch stacks (EmuRuntime's)."""
+    fn = _rt(model, fiber_switch).warp_ops().amdqb_emu_launch_amdqb_emu_warp_op
     fn.argtypes = [ctypes.c_uint] * 4 + [ctypes.c_ulonglong, ctypes.c_void_p]
     n = len(values)
     inp = torch.tensor(np.asarray(values, dtype=np.int64).astype(np.int32), dtype=torch.int32)
@@ -215,11 +218,13 @@ import sys
 sys.path[:0] = [{tests!r}, {root!r}]
 from test_amd_warp_primitives import OPS, run
 OPS["diverge"], OPS["after_exit"] = 14, 15
-run({model!r}, 32, {op!r}, list(range(64)))
+run({model!r}, 32, {op!r}, list(range(64)), fiber_switch={fiber_switch!r})
 """
 
 
-@pytest.mark.parametrize("model", ["gfx942", 32])
+@pytest.mark.parametrize(
+    "model, fiber_switch", [("gfx942", "native"), (32, "native"), (32, "ucontext")]
+)
 @pytest.mark.parametrize(
     "op, message",
     [
@@ -227,15 +232,30 @@ run({model!r}, 32, {op!r}, list(range(64)))
         ("after_exit", "after a lane of"),
     ],
 )
-def test_divergent_primitives_abort_with_a_message(model, op, message):
+def test_divergent_primitives_abort_with_a_message(model, fiber_switch, op, message):
     """A warp primitive that not every lane of its row reaches stops the emulator with a message
     naming the cause (on a GPU it hangs or reads undefined lanes): lanes waiting at different
     barriers (no thread can run), or a primitive after a lane of the row exited. Subprocesses: the
     emulator aborts the process."""
     tests = Path(__file__).resolve().parent
-    code = _ABORTING_LAUNCH.format(tests=str(tests), root=str(tests.parent), model=model, op=op)
+    code = _ABORTING_LAUNCH.format(
+        tests=str(tests), root=str(tests.parent), model=model, op=op, fiber_switch=fiber_switch
+    )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=os.environ
     )
     assert proc.returncode != 0, proc.stdout[-2000:]
     assert message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("model, width", [("gfx942", 64), ("gfx1250", 32), (32, 32)])
+def test_ucontext_fibers_give_the_register_switchs_results(model, width):
+    """The emulator's fiber switch off x86-64 (ucontext), built here on purpose: every primitive
+    returns the same lanes as under the register switch, on a block of several rows."""
+    rng = np.random.default_rng(7)
+    values = rng.integers(-(1 << 20), 1 << 20, BLOCK).tolist()
+    aux = [(7 * lane + 3) % width for lane in range(BLOCK)]
+    for op in OPS:
+        want = run(model, width, op, values, aux, 1)
+        got = run(model, width, op, values, aux, 1, fiber_switch="ucontext")
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), op

@@ -27,7 +27,7 @@ std::string g_error;
 
 static void fiber_entry();
 
-#if defined(__x86_64__)
+#if AMDQB_EMU_REGISTER_SWITCH
 // Saves the callee-saved registers, the SSE control / status word and the x87 control word on the
 // current stack, stores the stack pointer in *save, and resumes the context whose stack pointer is
 // `to` (System V x86-64: rdi = save, rsi = to).
@@ -94,7 +94,7 @@ void Sched::shrink(int keep) {
 
 void Sched::yield() {
   Fiber& f = fibers[current];
-#if defined(__x86_64__)
+#if AMDQB_EMU_REGISTER_SWITCH
   switch_stack(&f.sp, main_sp);
 #else
   swapcontext(&f.uc, &main_uc);
@@ -111,7 +111,7 @@ void Sched::run(Cluster& cluster, int threads, unsigned x0, unsigned y, unsigned
     f.bid = amdqb_dim3{x0 + (unsigned)(i / threads), y, z};
     f.block = cluster.members[i / threads].get();
     f.cluster = &cluster;
-#if defined(__x86_64__)
+#if AMDQB_EMU_REGISTER_SWITCH
     f.sp = initial_stack(stacks[i], kStack);
 #else
     getcontext(&f.uc);
@@ -137,7 +137,7 @@ void Sched::run(Cluster& cluster, int threads, unsigned x0, unsigned y, unsigned
       g_scope = f.scope;
       current = i;
       g_progress++;
-#if defined(__x86_64__)
+#if AMDQB_EMU_REGISTER_SWITCH
       switch_stack(&main_sp, f.sp);
 #else
       swapcontext(&main_uc, &f.uc);

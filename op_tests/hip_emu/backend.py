@@ -25,12 +25,13 @@ _RUNTIMES: dict[tuple, EmuRuntime] = {}
 _ACTIVE: list[EmuRuntime] = []
 
 
-def runtime(wave: int = 32, arch: str | None = None) -> EmuRuntime:
+def runtime(wave: int = 32, arch: str | None = None, fiber_switch: str = "native") -> EmuRuntime:
     """The process-wide emulator runtime of one lane model (its compiled kernels are reused):
-    the substitutes on ``wave``-lane waves, or the AMDGCN model of ``arch``."""
-    key = (wave, None) if arch is None else (None, arch)
+    the substitutes on ``wave``-lane waves, or the AMDGCN model of ``arch``; ``fiber_switch``
+    (EmuRuntime's) picks how its fibers switch stacks."""
+    key = ((wave, None) if arch is None else (None, arch)) + (fiber_switch,)
     if key not in _RUNTIMES:
-        _RUNTIMES[key] = EmuRuntime(wave_size=wave, cus=2, arch=arch)
+        _RUNTIMES[key] = EmuRuntime(wave_size=wave, cus=2, arch=arch, fiber_switch=fiber_switch)
     return _RUNTIMES[key]
 
 

@@ -90,11 +90,17 @@ class EmuRuntime:
         cus: int = 2,
         smem_budget: int = 48 * 1024,
         arch: str | None = None,
+        fiber_switch: str = "native",
     ):
+        if fiber_switch not in ("native", "ucontext"):
+            raise ValueError(f"fiber_switch must be 'native' or 'ucontext', got {fiber_switch!r}")
         if arch is not None:
             target_defines(arch)  # one of GCN_TARGETS
             wave_size = amd_wave_size(arch)
         self.arch = arch  # None: the prelude's emulator substitutes; else the AMDGCN model
+        # "native": amdqb_emu_runtime.h's own register switch on x86-64 (ucontext elsewhere);
+        # "ucontext": ucontext everywhere, the fallback run on this host
+        self.fiber_switch = fiber_switch
         self.wave_size = wave_size
         self.cus = cus
         self.budget = smem_budget
@@ -136,11 +142,15 @@ class EmuRuntime:
         ]
         if self.arch is not None:
             flags += ["-DAMDQB_EMU_AMDGCN=1", *target_defines(self.arch)]
+        if self.fiber_switch == "ucontext":
+            flags.append("-DAMDQB_EMU_UCONTEXT=1")
         material = repr((flags[:7], flags[10:], sorted(digests.items())))
         for name in ("amdqb_emu.h", "amdqb_emu_runtime.h", "emu_kernels.cpp"):
             material += hashlib.sha256((HERE / name).read_bytes()).hexdigest()
         key = hashlib.sha256(material.encode()).hexdigest()[:24]
-        mode = self.arch or f"w{self.wave_size}"
+        mode = (self.arch or f"w{self.wave_size}") + (
+            "_uc" if self.fiber_switch == "ucontext" else ""
+        )
         out = self.build_dir / f"{spec.label()}_{which[10:].lower()}_{mode}_{key}.so"
         with _BUILD_LOCK:
             if not out.is_file():

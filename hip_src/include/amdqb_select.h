@@ -349,6 +349,27 @@ AMDQB_DEVICE void sorted_lane_maxima(const i32 (&key)[V], int p, const WarpBuffe
   }
 }
 
+// The pairwise ranks of the total <= CAP candidates in b.ckey/cid: the first n in selection order
+// into b.skey/sid. Every lane of the row calls it after the candidates are written and synced.
+template <int CAP, int W>
+AMDQB_DEVICE void rank_candidates(int n, int p, const WarpBuffers& b, int total) {
+  typedef Warp<W> Row;
+#pragma unroll
+  for (int q = 0; q < CAP / W; ++q) {
+    const int slot = p + W * q;
+    if (slot < total) {
+      const i32 mk = b.ckey[slot], mid = b.cid[slot];
+      int rank = 0;
+      for (int m = 0; m < total; ++m) rank += ahead(b.ckey[m], b.cid[m], mk, mid) ? 1 : 0;
+      if (rank < n) {
+        b.skey[rank] = mk;
+        b.sid[rank] = mid;
+      }
+    }
+  }
+  Row::sync();
+}
+
 // Top-n of the token into b.skey/sid[0..n) in selection order (n <= CAP, n <= the experts held),
 // lane p of a W-lane row. Candidates: every expert whose key is at least the key of (bk, bid), an
 // entry at or behind the n-th in the selection order -- a superset of the Top-n (one compare per
@@ -412,20 +433,47 @@ AMDQB_DEVICE void select_top(const i32 (&key)[V], int n, int p, const WarpBuffer
   // n <= CAP candidates for a consistent order; the buffer bounds the reads whatever the counts
   if (total > CAP) total = CAP;
   Row::sync();
+  rank_candidates<CAP, W>(n, p, b, total);
+}
+
+// Top-n through approximate keys (amdqb_router's AMDQB_PREFILTER build): akey[] orders values va
+// within err of the exact ones (|va - v| <= err before the fp32 rounding both take), and
+// exact_key(id) gives expert id's exact key. With vt the n-th best lane maximum of va (at most the
+// n-th best va), every exact Top-n member has va >= vt - 2d, d = err + (2|vt| + 4) 2^-22 (err and
+// both roundings' half ulps); the experts at or above fl(vt - 3d) are the candidates, their
+// exact keys computed, and the pairwise ranks give b.skey/sid[0..n) as select_top does. Returns
+// false (row-uniform, nothing written) where it cannot decide: n > 32, vt not finite or beyond
+// 1e30, or more than CAP candidates; the caller then selects from the exact keys.
+template <int CAP, int W = 32, int V, typename ExactKey>
+AMDQB_DEVICE bool select_top_prefiltered(const i32 (&akey)[V], int n, int p, const WarpBuffers& b,
+                                         float err, ExactKey exact_key) {
+  static_assert(CAP % 32 == 0 && CAP >= W, "the candidate buffer holds whole rows of entries");
+  typedef Warp<W> Row;
+  if (n > 32) return false;
+  i32 lk, lid;
+  sorted_lane_maxima<W>(akey, p, b, lk, lid);
+  const float vt = key_value(Row::bcast(lk, n - 1));
+  if (!(fabsf(vt) <= 1e30f)) return false;  // NaN, infinities, values whose margin overflows
+  const float d = err + (2.0f * fabsf(vt) + 4.0f) * (1.0f / 4194304.0f);
+  const i32 lo = order_key(vt - 3.0f * d);
+  const auto cand = [&](i32 k, i32) { return k >= lo; };
+  const int c = count_candidates<W>(akey, p, cand);
+  const int incl = (int)Row::inclusive_sum_u32((u32)c);
+  const int total = Row::bcast(incl, W - 1);
+  if (total > CAP) {
+    AMDQB_TRACE_OVERFLOW();
+    return false;
+  }
+  append_candidates<CAP, W>(akey, p, incl - c, b, cand);
+  Row::sync();
 #pragma unroll
   for (int q = 0; q < CAP / W; ++q) {
     const int slot = p + W * q;
-    if (slot < total) {
-      const i32 mk = b.ckey[slot], mid = b.cid[slot];
-      int rank = 0;
-      for (int m = 0; m < total; ++m) rank += ahead(b.ckey[m], b.cid[m], mk, mid) ? 1 : 0;
-      if (rank < n) {
-        b.skey[rank] = mk;
-        b.sid[rank] = mid;
-      }
-    }
+    if (slot < total) b.ckey[slot] = exact_key(b.cid[slot]);
   }
   Row::sync();
+  rank_candidates<CAP, W>(n, p, b, total);
+  return true;
 }
 
 }  // namespace amdqb

@@ -11,7 +11,9 @@
 //   (tokens in flight per block), AMDQB_ROUTER_CAP (candidate buffer, the largest Top-n),
 //   AMDQB_ROUTER_MIN_BLOCKS (NVIDIA register cap), AMDQB_DECODE_EPW (experts per warp of the
 //   decode kernel), AMDQB_QB_HIST_BLOCK / _UNROLL / _MIN_BLOCKS (the histogram pass), and
-//   AMDQB_WAVE_SIZE.
+//   AMDQB_WAVE_SIZE, AMDQB_PREFILTER (1: amdqb_router selects through the bounded approximate
+//   sigmoid first and computes the exact scores of the candidates only; sigmoid without the
+//   tie-free order or log_margin QB, E <= 32 * RW; the same outputs, bit for bit).
 //
 // Precision contract (amdqb.ref.router): logits are converted to fp32 on load; activation, biased
 // scores, selection, normalisation, the QB cutoff and the histogram arithmetic are fp32 without
@@ -56,7 +58,7 @@ using namespace amdqb;
     !defined(AMDQB_ROUTER_WARPS) || !defined(AMDQB_ROUTER_CAP) ||                                  \
     !defined(AMDQB_ROUTER_MIN_BLOCKS) || !defined(AMDQB_DECODE_EPW) ||                             \
     !defined(AMDQB_QB_HIST_BLOCK) || !defined(AMDQB_QB_HIST_UNROLL) ||                             \
-    !defined(AMDQB_QB_HIST_MIN_BLOCKS)
+    !defined(AMDQB_QB_HIST_MIN_BLOCKS) || !defined(AMDQB_PREFILTER)
 #error "router.hip needs its -D constants (amdqb.backends.hip._spec.router_module)"
 #endif
 #if AMDQB_ROUTER_CAP % 32 != 0 || AMDQB_ROUTER_WARPS * 32 > 1024
@@ -66,6 +68,10 @@ using namespace amdqb;
 #define AMDQB_SCORE_SIGMOID 0
 #define AMDQB_SCORE_SQRTSOFTPLUS 1
 #define AMDQB_SCORE_SOFTMAX 2
+#if AMDQB_PREFILTER && (AMDQB_SCORE != AMDQB_SCORE_SIGMOID || AMDQB_TIE_FREE ||                    \
+                        AMDQB_MARGIN_LDS || AMDQB_APPROX_ACTIVATION)
+#error "AMDQB_PREFILTER is the exact sigmoid router's build (no tie-free order, margin LDS, approx)"
+#endif
 
 namespace {
 
@@ -88,6 +94,7 @@ constexpr int ROUTER_BLOCK = 32 * WARPS;
 constexpr int ROWS = ROUTER_BLOCK / RW;  // tokens in flight per block
 constexpr int CAP = AMDQB_ROUTER_CAP;    // candidate buffer per row; the largest n
 static_assert(ROUTER_BLOCK % RW == 0, "whole rows per block");
+static_assert(!AMDQB_PREFILTER || VPL <= 32, "the prefilter's members are one word of slot bits");
 
 enum MapKind { kMapNone = 0, kByteMap = 1, kBitMap = 2, kIdx16 = 3, kIdx32 = 4, kIdx64 = 5 };
 // two-kernel: alpha (or the bins); kQbMarginLds: log_margin counted in LDS (amdqb_router only)
@@ -472,6 +479,43 @@ AMDQB_DEVICE float score_of(in_t raw, int softmax_pre, const RowStats& st) {
   return v;
 }
 
+#if AMDQB_PREFILTER
+// The selection keys of the bounded approximate sigmoid (sigmoid_bounded_approx, plus bias[e]
+// where bias is given), CHUNK slots at a time; padding slots kInt32Min.
+AMDQB_DEVICE void approximate_keys(const in_t* row, int lane, const float* bias, i32 (&key)[VPL]) {
+  for_chunks([&](AMDQB_CHUNK ch) {
+    constexpr int c = decltype(ch)::value;
+    in_t raw[CHUNK];
+    const int cl = chunk_lane(lane);
+    load_chunk(row, cl, c * CHUNK, raw);
+#pragma unroll
+    for (int i = 0; i < CHUNK; ++i) {
+      const int j = c * CHUNK + i;
+      if (j < VPL) {
+        if (valid_slot(j, cl)) {
+          const float sa = sigmoid_bounded_approx(to_f32(raw[i]));
+          key[j] = order_key(bias != nullptr ? sa + bias[slot_id(j, cl)] : sa);
+        } else {
+          key[j] = kInt32Min;
+        }
+      }
+    }
+  });
+}
+
+// Bit j set where slot j of row lane p holds one of the routes sid[0..topk) (distinct ids).
+AMDQB_DEVICE u32 route_slots(const i32* sid, int topk, int p) {
+  u32 bits = 0u;
+  for (int r = 0; r < topk; ++r) {
+    const i32 id = sid[r];  // the same address in every lane: a broadcast
+    const int h = RW == 64 ? id / (32 * VPL) : 0;
+    const int rem = id - h * 32 * VPL;
+    if (h * 32 + (rem & 31) == p) bits |= 1u << (rem >> 5);
+  }
+  return bits;
+}
+#endif
+
 // Whether a router call writes outputs over every expert (dense probs, byte or bit map).
 AMDQB_DEVICE bool has_dense_outputs(const in_t* probs, int map_kind) {
   return probs != nullptr || map_kind == kByteMap || map_kind == kBitMap;
@@ -480,14 +524,14 @@ AMDQB_DEVICE bool has_dense_outputs(const in_t* probs, int map_kind) {
 // The outputs over every expert of token t from this thread's experts e = base(j) + lane
 // (valid(j): e < E; base(j) a multiple of 32): probs zeroed for the non-members (members are
 // written once per rank by write_route: one division per route, not per expert), the byte map,
-// and the bit map from one ballot per 32 experts. Members: at or ahead of the k-th, (ck, cid).
-template <int V, typename Base, typename Valid>
-AMDQB_DEVICE void write_dense_outputs(const i32 (&key)[V], Base base, Valid valid, int lane, i64 t,
-                                      i32 ck, i32 cid, in_t* probs, void* map, int map_kind) {
+// and the bit map from one ballot per 32 experts. Members: is_member(j) of the valid slots.
+template <int V, typename Base, typename Valid, typename Member>
+AMDQB_DEVICE void write_dense_outputs(Base base, Valid valid, Member is_member, int lane, i64 t,
+                                      in_t* probs, void* map, int map_kind) {
 #pragma unroll
   for (int j = 0; j < V; ++j) {
     const int e = base(j) + lane;
-    const bool member = valid(j) && at_or_ahead(key[j], e, ck, cid);
+    const bool member = valid(j) && is_member(j);
     if (valid(j) && !member && probs != nullptr) probs[t * E + e] = from_f32(0.0f);
     if (valid(j) && map_kind == kByteMap) static_cast<u8*>(map)[t * E + e] = member ? 1 : 0;
     if (map_kind == kBitMap) {
@@ -761,7 +805,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     // logits, which the L1/L2 still hold, bit for bit as here.
     i32 key[VPL];
     RowStats st;
-    {
+    const auto exact_keys = [&]() {
 #if AMDQB_TIE_FREE
       row_elementwise(
           row, lane, [&](int j, int cl) { return sh_bias[slot_id(j, cl)]; },
@@ -779,8 +823,24 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
         }
       }
 #endif
+    };
+#if AMDQB_PREFILTER
+    // The keys of the bounded approximate sigmoid first; the candidates' exact keys are those of
+    // exact_keys, bit for bit. Rows the approximation cannot decide select from the exact keys.
+    approximate_keys(row, lane, bias != nullptr ? sh_bias : nullptr, key);
+    const bool decided =
+        select_top_prefiltered<CAP, RW>(key, nsel, lane, b, AMDQB_APPROX_SIGMOID_ERR, [&](i32 id) {
+          const float sc = sigmoid(to_f32(row[id]));
+          return order_key(bias != nullptr ? sc + sh_bias[id] : sc);
+        });
+    if (!decided) {
+      exact_keys();
+      select_top<CAP, RW>(key, nsel, lane, b);
     }
+#else
+    exact_keys();
     select_top<CAP, RW>(key, nsel, lane, b);
+#endif
 #pragma unroll
     for (int q = 0; q < CAP / RW; ++q) {
       const int r = lane + RW * q;
@@ -832,8 +892,19 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
 
       const auto base = [&](int j) { return slot_base(j, lane); };
       const auto valid = [&](int j) { return valid_slot(j, lane); };
-      if (has_dense_outputs(probs, map_kind))
-        write_dense_outputs(key, base, valid, l32, t, ck, cid, probs, map, map_kind);
+      if (has_dense_outputs(probs, map_kind)) {
+#if AMDQB_PREFILTER
+        // key[] may hold the approximate keys: the members are the routes' slots
+        const u32 routed = route_slots(b.sid, topk, lane);
+        write_dense_outputs<VPL>(
+            base, valid, [&](int j) { return ((routed >> j) & 1u) != 0u; }, l32, t, probs, map,
+            map_kind);
+#else
+        write_dense_outputs<VPL>(
+            base, valid, [&](int j) { return at_or_ahead(key[j], base(j) + l32, ck, cid); }, l32, t,
+            probs, map, map_kind);
+#endif
+      }
 #pragma unroll
       for (int q = 0; q < CAP / RW; ++q) {
         const int r = lane + RW * q;
@@ -844,7 +915,8 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
       if (qb_mode != kQbNone) {
         const float alpha = key_value(b.skey[topk]);  // the (k+1)-th selection value
         if (alpha_out != nullptr && lane == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
-        if (qb_binning == kLogMargin) {
+        if (!AMDQB_PREFILTER && qb_binning == kLogMargin) {           // (the launcher's rule: the
+          // prefilter build's keys may be approximate, and log_margin bins every expert's key)
           margin_bins_out(key, base, valid, l32, t, num_tokens, alpha, bounds, num_bins,
                           margin_fine, qb_mode, hist, bins_out, margin_lds);
         } else if (qb_mode == kQbFused) {
@@ -1050,8 +1122,10 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(DEC_THREADS) AMDQB_DECODE_WAVES
   // selection's.
   const auto base = [&](int j) { return j * DEC_THREADS + w * 32; };
   if (has_dense_outputs(probs, map_kind)) {
-    const i32 cid = sh_top[topk - 1];
-    write_dense_outputs(key, base, valid, lane, t, sh_topkey[topk - 1], cid, probs, map, map_kind);
+    const i32 ck = sh_topkey[topk - 1], cid = sh_top[topk - 1];
+    write_dense_outputs<DEC_EPT>(
+        base, valid, [&](int j) { return at_or_ahead(key[j], base(j) + lane, ck, cid); }, lane, t,
+        probs, map, map_kind);
   }
 
   if (qb_mode != kQbNone) {

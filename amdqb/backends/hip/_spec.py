@@ -122,6 +122,7 @@ def router_module(
     tie_free: bool = False,
     margin_lds: bool = False,
     moments: bool = False,
+    prefilter: bool = False,
 ) -> ModuleSpec:
     """router.hip for one expert count, logits dtype and score function. ``min_blocks`` replaces
     the config's register cap (the launcher's few-token build); ``approximate`` builds the opt-in
@@ -129,7 +130,11 @@ def router_module(
     (sigmoid: ranks by ``b - sigmoid(-z)``); ``margin_lds`` the build whose amdqb_router counts
     the fused log_margin histogram in LDS (a build of its own: the other builds keep the
     registers they had without it); ``moments`` the build whose log_margin histogram is int64
-    ``[3, E, B]`` with the in-bin moments (both QB modes)."""
+    ``[3, E, B]`` with the in-bin moments (both QB modes); ``prefilter`` the build whose
+    amdqb_router selects through the bounded approximate sigmoid first (the exact sigmoid's
+    outputs; not with ``approximate``, ``tie_free``, ``margin_lds`` or another score)."""
+    if prefilter and (score_function != "sigmoid" or approximate or tie_free or margin_lds):
+        raise ValueError("the prefilter build is the exact sigmoid router's")
     blocks = router_min_blocks(cfg, num_experts) if min_blocks is None else min_blocks
     return ModuleSpec(
         "router.hip",
@@ -141,6 +146,7 @@ def router_module(
             ("AMDQB_TIE_FREE", "1" if tie_free else "0"),
             ("AMDQB_MARGIN_LDS", "1" if margin_lds else "0"),
             ("AMDQB_MOMENTS", "1" if moments else "0"),
+            ("AMDQB_PREFILTER", "1" if prefilter else "0"),
             ("AMDQB_ROUTER_WARPS", str(int(cfg["hip.router.warps"]))),
             ("AMDQB_ROUTER_CAP", str(int(cfg["hip.router.cap"]))),
             ("AMDQB_ROUTER_MIN_BLOCKS", str(int(blocks))),

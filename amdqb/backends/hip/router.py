@@ -83,11 +83,13 @@ def router_spec(
     approximate=False,
     margin_lds=False,
     moments=False,
+    prefilter=False,
 ) -> _spec.ModuleSpec:
     """The router module for these logits. On runtimes whose launch bounds cap registers by
     resident blocks (NVIDIA), up to ``hip.router.few_tokens`` tokens and 256 < E <= 1024 it is the
     build for ``hip.router.few_tokens_min_blocks`` resident blocks (no spill: the grid has little
-    use for more). Both builds compute the same bits."""
+    use for more). Both builds compute the same bits; so does the ``prefilter`` build
+    (:func:`prefilter_applies`)."""
     num_experts = logits.shape[1]
     min_blocks = None
     if (
@@ -107,6 +109,23 @@ def router_spec(
         approximate=approximate,
         margin_lds=margin_lds,
         moments=moments,
+        prefilter=prefilter,
+    )
+
+
+def prefilter_applies(
+    cfg, rt, device, num_experts, score_function, *, tie_free, approximate, margin
+) -> bool:
+    """Whether amdqb_router takes the prefilter build (``hip.router.prefilter``): the exact
+    sigmoid selected through the bounded approximation first, the candidates' exact keys after
+    (router.hip's ``AMDQB_PREFILTER``; the same outputs). Not for the tie-free order, the
+    approximate activation or log_margin binning (which bins every expert's exact key), and for
+    at most 32 experts a lane (one word of slot bits)."""
+    return (
+        bool(cfg["hip.router.prefilter"])
+        and score_function == "sigmoid"
+        and not (tie_free or approximate or margin)
+        and num_experts <= 32 * row_lanes(rt, device)
     )
 
 
@@ -220,8 +239,27 @@ def _launch_router(
     margin_lds = (
         not decode and smem > 0 and cfg["hip.router.margin_lds"] and smem <= rt.smem_budget(device)
     )
+    prefilter = not decode and prefilter_applies(
+        cfg,
+        rt,
+        device,
+        num_experts,
+        score_function,
+        tie_free=tie_free,
+        approximate=approximate,
+        margin=margin,
+    )
     spec = router_spec(
-        logits, score_function, cfg, rt, tokens, tie_free, approximate, margin_lds, moments
+        logits,
+        score_function,
+        cfg,
+        rt,
+        tokens,
+        tie_free,
+        approximate,
+        margin_lds,
+        moments,
+        prefilter,
     )
     if margin_lds and smem > rt.dynamic_smem_budget(rt.kernel(device, spec, "amdqb_router")):
         # with the build's static LDS (the rows' buffers, the bias) the block would exceed the

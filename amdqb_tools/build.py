@@ -98,6 +98,8 @@ def titled_variants(arch: str = "gfx942") -> list[tuple[str, _spec.ModuleSpec]]:
         (e, "float32", "sigmoid", {"tie_free": True, "margin_lds": True, "moments": True}),
         (e, "float32", "sigmoid", {"tie_free": True, "moments": True}),
         (e, "float32", "sigmoid", {"approximate": True}),
+        # the exact sigmoid selected through the bounded approximation first
+        (e, "float32", "sigmoid", {"prefilter": True}),
         (129, "float16", "sqrtsoftplus", {}),
         (17, "float32", "softmax", {}),
         # the op's largest E: rows of many slots per lane, loaded in chunks (router.hip CHUNK)

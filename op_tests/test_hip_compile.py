@@ -39,6 +39,7 @@ MODULES = [
     _spec.router_module(129, "float16", "sqrtsoftplus", CFG),
     _spec.router_module(17, "float32", "softmax", CFG),
     _spec.router_module(2048, "bfloat16", "sigmoid", CFG),
+    _spec.router_module(896, "float32", "sigmoid", CFG, prefilter=True),
 ]
 AMD_TARGETS = [
     (f"clang-{m}", arch)

@@ -45,6 +45,8 @@ def _logits(style: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _PREFILTER = ("AMDQB_PREFILTER", "1")
+# the warp-per-token kernel at every T, on a GPU too (the decode form has no prefilter build)
+_DECODE_OFF = {"hip.router.decode_max_tokens": 0, "hip.router.decode_max_tokens_fused": 0}
 
 
 @over_backends("router_fwd", waves=(32, 64), gcn=GCN, only=("hip",))
@@ -89,10 +91,6 @@ def test_prefilter_build_equals_the_exact_build_bitwise(
             for lib in libs:
                 lib.amdqb_emu_overflows.restype = ctypes.c_longlong
             assert sum(lib.amdqb_emu_overflows() for lib in libs) > 0
-
-
-# the warp-per-token kernel at every T (the decode form has no prefilter build)
-_DECODE_OFF = {"hip.router.decode_max_tokens": 0, "hip.router.decode_max_tokens_fused": 0}
 
 
 def test_prefilter_applies_to_the_exact_sigmoid_only():

@@ -805,8 +805,13 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     // logits, which the L1/L2 still hold, bit for bit as here.
     i32 key[VPL];
     RowStats st;
+    // The selection key of expert e from its score (the exact keys' and the candidates' alike)
+    const auto biased_key = [&](float sc, int e) {
+      return order_key(bias != nullptr ? sc + sh_bias[e] : sc);
+    };
     const auto exact_keys = [&]() {
 #if AMDQB_TIE_FREE
+      (void)biased_key;  // the tie-free keys are b - c
       row_elementwise(
           row, lane, [&](int j, int cl) { return sh_bias[slot_id(j, cl)]; },
           [&](int j, float, float v) { key[j] = valid_slot(j, lane) ? order_key(v) : kInt32Min; });
@@ -816,8 +821,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
 #pragma unroll
       for (int j = 0; j < VPL; ++j) {
         if (valid_slot(j, lane)) {
-          const float u = bias != nullptr ? s[j] + sh_bias[slot_id(j, lane)] : s[j];
-          key[j] = order_key(u);
+          key[j] = biased_key(s[j], slot_id(j, lane));
         } else {
           key[j] = kInt32Min;  // padding: ids >= E rank below every expert
         }
@@ -828,11 +832,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
     // The keys of the bounded approximate sigmoid first; the candidates' exact keys are those of
     // exact_keys, bit for bit. Rows the approximation cannot decide select from the exact keys.
     approximate_keys(row, lane, bias != nullptr ? sh_bias : nullptr, key);
-    const bool decided =
-        select_top_prefiltered<CAP, RW>(key, nsel, lane, b, AMDQB_APPROX_SIGMOID_ERR, [&](i32 id) {
-          const float sc = sigmoid(to_f32(row[id]));
-          return order_key(bias != nullptr ? sc + sh_bias[id] : sc);
-        });
+    const bool decided = select_top_prefiltered<CAP, RW>(
+        key, nsel, lane, b, AMDQB_APPROX_SIGMOID_ERR,
+        [&](i32 id) { return biased_key(sigmoid(to_f32(row[id])), id); });
     if (!decided) {
       exact_keys();
       select_top<CAP, RW>(key, nsel, lane, b);
@@ -873,7 +875,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
       // Route cutoff (k-th element) and weights. The sums over the k routes run in the order of
       // routes_sum: post-softmax torch.softmax's over the k selected logits, the sigmoid /
       // sqrtsoftplus normalisation TE's; on 64-lane rows each half computes the same sum.
-      const i32 ck = b.skey[topk - 1], cid = b.sid[topk - 1];
       float denom = 1.0f, zmax = 0.0f;
       if (post_softmax) {
         zmax = b.ss[0];  // the largest selected logit
@@ -900,6 +901,7 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
             base, valid, [&](int j) { return ((routed >> j) & 1u) != 0u; }, l32, t, probs, map,
             map_kind);
 #else
+        const i32 ck = b.skey[topk - 1], cid = b.sid[topk - 1];
         write_dense_outputs<VPL>(
             base, valid, [&](int j) { return at_or_ahead(key[j], base(j) + l32, ck, cid); }, l32, t,
             probs, map, map_kind);
@@ -915,8 +917,9 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS_MIN(ROUTER_BLOCK, AMDQB_ROUTER_MIN_BLOCKS)
       if (qb_mode != kQbNone) {
         const float alpha = key_value(b.skey[topk]);  // the (k+1)-th selection value
         if (alpha_out != nullptr && lane == 0) alpha_out[t] = alpha;  // kQbAlpha: always given
-        if (!AMDQB_PREFILTER && qb_binning == kLogMargin) {           // (the launcher's rule: the
-          // prefilter build's keys may be approximate, and log_margin bins every expert's key)
+        // (not in the prefilter build, by the launcher's rule: its keys may be approximate, and
+        // log_margin bins every expert's key)
+        if (!AMDQB_PREFILTER && qb_binning == kLogMargin) {
           margin_bins_out(key, base, valid, l32, t, num_tokens, alpha, bounds, num_bins,
                           margin_fine, qb_mode, hist, bins_out, margin_lds);
         } else if (qb_mode == kQbFused) {

@@ -636,44 +636,6 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align_hist(AlignParams p) {
   for (int e = tid; e < p.num_experts; e += nt) out[e] = hist[e];
 }
 
-// The sums of bucket e's tile column over the tiles first, first + step, ...: before (the tiles
-// ahead of this block's) and total. Batches of COLS independent loads (one at a time, each add
-// would wait for its own L2 round trip).
-AMDQB_DEVICE void tile_column_sums(const AlignParams& p, int e, int first, int step, int& before,
-                                   int& total) {
-  constexpr int COLS = 8;
-#pragma unroll 1
-  for (int t0 = first; t0 < p.tiles; t0 += COLS * step) {
-    int c[COLS];
-#pragma unroll
-    for (int q = 0; q < COLS; ++q) {
-      const int t = t0 + q * step;
-      c[q] = t < p.tiles ? p.tile_counts[(i64)t * p.num_experts + e] : 0;
-    }
-#pragma unroll
-    for (int q = 0; q < COLS; ++q) {
-      before += t0 + q * step < (int)blockIdx.x ? c[q] : 0;
-      total += c[q];
-    }
-  }
-}
-
-// Adjacent lanes that share a bucket's tile column: the largest power of two <= 32 with
-// split * num_experts <= threads (1: a thread per bucket or fewer).
-AMDQB_DEVICE int column_split(int num_experts, int threads) {
-  int split = 1;
-  while (split < 32 && 2 * split * num_experts <= threads) split *= 2;
-  return split;
-}
-
-// The bucket a thread owns where `split` lanes share each: bucket tid / split, owned by the
-// lowest of its lanes.
-AMDQB_DEVICE ThreadRun split_run(int num_experts, int split) {
-  const int tid = (int)threadIdx.x;
-  const int e = tid % split == 0 && tid / split < num_experts ? tid / split : num_experts;
-  return {e, e < num_experts ? e + 1 : e};
-}
-
 AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   AMDQB_DYN_SHARED(lds);
   AMDQB_SHARED(u32, warp_sums, 33);
@@ -736,30 +698,29 @@ AMDQB_KERNEL void AMDQB_LAUNCH_BOUNDS(1024) amdqb_align(AlignParams p) {
   // + earlier warps of the tile), the buckets' padded sizes and their exclusive cumsum, the padded
   // starts. A thread owns a contiguous run of buckets, so that the block scan takes its sizes from
   // registers: two barriers for the scan and one after, where a strided pass, a barrier and a
-  // separate scan of the sizes in LDS took five. Several tiles: a bucket's tile column is summed
-  // by `split` adjacent lanes (the block's threads per bucket, up to 32), each taking every
-  // split-th tile, so that fewer of its batches of loads wait on one another; the lowest of them
-  // owns the bucket.
-  const int split = p.tiles > 1 ? column_split(E, nt) : 1;
-  int split_before = 0, split_total = 0;  // split > 1: the column sums of bucket tid / split
-  if (split > 1) {
-    if (tid / split < E)
-      tile_column_sums(p, tid / split, tid % split, split, split_before, split_total);
-#pragma unroll
-    for (int m = 1; m < 32; m <<= 1) {  // constant masks: DPP / swizzle shuffles on AMD
-      if (m < split) {                  // uniform across the warp
-        split_before += shfl_xor_i32(split_before, m);
-        split_total += shfl_xor_i32(split_total, m);
-      }
-    }
-  }
-  const ThreadRun owned = split > 1 ? split_run(E, split) : thread_run(E);
+  // separate scan of the sizes in LDS took five.
+  const ThreadRun owned = thread_run(E);
   const int e0 = owned.lo, e1 = owned.hi;
   u32 own = 0;  // the padded sizes of this thread's buckets
 #pragma unroll 1
   for (int e = e0; e < e1; ++e) {
-    int before = split_before, total = split_total;
-    if (p.tiles > 1 && split == 1) tile_column_sums(p, e, 0, 1, before, total);
+    int before = 0, total = 0;
+    if (p.tiles > 1) {
+      // the column in batches of COLS independent loads (one at a time, each add would wait
+      // for its own L2 round trip)
+      constexpr int COLS = 8;
+      for (int t0c = 0; t0c < p.tiles; t0c += COLS) {
+        int c[COLS];
+#pragma unroll
+        for (int q = 0; q < COLS; ++q)
+          c[q] = t0c + q < p.tiles ? p.tile_counts[(i64)(t0c + q) * E + e] : 0;
+#pragma unroll
+        for (int q = 0; q < COLS; ++q) {
+          before += t0c + q < (int)blockIdx.x ? c[q] : 0;
+          total += c[q];
+        }
+      }
+    }
     // the warps' counts in batches of ROWS independent loads (one at a time, each add waited
     // for its LDS round trip); the warps are a power of two
     constexpr int ROWS = 8;

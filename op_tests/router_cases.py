@@ -167,9 +167,10 @@ def check_hip_router(
     scores=None,
     approximate=False,
 ):
-    """One hip router call (CPU tensors) against the oracle on the kernel's own scores (``scores``:
-    those of ``logits`` already computed): exactly k experts, the oracle's routes (in selection
-    order for indices), probs, and under QB the histogram; returns the histogram."""
+    """One hip router call against the oracle on the kernel's own scores (``scores``: those of
+    ``logits`` already computed), compared on the CPU: exactly k experts, the oracle's routes (in
+    selection order for indices), probs, and under QB the histogram; returns the histogram (on the
+    logits' device)."""
     t, e = logits.shape
     probs, map_out, kind, hist, bounds = hip_run_router(
         backend,
@@ -185,22 +186,24 @@ def check_hip_router(
         scaling_factor=scaling,
         **({"approximate_activation": True} if approximate else {}),
     )
-    s = kernel_scores("hip", logits, score) if scores is None else scores
+    s = (kernel_scores("hip", logits, score) if scores is None else scores).cpu()
+    z = logits.cpu()
+    b = None if bias is None else bias.cpu()
     if qb_mode is not None:
-        idx_ref, alpha, _ = qb_cutoff_and_routes(s, bias, k)
-        assert torch.equal(hist, qb_histogram_counts(s, alpha, bounds, hist.shape[1]))
-        assert torch.all(hist.sum(1) == t)
+        idx_ref, alpha, _ = qb_cutoff_and_routes(s, b, k)
+        assert torch.equal(hist.cpu(), qb_histogram_counts(s, alpha, bounds.cpu(), hist.shape[1]))
+        assert torch.all(hist.sum(1).cpu() == t)
         probs_ref, idx_ref2, map_ref = ref.fused_topk_with_score_function(
-            logits, k, expert_bias=bias, scores=s, scaling_factor=scaling
+            z, k, expert_bias=b, scores=s, scaling_factor=scaling
         )
         assert torch.equal(idx_ref, idx_ref2)
     else:
         probs_ref, idx_ref, map_ref = ref.fused_topk_with_score_function(
-            logits,
+            z,
             k,
             use_pre_softmax=pre,
             score_function=score,
-            expert_bias=bias,
+            expert_bias=b,
             scores=s if score != "softmax" else None,
             scaling_factor=scaling,
         )
@@ -208,9 +211,9 @@ def check_hip_router(
     assert torch.all(mask.sum(1) == k), "every token gets exactly k distinct experts"
     assert torch.equal(mask, map_ref), "routing differs from the oracle"
     if kind == "indices":
-        assert torch.equal(map_out.long(), idx_ref), "indices are not in selection order"
+        assert torch.equal(map_out.cpu().long(), idx_ref), "indices are not in selection order"
     torch.testing.assert_close(
-        probs.float(), probs_ref.to(logits.dtype).float(), atol=2e-6, rtol=1e-2, equal_nan=True
+        probs.cpu().float(), probs_ref.to(z.dtype).float(), atol=2e-6, rtol=1e-2, equal_nan=True
     )
     return hist
 

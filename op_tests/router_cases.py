@@ -213,14 +213,11 @@ def check_hip_router(
     assert torch.equal(mask, map_ref), "routing differs from the oracle"
     if kind == "indices":
         assert torch.equal(map_out.cpu().long(), idx_ref), "indices are not in selection order"
-    torch.testing.assert_close(
-        probs.cpu().float(), probs_ref.to(z.dtype).float(), atol=2e-6, rtol=1e-2, equal_nan=True
-    )
+    got, want = probs.cpu().float(), probs_ref.to(z.dtype).float()
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-2, equal_nan=True)
     if probs_tol is not None:
         atol, rtol = probs_tol
-        torch.testing.assert_close(
-            probs.cpu().float(), probs_ref.to(z.dtype).float(), atol=atol, rtol=rtol
-        )
+        torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
     return hist
 
 
